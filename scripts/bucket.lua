@@ -1,0 +1,44 @@
+-- bucket.lua: the leaky-bucket maths every pacing script shares, prepended to each of them
+-- when pacer is built (see src/scripts.rs). The same functions as src/pacing.rs, held to the
+-- same answers by tests/bucket_differential.rs. All times are microseconds of Redis's clock;
+-- integers below 2^53, so Lua's doubles compute them exactly.
+
+-- The slot of an event of `cost` planned at `now` against the plan `tat`, and the next plan.
+local function plan(tat, now, cost, interval, tol)
+  return math.max(now, tat - tol), math.max(tat, now) + cost * interval
+end
+
+-- Whether a dispatch at `t` keeps the rate given the gate `dtat`: true and the next gate, or
+-- false and the earliest time it would pass.
+local function gate(dtat, t, cost, interval, tol)
+  local earliest = dtat - tol
+  if t < earliest then
+    return false, earliest
+  end
+  return true, math.max(dtat, t) + cost * interval
+end
+
+-- Redis's own clock: the one clock every decision uses, whatever the workers' clocks say.
+local function redis_now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- Appends an event's fields (count at ARGV[at], then name/value pairs) to `args`; returns the
+-- index just past them.
+local function push_fields(args, at)
+  local nf = tonumber(ARGV[at])
+  for j = at + 1, at + 2 * nf do
+    args[#args + 1] = ARGV[j]
+  end
+  return at + 1 + 2 * nf
+end
+
+-- Saves the bucket and lets it expire a minute after its last reservation falls due: an idle
+-- route leaves nothing behind, and a bucket is never dropped while slots are still ahead.
+local function save_bucket(key, now, tat, dtat, last)
+  redis.call('HSET', key, 'tat', tat, 'dtat', dtat, 'last', last)
+  local ahead_ms = math.floor((math.max(tat, dtat, now) - now) / 1000)
+  redis.call('PEXPIRE', key, ahead_ms + 60000)
+end
+

@@ -1,0 +1,215 @@
+//! Config problems, each tied to its YAML path, and the readers that turn raw leaves into typed
+//! values while collecting every problem instead of stopping at the first.
+
+use serde::de::DeserializeOwned;
+use serde_yaml::{Mapping, Value};
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// One thing wrong with the config, at `path` (like `outbound.routes.carrier-a.rate`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub path: String,
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+/// Every problem found in one config, in file order.
+#[derive(Debug, Clone, Default, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigError {
+    pub problems: Vec<Problem>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.problems.len();
+        writeln!(f, "{n} problem{} in the config:", if n == 1 { "" } else { "s" })?;
+        for p in &self.problems {
+            writeln!(f, "  {p}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Collects problems while a config is read.
+#[derive(Debug, Default)]
+pub struct Problems(pub Vec<Problem>);
+
+impl Problems {
+    pub fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.0.push(Problem {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+
+    pub fn into_result<T>(self, value: impl FnOnce() -> T) -> Result<T, ConfigError> {
+        if self.0.is_empty() {
+            Ok(value())
+        } else {
+            Err(ConfigError { problems: self.0 })
+        }
+    }
+
+    /// Reads a section into its raw struct; a section that is not a map is one problem.
+    pub fn section<T: DeserializeOwned + Default>(&mut self, path: &str, v: Option<Value>) -> T {
+        match v {
+            None | Some(Value::Null) => T::default(),
+            Some(v @ Value::Mapping(_)) => match serde_yaml::from_value(v) {
+                Ok(t) => t,
+                Err(e) => {
+                    self.push(path, e.to_string());
+                    T::default()
+                }
+            },
+            Some(other) => {
+                self.push(path, format!("expected a map, got {}", kind(&other)));
+                T::default()
+            }
+        }
+    }
+
+    /// Every key a section did not expect is an error: a typo must not silently fall back to a
+    /// default.
+    pub fn unknown_keys(&mut self, path: &str, unknown: &Mapping, known: &[&str]) {
+        for key in unknown.keys() {
+            let name = match key {
+                Value::String(s) => s.clone(),
+                other => format!("{other:?}"),
+            };
+            self.push(
+                join(path, &name),
+                format!("unknown key (expected one of: {})", known.join(", ")),
+            );
+        }
+    }
+
+    pub fn string(&mut self, path: &str, v: &Option<Value>, default: Option<&str>) -> String {
+        match v {
+            None | Some(Value::Null) => match default {
+                Some(d) => d.to_string(),
+                None => {
+                    self.push(path, "is required");
+                    String::new()
+                }
+            },
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => {
+                self.push(path, format!("expected a string, got {}", kind(other)));
+                String::new()
+            }
+        }
+    }
+
+    pub fn integer(&mut self, path: &str, v: &Option<Value>, default: u64, min: u64, max: u64) -> u64 {
+        let n = match v {
+            None | Some(Value::Null) => return default,
+            Some(Value::Number(n)) => n.as_u64(),
+            Some(_) => None,
+        };
+        match n {
+            Some(n) if (min..=max).contains(&n) => n,
+            _ => {
+                self.push(
+                    path,
+                    format!("expected a whole number from {min} to {max}, got {}", show(v)),
+                );
+                default
+            }
+        }
+    }
+
+    pub fn duration(&mut self, path: &str, v: &Option<Value>, default: Duration) -> Duration {
+        match v {
+            None | Some(Value::Null) => default,
+            Some(Value::String(s)) => humantime::parse_duration(s).unwrap_or_else(|e| {
+                self.push(path, format!("{e}: write a duration like 250ms, 2s or 1m"));
+                default
+            }),
+            Some(other) => {
+                self.push(
+                    path,
+                    format!("expected a duration like 250ms or 2s, got {}", show(&Some(other.clone()))),
+                );
+                default
+            }
+        }
+    }
+
+    /// A leaf written as a string and parsed by `FromStr` (rates, addresses).
+    pub fn parsed<T: FromStr>(&mut self, path: &str, v: &Option<Value>, what: &str) -> Option<T>
+    where
+        T::Err: fmt::Display,
+    {
+        match v {
+            None | Some(Value::Null) => {
+                self.push(path, format!("is required ({what})"));
+                None
+            }
+            Some(Value::String(s)) => s
+                .parse()
+                .map_err(|e: T::Err| self.push(path, e.to_string()))
+                .ok(),
+            Some(other) => {
+                self.push(path, format!("expected {what}, got {}", kind(other)));
+                None
+            }
+        }
+    }
+
+    pub fn string_list(&mut self, path: &str, v: &Option<Value>) -> Vec<String> {
+        match v {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Sequence(items)) => items
+                .iter()
+                .enumerate()
+                .filter_map(|(i, item)| match item {
+                    Value::String(s) => Some(s.clone()),
+                    other => {
+                        self.push(format!("{path}[{i}]"), format!("expected a string, got {}", kind(other)));
+                        None
+                    }
+                })
+                .collect(),
+            Some(other) => {
+                self.push(path, format!("expected a list, got {}", kind(other)));
+                Vec::new()
+            }
+        }
+    }
+}
+
+pub fn join(path: &str, key: &str) -> String {
+    if path.is_empty() {
+        key.to_string()
+    } else {
+        format!("{path}.{key}")
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "nothing",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Sequence(_) => "a list",
+        Value::Mapping(_) => "a map",
+        Value::Tagged(_) => "a tagged value",
+    }
+}
+
+fn show(v: &Option<Value>) -> String {
+    match v {
+        Some(Value::String(s)) => format!("{s:?}"),
+        Some(Value::Number(n)) => n.to_string(),
+        Some(other) => kind(other).to_string(),
+        None => "nothing".into(),
+    }
+}

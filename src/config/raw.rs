@@ -1,0 +1,78 @@
+//! The config file's shape as serde reads it, before any value is checked.
+//!
+//! Leaves stay `serde_yaml::Value` and every section keeps the keys it does not know in
+//! `unknown`, so reading never stops at the first mistake: validation (`super::validate`) walks the
+//! whole file and reports every problem with its path.
+
+use serde::Deserialize;
+use serde_yaml::{Mapping, Value};
+
+pub type Leaf = Option<Value>;
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct RawConfig {
+    pub redis: Leaf,
+    pub worker: Leaf,
+    pub metrics: Leaf,
+    pub outbound: Leaf,
+    #[serde(flatten)]
+    pub unknown: Mapping,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct RawRedis {
+    pub url: Leaf,
+    pub timeout: Leaf,
+    #[serde(flatten)]
+    pub unknown: Mapping,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct RawWorker {
+    pub group: Leaf,
+    pub consumer: Leaf,
+    pub batch: Leaf,
+    pub max_inflight: Leaf,
+    pub claim_idle: Leaf,
+    pub max_deliveries: Leaf,
+    pub drain: Leaf,
+    #[serde(flatten)]
+    pub unknown: Mapping,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct RawMetrics {
+    pub listen: Leaf,
+    #[serde(flatten)]
+    pub unknown: Mapping,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct RawOutbound {
+    pub streams: Leaf,
+    pub rejected_stream: Leaf,
+    pub dead_letter_stream: Leaf,
+    pub max_len: Leaf,
+    pub dedupe_ttl: Leaf,
+    pub max_event_bytes: Leaf,
+    pub routes: Leaf,
+    #[serde(flatten)]
+    pub unknown: Mapping,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct RawRoute {
+    pub rate: Leaf,
+    pub burst: Leaf,
+    pub max_wait: Leaf,
+    pub fallbacks: Leaf,
+    pub ready_stream: Leaf,
+    #[serde(flatten)]
+    pub unknown: Mapping,
+}

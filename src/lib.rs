@@ -1,0 +1,18 @@
+//! pacer: paces outbound events to each route's rate, with its shared state in Redis so that any
+//! number of workers act as one limiter.
+//!
+//! The binary (`src/main.rs`) only parses the command line and calls into this library.
+
+pub mod config;
+pub mod error;
+pub mod event;
+pub mod keys;
+pub mod pacing;
+pub mod rate;
+pub mod scripts;
+pub mod streams;
+pub mod server;
+pub mod telemetry;
+pub mod worker;
+pub mod produce;
+pub mod report;

@@ -1,0 +1,143 @@
+//! The `pacer` command: parses the command line, sets up logging and calls the library.
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use pacer::config::{Config, Overrides};
+use pacer::telemetry::{self, LogFormat};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(name = "pacer", version, about = "Paces outbound events per route, with shared state in Redis")]
+struct Cli {
+    /// Log format (filter with RUST_LOG).
+    #[arg(long, env = "PACER_LOG_FORMAT", value_enum, default_value = "text", global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args)]
+struct ConfigArg {
+    /// The config file.
+    #[arg(long, env = "PACER_CONFIG", default_value = "config.yaml")]
+    config: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon until SIGTERM or SIGINT.
+    Run(ConfigArg),
+    /// Check the config: print every problem with its path, exit non-zero if there is any.
+    CheckConfig(ConfigArg),
+    /// Push demo events onto the first input stream.
+    Produce {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[arg(long, default_value_t = 300)]
+        count: usize,
+        /// Routes to spread events over (default: every configured route).
+        #[arg(long, value_delimiter = ',')]
+        routes: Vec<String>,
+        /// Make every Nth event name an unknown route.
+        #[arg(long)]
+        bad_every: Option<usize>,
+    },
+    /// Show what pacer wrote: per route dispatched, rerouted, rejected, spacing and lateness.
+    Report(ConfigArg),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let overrides = Overrides {
+        redis_url: std::env::var("PACER_REDIS_URL").ok().filter(|u| !u.is_empty()),
+    };
+    let path = match &cli.command {
+        Command::Run(c) | Command::CheckConfig(c) | Command::Report(c) => &c.config,
+        Command::Produce { config, .. } => &config.config,
+    };
+    let cfg = match Config::load(path, &overrides) {
+        Ok(cfg) => cfg,
+        Err(e) => {
+            eprint!("{}: {e}", path.display());
+            return ExitCode::from(2);
+        }
+    };
+    if let Command::CheckConfig(_) = cli.command {
+        println!(
+            "{}: ok ({} routes, {} input streams)",
+            path.display(),
+            cfg.outbound.routes.len(),
+            cfg.outbound.streams.len()
+        );
+        return ExitCode::SUCCESS;
+    }
+    telemetry::init_tracing(cli.log_format);
+    let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    match runtime.block_on(async_main(cli.command, cfg)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("pacer: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn async_main(command: Command, cfg: Config) -> anyhow::Result<()> {
+    match command {
+        Command::Run(_) => run(cfg).await,
+        Command::Produce { count, routes, bad_every, .. } => {
+            let routes = if routes.is_empty() { cfg.outbound.routes.keys().cloned().collect() } else { routes };
+            let mut con = connect(&cfg).await?;
+            pacer::produce::produce(&mut con, &cfg.outbound.streams[0], &routes, count, bad_every).await?;
+            println!("pushed {count} events to {}", cfg.outbound.streams[0]);
+            Ok(())
+        }
+        Command::Report(_) => {
+            let mut con = connect(&cfg).await?;
+            print!("{}", pacer::report::report(&mut con, &cfg).await?);
+            Ok(())
+        }
+        Command::CheckConfig(_) => unreachable!("handled before the runtime starts"),
+    }
+}
+
+async fn connect(cfg: &Config) -> anyhow::Result<redis::aio::MultiplexedConnection> {
+    let client = redis::Client::open(cfg.redis.url.as_str())?;
+    client
+        .get_multiplexed_async_connection()
+        .await
+        .with_context(|| format!("connecting to {}", cfg.redis.url))
+}
+
+async fn run(cfg: Config) -> anyhow::Result<()> {
+    let metrics = telemetry::install_metrics().map_err(anyhow::Error::msg)?;
+    let health = Arc::new(telemetry::Health::default());
+    let listener = tokio::net::TcpListener::bind(cfg.metrics.listen)
+        .await
+        .with_context(|| format!("binding metrics.listen {}", cfg.metrics.listen))?;
+    tracing::info!(listen = %listener.local_addr()?, "serving /metrics, /healthz and /readyz");
+    let shutdown = CancellationToken::new();
+    let server_stop = CancellationToken::new();
+    let server = tokio::spawn(pacer::server::serve(listener, metrics, health.clone(), server_stop.clone()));
+    tokio::spawn(wait_for_signal(shutdown.clone()));
+    let worker = pacer::worker::Worker::new(cfg, health)?;
+    worker.run(shutdown).await;
+    server_stop.cancel();
+    let _ = server.await;
+    Ok(())
+}
+
+/// Cancels `shutdown` on SIGTERM or SIGINT.
+async fn wait_for_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: draining"),
+        _ = int.recv() => tracing::info!("SIGINT: draining"),
+    }
+    shutdown.cancel();
+}

@@ -1,0 +1,189 @@
+//! Reading back what pacer wrote: per-route counts, the most entries any rolling window held,
+//! spacing and lateness. Used by `pacer report` (the demo), the benchmark and the tests, so the
+//! rate is always judged the same way: by the ready entries' ids, i.e. Redis's clock.
+
+use crate::config::Config;
+use crate::error::Result;
+use crate::event::Fields;
+use crate::streams;
+use redis::aio::ConnectionLike;
+use redis::Value;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+/// The most entries whose times (ms, sorted) fall within any window `[a, a + window_ms)`.
+pub fn max_in_window(sorted_ms: &[i64], window_ms: i64) -> usize {
+    let mut best = 0;
+    let mut start = 0;
+    for end in 0..sorted_ms.len() {
+        while sorted_ms[end] - sorted_ms[start] >= window_ms {
+            start += 1;
+        }
+        best = best.max(end - start + 1);
+    }
+    best
+}
+
+/// The value at quantile `q` (0..=1) of sorted values, nearest rank.
+pub fn quantile(sorted: &[i64], q: f64) -> Option<i64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    Some(sorted[rank - 1])
+}
+
+/// One output entry: its id's milliseconds and its fields.
+#[derive(Debug, Clone)]
+pub struct OutputEntry {
+    pub id: String,
+    pub ms: i64,
+    pub fields: Fields,
+}
+
+impl OutputEntry {
+    pub fn field(&self, name: &str) -> Option<&str> {
+        self.fields
+            .iter()
+            .find(|(k, _)| k.as_slice() == name.as_bytes())
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+    }
+}
+
+/// Every entry of a stream, oldest first.
+pub async fn read_all<C: ConnectionLike>(con: &mut C, stream: &str) -> Result<Vec<OutputEntry>> {
+    let mut out = Vec::new();
+    let mut start = "-".to_string();
+    loop {
+        let reply: Value = redis::cmd("XRANGE")
+            .arg(stream)
+            .arg(&start)
+            .arg("+")
+            .arg("COUNT")
+            .arg(10_000)
+            .query_async(con)
+            .await?;
+        let mut entries = Vec::new();
+        streams::parse_entries(reply, &Arc::from(stream), 0, &mut entries)?;
+        let n = entries.len();
+        for e in entries {
+            start = format!("({}", e.id);
+            let ms = e.id.split('-').next().and_then(|m| m.parse().ok()).unwrap_or(0);
+            out.push(OutputEntry { id: e.id, ms, fields: e.fields });
+        }
+        if n < 10_000 {
+            return Ok(out);
+        }
+    }
+}
+
+/// What one route's ready stream shows.
+#[derive(Debug, Clone, Default)]
+pub struct RouteReport {
+    pub route: String,
+    pub rate: String,
+    pub burst: u32,
+    pub dispatched: usize,
+    /// Ready entries whose event named another route (taken as a fallback).
+    pub rerouted_in: usize,
+    pub rejected: usize,
+    pub max_per_second: usize,
+    pub limit_per_second: i64,
+    pub min_gap_ms: Option<i64>,
+    pub lateness_p50_ms: Option<i64>,
+    pub lateness_p99_ms: Option<i64>,
+    pub lateness_max_ms: Option<i64>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub routes: Vec<RouteReport>,
+    pub dead_letters: BTreeMap<String, usize>,
+}
+
+/// Reads every output stream of `cfg` and sums it up.
+pub async fn report<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Report> {
+    let rejected = read_all(con, &cfg.outbound.rejected_stream).await?;
+    let mut report = Report::default();
+    for route in cfg.outbound.routes.values() {
+        let entries = read_all(con, &route.keys.ready).await?;
+        let times: Vec<i64> = entries.iter().map(|e| e.ms).collect();
+        let mut late: Vec<i64> = entries
+            .iter()
+            .filter_map(|e| Some(e.ms - e.field("pacer_slot_ms")?.parse::<i64>().ok()?))
+            .collect();
+        late.sort_unstable();
+        report.routes.push(RouteReport {
+            route: route.name.clone(),
+            rate: route.rate.to_string(),
+            burst: route.burst.get(),
+            dispatched: entries.len(),
+            rerouted_in: entries.iter().filter(|e| e.field("route") != Some(&route.name)).count(),
+            rejected: rejected.iter().filter(|e| e.field("pacer_route") == Some(&route.name)).count(),
+            max_per_second: max_in_window(&times, 1000),
+            limit_per_second: route.bucket.window_limit(1_000_000),
+            min_gap_ms: times.windows(2).map(|w| w[1] - w[0]).min(),
+            lateness_p50_ms: quantile(&late, 0.5),
+            lateness_p99_ms: quantile(&late, 0.99),
+            lateness_max_ms: late.last().copied(),
+        });
+    }
+    for e in read_all(con, &cfg.outbound.dead_letter_stream).await? {
+        *report
+            .dead_letters
+            .entry(e.field("pacer_reason").unwrap_or("?").to_string())
+            .or_default() += 1;
+    }
+    Ok(report)
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let opt = |v: Option<i64>| v.map_or("-".to_string(), |v| v.to_string());
+        writeln!(
+            f,
+            "{:<14} {:>8} {:>6} {:>10} {:>9} {:>8} {:>14} {:>10} {:>18}",
+            "route", "rate", "burst", "dispatched", "rerouted", "rejected", "max in 1s/limit", "min gap ms", "late p50/p99/max"
+        )?;
+        for r in &self.routes {
+            writeln!(
+                f,
+                "{:<14} {:>8} {:>6} {:>10} {:>9} {:>8} {:>14} {:>10} {:>18}",
+                r.route,
+                r.rate,
+                r.burst,
+                r.dispatched,
+                r.rerouted_in,
+                r.rejected,
+                format!("{}/{}", r.max_per_second, r.limit_per_second),
+                opt(r.min_gap_ms),
+                format!("{}/{}/{}", opt(r.lateness_p50_ms), opt(r.lateness_p99_ms), opt(r.lateness_max_ms)),
+            )?;
+        }
+        let dead: Vec<String> = self.dead_letters.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        writeln!(f, "dead letters: {}", if dead.is_empty() { "none".into() } else { dead.join(", ") })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_the_busiest_window() {
+        assert_eq!(max_in_window(&[], 1000), 0);
+        assert_eq!(max_in_window(&[0, 100, 999, 1000, 1001], 1000), 4);
+        assert_eq!(max_in_window(&[0, 1000, 2000], 1000), 1);
+        assert_eq!(max_in_window(&[5, 5, 5], 1), 3);
+    }
+
+    #[test]
+    fn quantiles_use_nearest_rank() {
+        let v: Vec<i64> = (1..=100).collect();
+        assert_eq!(quantile(&v, 0.5), Some(50));
+        assert_eq!(quantile(&v, 0.99), Some(99));
+        assert_eq!(quantile(&v, 1.0), Some(100));
+        assert_eq!(quantile(&[], 0.5), None);
+    }
+}

@@ -1,0 +1,267 @@
+//! The Lua scripts pacer runs in Redis, and typed calls to them.
+//!
+//! Each script is a file under `scripts/`, headed by its KEYS / ARGV / return contract, with the
+//! shared maths of `scripts/bucket.lua` prepended at build time. They are called by EVALSHA;
+//! redis-rs loads a script again when Redis answers NOSCRIPT (after a restart or SCRIPT FLUSH).
+
+use crate::error::{Error, Result};
+use crate::event::Fields;
+use crate::keys::{OutputKeys, RouteKeys};
+use crate::pacing::BucketParams;
+use redis::aio::ConnectionLike;
+use redis::{Script, ScriptInvocation, Value};
+
+macro_rules! with_bucket_lib {
+    ($file:literal) => {
+        concat!(
+            include_str!("../scripts/bucket.lua"),
+            include_str!(concat!("../scripts/", $file))
+        )
+    };
+}
+
+pub const BUCKET_LIB: &str = include_str!("../scripts/bucket.lua");
+pub const SCHEDULE: &str = with_bucket_lib!("schedule.lua");
+pub const DISPATCH: &str = with_bucket_lib!("dispatch.lua");
+pub const EMIT: &str = with_bucket_lib!("emit.lua");
+
+/// The scripts, hashed once per process.
+pub struct Scripts {
+    schedule: Script,
+    dispatch: Script,
+    emit: Script,
+}
+
+impl Default for Scripts {
+    fn default() -> Self {
+        Scripts {
+            schedule: Script::new(SCHEDULE),
+            dispatch: Script::new(DISPATCH),
+            emit: Script::new(EMIT),
+        }
+    }
+}
+
+/// One event offered to a route by `schedule`.
+pub struct ScheduleItem<'a> {
+    pub event_id: &'a str,
+    pub owner: &'a str,
+    /// The marker value this decision may replace (a claimed event whose slot has passed).
+    pub expect: Option<&'a str>,
+    pub cost: u64,
+    pub max_wait_us: i64,
+    pub fields: &'a Fields,
+}
+
+/// What `schedule` decided for one event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scheduled {
+    Dispatched { entry_id: String },
+    Sleep { slot_us: i64 },
+    TooLong { wait_us: i64 },
+    /// An earlier delivery decided this event already: the marker's value.
+    Decided(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct ScheduleReply {
+    pub now_us: i64,
+    /// The route's plan after this batch: how far ahead its next free slot is.
+    pub tat_us: i64,
+    pub items: Vec<Scheduled>,
+}
+
+/// One event whose slot has come, offered to `dispatch`.
+pub struct DispatchItem<'a> {
+    pub event_id: &'a str,
+    pub expect: &'a str,
+    pub slot_us: i64,
+    pub cost: u64,
+    pub fields: &'a Fields,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Dispatched {
+    Done { entry_id: String },
+    NotBefore { at_us: i64 },
+    /// The marker no longer holds this decision (its value, empty if gone).
+    Superseded(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct DispatchReply {
+    pub now_us: i64,
+    pub items: Vec<Dispatched>,
+}
+
+/// One entry written once to a shared output stream by `emit`.
+pub struct EmitItem<'a> {
+    pub source_stream: &'a str,
+    pub source_id: &'a str,
+    pub fields: &'a Fields,
+}
+
+impl Scripts {
+    /// Loads every script into Redis's script cache (readiness means this has happened).
+    pub async fn load<C: ConnectionLike>(&self, con: &mut C) -> Result<()> {
+        for script in [&self.schedule, &self.dispatch, &self.emit] {
+            script.prepare_invoke().load_async(con).await?;
+        }
+        Ok(())
+    }
+
+    pub async fn schedule<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        keys: &RouteKeys,
+        bucket: &BucketParams,
+        marker_ttl_ms: u64,
+        max_len: u64,
+        items: &[ScheduleItem<'_>],
+    ) -> Result<ScheduleReply> {
+        let mut call = self.schedule.prepare_invoke();
+        call.key(&keys.bucket).key(&keys.ready);
+        call.arg(bucket.interval_us)
+            .arg(bucket.tolerance_us)
+            .arg(marker_ttl_ms)
+            .arg(max_len)
+            .arg(items.len());
+        for item in items {
+            call.key(keys.marker(item.event_id));
+            call.arg(item.owner)
+                .arg(item.expect.unwrap_or(""))
+                .arg(item.cost)
+                .arg(item.max_wait_us);
+            push_fields(&mut call, item.fields);
+        }
+        let reply: Value = call.invoke_async(con).await?;
+        let mut values = Reply::new("schedule", reply)?;
+        let now_us = values.int()?;
+        let tat_us = values.int()?;
+        let mut out = Vec::with_capacity(items.len());
+        for _ in items {
+            out.push(match values.int()? {
+                1 => Scheduled::Dispatched {
+                    entry_id: values.text()?,
+                },
+                2 => Scheduled::Sleep {
+                    slot_us: values.int()?,
+                },
+                3 => Scheduled::TooLong {
+                    wait_us: values.int()?,
+                },
+                4 => Scheduled::Decided(values.text()?),
+                other => return Err(Error::reply("schedule", format!("code {other}"))),
+            });
+        }
+        Ok(ScheduleReply {
+            now_us,
+            tat_us,
+            items: out,
+        })
+    }
+
+    pub async fn dispatch<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        keys: &RouteKeys,
+        bucket: &BucketParams,
+        max_len: u64,
+        items: &[DispatchItem<'_>],
+    ) -> Result<DispatchReply> {
+        let mut call = self.dispatch.prepare_invoke();
+        call.key(&keys.bucket).key(&keys.ready);
+        call.arg(bucket.interval_us)
+            .arg(bucket.tolerance_us)
+            .arg(max_len)
+            .arg(items.len());
+        for item in items {
+            call.key(keys.marker(item.event_id));
+            call.arg(item.expect).arg(item.slot_us).arg(item.cost);
+            push_fields(&mut call, item.fields);
+        }
+        let reply: Value = call.invoke_async(con).await?;
+        let mut values = Reply::new("dispatch", reply)?;
+        let now_us = values.int()?;
+        let mut out = Vec::with_capacity(items.len());
+        for _ in items {
+            out.push(match values.int()? {
+                1 => Dispatched::Done {
+                    entry_id: values.text()?,
+                },
+                0 => Dispatched::NotBefore {
+                    at_us: values.int()?,
+                },
+                2 => Dispatched::Superseded(values.text()?),
+                other => return Err(Error::reply("dispatch", format!("code {other}"))),
+            });
+        }
+        Ok(DispatchReply { now_us, items: out })
+    }
+
+    /// Writes each item to `keys.stream` unless an earlier delivery did; returns which were new.
+    pub async fn emit<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        keys: &OutputKeys,
+        marker_ttl_ms: u64,
+        max_len: u64,
+        items: &[EmitItem<'_>],
+    ) -> Result<Vec<bool>> {
+        let mut call = self.emit.prepare_invoke();
+        call.key(&keys.stream);
+        call.arg(marker_ttl_ms).arg(max_len).arg(items.len());
+        for item in items {
+            call.key(keys.marker(item.source_stream, item.source_id));
+            push_fields(&mut call, item.fields);
+        }
+        let reply: Value = call.invoke_async(con).await?;
+        let mut values = Reply::new("emit", reply)?;
+        items.iter().map(|_| Ok(values.int()? == 1)).collect()
+    }
+}
+
+fn push_fields(call: &mut ScriptInvocation<'_>, fields: &Fields) {
+    call.arg(fields.len());
+    for (name, value) in fields {
+        call.arg(name.as_slice()).arg(value.as_slice());
+    }
+}
+
+/// Walks a script's flat array reply.
+pub struct Reply {
+    op: &'static str,
+    values: std::vec::IntoIter<Value>,
+}
+
+impl Reply {
+    pub fn new(op: &'static str, reply: Value) -> Result<Self> {
+        match reply {
+            Value::Array(values) => Ok(Reply {
+                op,
+                values: values.into_iter(),
+            }),
+            other => Err(Error::reply(op, format!("expected an array, got {other:?}"))),
+        }
+    }
+
+    pub fn int(&mut self) -> Result<i64> {
+        match self.values.next() {
+            Some(Value::Int(i)) => Ok(i),
+            Some(Value::BulkString(b)) => std::str::from_utf8(&b)
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| Error::reply(self.op, "expected an integer")),
+            other => Err(Error::reply(self.op, format!("expected an integer, got {other:?}"))),
+        }
+    }
+
+    pub fn text(&mut self) -> Result<String> {
+        match self.values.next() {
+            Some(Value::BulkString(b)) => Ok(String::from_utf8_lossy(&b).into_owned()),
+            Some(Value::SimpleString(s)) => Ok(s),
+            Some(Value::Int(i)) => Ok(i.to_string()),
+            other => Err(Error::reply(self.op, format!("expected a string, got {other:?}"))),
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! Redis stream plumbing for the input side: consumer groups, reads, acknowledgements, claims.
+//! Replies are parsed from raw values so that field names and values stay bytes, in order.
+
+use crate::error::{Error, Result};
+use crate::event::{Entry, Fields};
+use redis::aio::ConnectionLike;
+use redis::Value;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Creates the group on the stream (and the stream) unless it exists. New groups start at the
+/// stream's beginning: events pushed before pacer first ran are paced, not skipped.
+pub async fn ensure_group<C: ConnectionLike>(con: &mut C, stream: &str, group: &str) -> Result<()> {
+    let created: redis::RedisResult<Value> = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(stream)
+        .arg(group)
+        .arg("0")
+        .arg("MKSTREAM")
+        .query_async(con)
+        .await;
+    match created {
+        Ok(_) => Ok(()),
+        Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Reads up to `count` new entries across `streams` for `consumer`, blocking up to `block`.
+pub async fn read_group<C: ConnectionLike>(
+    con: &mut C,
+    group: &str,
+    consumer: &str,
+    streams: &[Arc<str>],
+    count: usize,
+    block: Duration,
+) -> Result<Vec<Entry>> {
+    let mut cmd = redis::cmd("XREADGROUP");
+    cmd.arg("GROUP")
+        .arg(group)
+        .arg(consumer)
+        .arg("COUNT")
+        .arg(count)
+        .arg("BLOCK")
+        .arg(block.as_millis() as u64)
+        .arg("STREAMS");
+    for s in streams {
+        cmd.arg(s.as_ref());
+    }
+    for _ in streams {
+        cmd.arg(">");
+    }
+    let reply: Value = cmd.query_async(con).await?;
+    let mut out = Vec::new();
+    let per_stream = match reply {
+        Value::Nil => return Ok(out),
+        Value::Array(a) => a,
+        Value::Map(m) => m
+            .into_iter()
+            .map(|(k, v)| Value::Array(vec![k, v]))
+            .collect(),
+        other => return Err(Error::reply("read", format!("{other:?}"))),
+    };
+    for item in per_stream {
+        let Value::Array(mut pair) = item else {
+            return Err(Error::reply("read", "expected [stream, entries]"));
+        };
+        if pair.len() != 2 {
+            return Err(Error::reply("read", "expected [stream, entries]"));
+        }
+        let entries = pair.pop().expect("two items");
+        let name = bytes(pair.pop().expect("two items"), "read")?;
+        let stream: Arc<str> = streams
+            .iter()
+            .find(|s| s.as_bytes() == name.as_slice())
+            .cloned()
+            .unwrap_or_else(|| String::from_utf8_lossy(&name).into());
+        parse_entries(entries, &stream, 1, &mut out)?;
+    }
+    Ok(out)
+}
+
+/// Parses `[[id, [f, v, ...]], ...]`. An entry deleted while pending comes back with no fields
+/// (`nil`); it is kept, fieldless, so that it is dead-lettered and acknowledged, not stuck.
+pub fn parse_entries(v: Value, stream: &Arc<str>, deliveries: u64, out: &mut Vec<Entry>) -> Result<()> {
+    let Value::Array(entries) = v else {
+        return Err(Error::reply("read", "expected a list of entries"));
+    };
+    for e in entries {
+        let Value::Array(mut parts) = e else {
+            return Err(Error::reply("read", "expected [id, fields]"));
+        };
+        if parts.len() != 2 {
+            return Err(Error::reply("read", "expected [id, fields]"));
+        }
+        let raw = parts.pop().expect("two items");
+        let id = String::from_utf8_lossy(&bytes(parts.pop().expect("two items"), "read")?).into_owned();
+        let mut fields: Fields = Vec::new();
+        match raw {
+            Value::Nil => {}
+            Value::Array(flat) => {
+                let mut it = flat.into_iter();
+                while let (Some(k), Some(v)) = (it.next(), it.next()) {
+                    fields.push((bytes(k, "read")?, bytes(v, "read")?));
+                }
+            }
+            Value::Map(m) => {
+                for (k, v) in m {
+                    fields.push((bytes(k, "read")?, bytes(v, "read")?));
+                }
+            }
+            other => return Err(Error::reply("read", format!("fields: {other:?}"))),
+        }
+        out.push(Entry {
+            stream: stream.clone(),
+            id,
+            fields,
+            deliveries,
+        });
+    }
+    Ok(())
+}
+
+fn bytes(v: Value, op: &'static str) -> Result<Vec<u8>> {
+    match v {
+        Value::BulkString(b) => Ok(b),
+        Value::SimpleString(s) => Ok(s.into_bytes()),
+        Value::Int(i) => Ok(i.to_string().into_bytes()),
+        other => Err(Error::reply(op, format!("expected a string, got {other:?}"))),
+    }
+}
+
+/// Acknowledges entries of one stream.
+pub async fn ack<C: ConnectionLike>(con: &mut C, stream: &str, group: &str, ids: &[&str]) -> Result<()> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let mut cmd = redis::cmd("XACK");
+    cmd.arg(stream).arg(group).arg(ids);
+    let _: i64 = cmd.query_async(con).await?;
+    Ok(())
+}
+
+/// Pending entries and lag of a group on a stream (`XINFO GROUPS`); lag is absent when Redis
+/// cannot tell it.
+pub async fn group_info<C: ConnectionLike>(
+    con: &mut C,
+    stream: &str,
+    group: &str,
+) -> Result<Option<(i64, Option<i64>)>> {
+    let reply: Value = redis::cmd("XINFO").arg("GROUPS").arg(stream).query_async(con).await?;
+    let Value::Array(groups) = reply else {
+        return Ok(None);
+    };
+    for g in groups {
+        let pairs: Vec<(Value, Value)> = match g {
+            Value::Array(flat) => {
+                let mut it = flat.into_iter();
+                let mut pairs = Vec::new();
+                while let (Some(k), Some(v)) = (it.next(), it.next()) {
+                    pairs.push((k, v));
+                }
+                pairs
+            }
+            Value::Map(m) => m,
+            _ => continue,
+        };
+        let field = |name: &str| {
+            pairs.iter().find_map(|(k, v)| match k {
+                Value::BulkString(b) if b == name.as_bytes() => Some(v.clone()),
+                Value::SimpleString(s) if s == name => Some(v.clone()),
+                _ => None,
+            })
+        };
+        let is_ours = matches!(field("name"), Some(Value::BulkString(b)) if b == group.as_bytes());
+        if is_ours {
+            let int = |v: Option<Value>| match v {
+                Some(Value::Int(i)) => Some(i),
+                _ => None,
+            };
+            return Ok(Some((int(field("pending")).unwrap_or(0), int(field("lag")))));
+        }
+    }
+    Ok(None)
+}

@@ -1,0 +1,153 @@
+//! What pacer tells its operators: logs (tracing), Prometheus metrics, and health.
+//!
+//! Every metric name lives here. Labels stay low-cardinality: flows, configured route names,
+//! outcomes and Redis operations, never an event id.
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+pub const EVENTS_TOTAL: &str = "pacer_events_total";
+pub const WAIT_SECONDS: &str = "pacer_wait_seconds";
+pub const LATENESS_SECONDS: &str = "pacer_lateness_seconds";
+pub const SLEEPING_EVENTS: &str = "pacer_sleeping_events";
+pub const ROUTE_QUEUE_SECONDS: &str = "pacer_route_queue_seconds";
+pub const REDIS_DURATION_SECONDS: &str = "pacer_redis_command_duration_seconds";
+pub const REDIS_ERRORS_TOTAL: &str = "pacer_redis_errors_total";
+pub const STREAM_PENDING: &str = "pacer_stream_pending";
+pub const STREAM_LAG: &str = "pacer_stream_lag";
+pub const READY: &str = "pacer_ready";
+pub const BUILD_INFO: &str = "pacer_build_info";
+
+/// How an outbound event ended, the `outcome` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Dispatched,
+    /// Dispatched on a fallback route (counted as well as `dispatched`, on the route it left).
+    Rerouted,
+    Rejected,
+    DeadLettered,
+    Duplicate,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Dispatched => "dispatched",
+            Outcome::Rerouted => "rerouted",
+            Outcome::Rejected => "rejected",
+            Outcome::DeadLettered => "dead_lettered",
+            Outcome::Duplicate => "duplicate",
+        }
+    }
+}
+
+pub fn outbound_event(route: &str, outcome: Outcome) {
+    counter!(EVENTS_TOTAL, "flow" => "outbound", "route" => route.to_string(), "outcome" => outcome.as_str())
+        .increment(1);
+}
+
+pub fn scheduled_wait(route: &str, wait_us: i64) {
+    histogram!(WAIT_SECONDS, "route" => route.to_string()).record(wait_us.max(0) as f64 / 1e6);
+}
+
+pub fn lateness(route: &str, late_ms: i64) {
+    histogram!(LATENESS_SECONDS, "route" => route.to_string()).record(late_ms.max(0) as f64 / 1e3);
+}
+
+pub fn route_queue(route: &str, ahead_us: i64) {
+    gauge!(ROUTE_QUEUE_SECONDS, "route" => route.to_string()).set(ahead_us.max(0) as f64 / 1e6);
+}
+
+pub fn sleeping(n: usize) {
+    gauge!(SLEEPING_EVENTS).set(n as f64);
+}
+
+pub fn stream_state(stream: &str, group: &str, pending: i64, lag: Option<i64>) {
+    let labels = [("stream", stream.to_string()), ("group", group.to_string())];
+    gauge!(STREAM_PENDING, &labels).set(pending as f64);
+    if let Some(lag) = lag {
+        gauge!(STREAM_LAG, &labels).set(lag as f64);
+    }
+}
+
+/// Runs one Redis operation, timing it and counting its failure under `op`.
+pub async fn timed<T, E, F>(op: &'static str, f: F) -> Result<T, E>
+where
+    F: Future<Output = Result<T, E>>,
+{
+    let start = Instant::now();
+    let result = f.await;
+    histogram!(REDIS_DURATION_SECONDS, "op" => op).record(start.elapsed().as_secs_f64());
+    if result.is_err() {
+        counter!(REDIS_ERRORS_TOTAL, "op" => op).increment(1);
+    }
+    result
+}
+
+/// Installs the Prometheus recorder, with buckets fit for what each histogram holds.
+pub fn install_metrics() -> Result<PrometheusHandle, String> {
+    let lateness = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0];
+    let waits = [0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0];
+    let redis = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0];
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full(LATENESS_SECONDS.into()), &lateness)
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Full(WAIT_SECONDS.into()), &waits))
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Full(REDIS_DURATION_SECONDS.into()), &redis))
+        .and_then(|b| b.install_recorder())
+        .map_err(|e| e.to_string())?;
+    gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    gauge!(READY).set(0.0);
+    Ok(handle)
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
+pub fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// What `/readyz` reports: Redis answered the last command, scripts and groups are in place.
+#[derive(Debug, Default)]
+pub struct Health {
+    redis_ok: AtomicBool,
+    prepared: AtomicBool,
+}
+
+impl Health {
+    pub fn set_redis_ok(&self, ok: bool) {
+        if self.redis_ok.swap(ok, Ordering::Relaxed) != ok {
+            self.publish();
+        }
+    }
+
+    /// Scripts loaded and consumer groups present.
+    pub fn set_prepared(&self, ok: bool) {
+        self.prepared.store(ok, Ordering::Relaxed);
+        self.publish();
+    }
+
+    pub fn ready(&self) -> bool {
+        self.redis_ok.load(Ordering::Relaxed) && self.prepared.load(Ordering::Relaxed)
+    }
+
+    fn publish(&self) {
+        gauge!(READY).set(if self.ready() { 1.0 } else { 0.0 });
+    }
+}

@@ -1,0 +1,548 @@
+//! The outbound worker: reads input streams with a consumer group, places each event on a route
+//! (its own or a fallback), hands the ones that must wait to the dispatcher, and acknowledges an
+//! input entry only once it has ended in exactly one place (a ready stream, the rejected stream
+//! or the dead-letter stream).
+//!
+//! Decide, record, sleep, dispatch: `schedule.lua` records each decision in a marker before the
+//! worker sleeps, so a redelivered entry resumes its decision instead of taking a second slot.
+//! Every Redis step is idempotent (markers), so any failed step is simply retried with backoff.
+
+mod dispatcher;
+
+use crate::config::{Config, Route};
+use crate::error::Result;
+use crate::event::{self, Entry, Fields, Marker, OutboundEvent, Reason, Refused};
+use crate::keys::OutputKeys;
+use crate::scripts::{EmitItem, ScheduleItem, Scheduled, Scripts};
+use crate::streams;
+use crate::telemetry::{self, Health, Outcome};
+use dispatcher::Sleeper;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+/// How long one XREADGROUP blocks: also how long a SIGTERM may wait for the reader to notice.
+const READ_BLOCK: Duration = Duration::from_millis(500);
+const BACKOFF_MIN: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// What every task of one worker process shares.
+pub(crate) struct Shared {
+    cfg: Config,
+    consumer: String,
+    scripts: Scripts,
+    con: ConnectionManager,
+    health: Arc<Health>,
+    streams: Vec<Arc<str>>,
+    rejected: OutputKeys,
+    dead: OutputKeys,
+    marker_ttl_ms: u64,
+    /// One permit per event this process holds; the reader stops when they run out.
+    permits: Arc<Semaphore>,
+}
+
+/// A worker process's outbound side.
+pub struct Worker {
+    shared: Arc<Shared>,
+    reader_con: ConnectionManager,
+}
+
+impl Worker {
+    /// Prepares a worker; connects lazily, so a Redis that is down at start is waited for.
+    pub fn new(cfg: Config, health: Arc<Health>) -> Result<Self> {
+        let client = redis::Client::open(cfg.redis.url.as_str())?;
+        let timeout = cfg.redis.timeout;
+        let manager_cfg = |response: Duration| {
+            ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(timeout))
+                .set_response_timeout(Some(response))
+                .set_number_of_retries(1)
+                .set_max_delay(BACKOFF_MAX)
+        };
+        let con = ConnectionManager::new_lazy_with_config(client.clone(), manager_cfg(timeout))?;
+        // Blocking reads get their own connection: a read blocked in Redis must not hold up the
+        // scheduling and dispatch calls queued behind it.
+        let reader_con = ConnectionManager::new_lazy_with_config(client, manager_cfg(READ_BLOCK + timeout))?;
+        let consumer = if cfg.worker.consumer.is_empty() {
+            default_consumer()
+        } else {
+            cfg.worker.consumer.clone()
+        };
+        let shared = Shared {
+            consumer,
+            scripts: Scripts::default(),
+            con,
+            health,
+            streams: cfg.outbound.streams.iter().map(|s| Arc::from(s.as_str())).collect(),
+            rejected: OutputKeys::new(&cfg.outbound.rejected_stream),
+            dead: OutputKeys::new(&cfg.outbound.dead_letter_stream),
+            marker_ttl_ms: cfg.outbound.dedupe_ttl.as_millis() as u64,
+            permits: Arc::new(Semaphore::new(cfg.worker.max_inflight)),
+            cfg,
+        };
+        Ok(Worker {
+            shared: Arc::new(shared),
+            reader_con,
+        })
+    }
+
+    pub fn consumer(&self) -> &str {
+        &self.shared.consumer
+    }
+
+    /// Runs until `shutdown` is cancelled, then drains: events due within `worker.drain` are
+    /// dispatched, the rest stay pending in the group for another worker. Never returns an error
+    /// for Redis trouble: it waits, retries and reports not-ready instead.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let shared = self.shared;
+        info!(consumer = %shared.consumer, routes = shared.cfg.outbound.routes.len(), "outbound worker starting");
+        if !shared.prepare(&shutdown).await {
+            return;
+        }
+        let hard_stop = CancellationToken::new();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let dispatcher = tokio::spawn(dispatcher::run(shared.clone(), rx, shutdown.clone(), hard_stop.clone()));
+        let monitor = tokio::spawn(monitor(shared.clone(), hard_stop.clone()));
+        read_loop(&shared, self.reader_con, &tx, &shutdown).await;
+        drop(tx);
+        // The dispatcher finishes what falls due within the drain; past it (say Redis is down),
+        // stop it so that the process still exits in bounded time.
+        let give_up = tokio::time::sleep(shared.cfg.worker.drain + Duration::from_millis(500));
+        let mut dispatcher = dispatcher;
+        tokio::select! {
+            _ = &mut dispatcher => {}
+            _ = give_up => {
+                warn!("drain time is over; leaving the remaining events pending");
+                hard_stop.cancel();
+                let _ = dispatcher.await;
+            }
+        }
+        hard_stop.cancel();
+        let _ = monitor.await;
+        info!("outbound worker stopped");
+    }
+}
+
+fn default_consumer() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "pacer".into());
+    format!("{host}-{}", std::process::id())
+}
+
+/// Reads batches until shutdown; each batch is placed before the next read.
+async fn read_loop(
+    shared: &Arc<Shared>,
+    mut con: ConnectionManager,
+    tx: &mpsc::UnboundedSender<Sleeper>,
+    shutdown: &CancellationToken,
+) {
+    let batch = shared.cfg.worker.batch;
+    let mut backoff = BACKOFF_MIN;
+    while !shutdown.is_cancelled() {
+        let mut permits = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            p = shared.permits.clone().acquire_many_owned(batch as u32) => p.expect("never closed"),
+        };
+        let read = telemetry::timed(
+            "read",
+            streams::read_group(&mut con, &shared.cfg.worker.group, &shared.consumer, &shared.streams, batch, READ_BLOCK),
+        )
+        .await;
+        let entries = match read {
+            Ok(entries) => {
+                shared.health.set_redis_ok(true);
+                backoff = BACKOFF_MIN;
+                entries
+            }
+            Err(e) => {
+                shared.health.set_redis_ok(false);
+                warn!(error = %e, retry_in = ?backoff, "reading input streams failed");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                if e.to_string().contains("NOGROUP") {
+                    shared.prepare(shutdown).await;
+                }
+                continue;
+            }
+        };
+        let held: Vec<OwnedSemaphorePermit> = entries
+            .iter()
+            .map(|_| permits.split(1).expect("one permit per entry read"))
+            .collect();
+        drop(permits);
+        shared.handle_entries(entries, held, tx, shutdown).await;
+    }
+}
+
+/// Keeps the stream gauges and readiness fresh.
+async fn monitor(shared: Arc<Shared>, stop: CancellationToken) {
+    let mut con = shared.con.clone();
+    loop {
+        for stream in &shared.streams {
+            let info = telemetry::timed("info", streams::group_info(&mut con, stream, &shared.cfg.worker.group)).await;
+            match info {
+                Ok(Some((pending, lag))) => {
+                    telemetry::stream_state(stream, &shared.cfg.worker.group, pending, lag);
+                    shared.health.set_redis_ok(true);
+                }
+                Ok(None) => {}
+                Err(_) => shared.health.set_redis_ok(false),
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+    }
+}
+
+/// An event on its way to a route.
+struct Placing {
+    event: OutboundEvent,
+    /// Index in `event.routes` of the route to try next.
+    next: usize,
+    /// Shortest wait any route offered (for `pacer_retry_after_ms`), µs.
+    best_wait_us: Option<i64>,
+    /// A stale decision this one may replace (a redelivered event whose slot has long passed).
+    expect: Option<String>,
+    permit: OwnedSemaphorePermit,
+}
+
+/// Where a batch's entries ended.
+#[derive(Default)]
+struct Finished {
+    acks: Vec<(Arc<str>, String)>,
+    dead: Vec<(Entry, Refused)>,
+    rejected: Vec<(OutboundEvent, i64)>,
+}
+
+impl Shared {
+    /// Creates the consumer groups and loads the scripts, retrying until Redis answers.
+    /// Returns false if shutdown came first.
+    async fn prepare(&self, shutdown: &CancellationToken) -> bool {
+        let group = self.cfg.worker.group.clone();
+        self.retry("prepare", shutdown, || {
+            let mut con = self.con.clone();
+            let group = group.clone();
+            async move {
+                for stream in &self.streams {
+                    streams::ensure_group(&mut con, stream, &group).await?;
+                }
+                self.scripts.load(&mut con).await
+            }
+        })
+        .await
+        .map(|_| self.health.set_prepared(true))
+        .is_some()
+    }
+
+    /// Runs `f` until it succeeds, backing off between failures; `None` if `stop` comes first.
+    /// Safe because every step pacer takes in Redis is idempotent.
+    async fn retry<T, F, Fut>(&self, op: &'static str, stop: &CancellationToken, mut f: F) -> Option<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let mut backoff = BACKOFF_MIN;
+        let mut failures = 0u32;
+        loop {
+            match telemetry::timed(op, f()).await {
+                Ok(v) => {
+                    self.health.set_redis_ok(true);
+                    return Some(v);
+                }
+                Err(e) => {
+                    self.health.set_redis_ok(false);
+                    failures += 1;
+                    // First failure and then every tenth: an outage must not flood the logs.
+                    if failures == 1 || failures % 10 == 0 {
+                        warn!(op, error = %e, failures, retry_in = ?backoff, "Redis call failed");
+                    }
+                }
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return None,
+                _ = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(BACKOFF_MAX);
+        }
+    }
+
+    /// Checks, places and finishes one batch of entries (each with its permit).
+    async fn handle_entries(
+        self: &Arc<Self>,
+        entries: Vec<Entry>,
+        permits: Vec<OwnedSemaphorePermit>,
+        tx: &mpsc::UnboundedSender<Sleeper>,
+        stop: &CancellationToken,
+    ) {
+        let mut done = Finished::default();
+        let mut placing = Vec::new();
+        for (entry, permit) in entries.into_iter().zip(permits) {
+            if entry.deliveries > self.cfg.worker.max_deliveries {
+                let detail = format!(
+                    "delivered {} times, more than worker.max_deliveries ({})",
+                    entry.deliveries, self.cfg.worker.max_deliveries
+                );
+                done.dead.push((entry, Refused { reason: Reason::TooManyDeliveries, detail }));
+                continue;
+            }
+            match event::parse_outbound(entry, &self.cfg.outbound) {
+                Ok(event) => placing.push(Placing {
+                    event,
+                    next: 0,
+                    best_wait_us: None,
+                    expect: None,
+                    permit,
+                }),
+                Err((entry, refused)) => done.dead.push((entry, refused)),
+            }
+        }
+        self.place(placing, &mut done, tx, stop).await;
+        self.finish(done, stop).await;
+    }
+
+    /// Offers events to their routes, one `schedule` call per route per round, until each is
+    /// dispatched, sleeping, or out of routes.
+    async fn place(
+        self: &Arc<Self>,
+        mut pending: Vec<Placing>,
+        done: &mut Finished,
+        tx: &mpsc::UnboundedSender<Sleeper>,
+        stop: &CancellationToken,
+    ) {
+        while !pending.is_empty() {
+            let mut by_route: BTreeMap<String, Vec<Placing>> = BTreeMap::new();
+            for p in pending.drain(..) {
+                by_route.entry(p.event.routes[p.next].clone()).or_default().push(p);
+            }
+            let calls = by_route.into_iter().map(|(route, group)| self.schedule_on(route, group, stop));
+            for (route, group, reply) in futures_util::future::join_all(calls).await {
+                let Some(reply) = reply else {
+                    // Shutdown while Redis failed: leave these entries pending.
+                    continue;
+                };
+                let received = Instant::now();
+                telemetry::route_queue(&route.name, reply.tat_us - reply.now_us);
+                for (mut p, outcome) in group.into_iter().zip(reply.items) {
+                    let rerouted = p.next > 0;
+                    match outcome {
+                        Scheduled::Dispatched { .. } => {
+                            telemetry::scheduled_wait(&route.name, 0);
+                            telemetry::lateness(&route.name, 0);
+                            self.count_dispatch(&p.event, &route.name, rerouted);
+                            done.acks.push((p.event.entry.stream.clone(), p.event.entry.id.clone()));
+                        }
+                        Scheduled::Sleep { slot_us } => {
+                            let wait_us = slot_us - reply.now_us;
+                            telemetry::scheduled_wait(&route.name, wait_us);
+                            let sleeper = Sleeper::new(p.event, p.permit, &route, slot_us, wait_us, received, reply.now_us);
+                            let _ = tx.send(sleeper);
+                        }
+                        Scheduled::TooLong { wait_us } => {
+                            p.best_wait_us = Some(p.best_wait_us.map_or(wait_us, |b| b.min(wait_us)));
+                            self.next_route(p, &mut pending, done);
+                        }
+                        Scheduled::Decided(marker) => {
+                            self.resume(p, &route, &marker, reply.now_us, received, &mut pending, done, tx);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn schedule_on(
+        &self,
+        route: String,
+        group: Vec<Placing>,
+        stop: &CancellationToken,
+    ) -> (Route, Vec<Placing>, Option<crate::scripts::ScheduleReply>) {
+        let route = self.cfg.outbound.routes[&route].clone();
+        let fields: Vec<Fields> = group.iter().map(|p| event::ready_fields(&p.event, &route.name)).collect();
+        let reply = {
+            let items: Vec<ScheduleItem<'_>> = group
+                .iter()
+                .zip(&fields)
+                .map(|(p, fields)| ScheduleItem {
+                    event_id: &p.event.event_id,
+                    owner: &p.event.owner,
+                    expect: p.expect.as_deref(),
+                    cost: p.event.cost,
+                    max_wait_us: max_wait_us(&route, &p.event),
+                    fields,
+                })
+                .collect();
+            self.retry("schedule", stop, || {
+                let mut con = self.con.clone();
+                let items = &items;
+                let route = &route;
+                async move {
+                    self.scripts
+                        .schedule(&mut con, &route.keys, &route.bucket, self.marker_ttl_ms, self.cfg.outbound.max_len, items)
+                        .await
+                }
+            })
+            .await
+        };
+        (route, group, reply)
+    }
+
+    /// A route could not take the event in time: try the next, or reject it.
+    fn next_route(&self, mut p: Placing, pending: &mut Vec<Placing>, done: &mut Finished) {
+        p.next += 1;
+        p.expect = None;
+        if p.next < p.event.routes.len() {
+            pending.push(p);
+        } else {
+            let retry_after_ms = (p.best_wait_us.unwrap_or(0).max(0) as u64).div_ceil(1000) as i64;
+            done.rejected.push((p.event, retry_after_ms));
+        }
+    }
+
+    /// An earlier delivery of this event left a decision on `route`: carry it on.
+    #[allow(clippy::too_many_arguments)]
+    fn resume(
+        &self,
+        mut p: Placing,
+        route: &Route,
+        marker: &str,
+        now_us: i64,
+        received: Instant,
+        pending: &mut Vec<Placing>,
+        done: &mut Finished,
+        tx: &mpsc::UnboundedSender<Sleeper>,
+    ) {
+        match event::parse_marker(marker) {
+            Some((_, owner)) if owner != p.event.owner => {
+                let detail = format!("event id {:?} was already taken by entry {owner}", p.event.event_id);
+                telemetry::outbound_event(&p.event.routes[0], Outcome::Duplicate);
+                done.dead.push((p.event.entry, Refused { reason: Reason::Duplicate, detail }));
+            }
+            Some((Marker::Dispatched(_), _)) => {
+                debug!(event = %p.event.event_id, route = %route.name, "already dispatched by an earlier delivery");
+                done.acks.push((p.event.entry.stream.clone(), p.event.entry.id.clone()));
+            }
+            Some((Marker::Skipped(wait_us), _)) => {
+                p.best_wait_us = Some(p.best_wait_us.map_or(wait_us, |b| b.min(wait_us)));
+                self.next_route(p, pending, done);
+            }
+            Some((Marker::Slot(slot_us), _)) => {
+                // The slot is ours already. If it is still ahead or only just passed, keep it;
+                // if it passed longer ago than the route would let an event wait, decide anew.
+                if now_us - slot_us > max_wait_us(route, &p.event).max(1_000_000) {
+                    p.expect = Some(marker.to_string());
+                    pending.push(p);
+                } else {
+                    let wait_us = (slot_us - now_us).max(0);
+                    let mut sleeper = Sleeper::new(p.event, p.permit, route, slot_us, wait_us, received, now_us);
+                    sleeper.expect = marker.to_string();
+                    let _ = tx.send(sleeper);
+                }
+            }
+            None => {
+                warn!(event = %p.event.event_id, marker, "unreadable decision marker; deciding anew");
+                p.expect = Some(marker.to_string());
+                pending.push(p);
+            }
+        }
+    }
+
+    fn count_dispatch(&self, event: &OutboundEvent, route: &str, rerouted: bool) {
+        telemetry::outbound_event(route, Outcome::Dispatched);
+        if rerouted {
+            telemetry::outbound_event(&event.routes[0], Outcome::Rerouted);
+        }
+    }
+
+    /// Writes rejections and dead letters (once each), then acknowledges everything finished.
+    async fn finish(&self, mut done: Finished, stop: &CancellationToken) {
+        if !done.dead.is_empty() {
+            let fields: Vec<Fields> = done.dead.iter().map(|(e, r)| event::dead_letter_fields(e, r)).collect();
+            let items: Vec<EmitItem<'_>> = done
+                .dead
+                .iter()
+                .zip(&fields)
+                .map(|((e, _), f)| EmitItem { source_stream: &e.stream, source_id: &e.id, fields: f })
+                .collect();
+            if self.emit("deadletter", &self.dead, &items, stop).await {
+                for (entry, refused) in &done.dead {
+                    if refused.reason != Reason::Duplicate {
+                        telemetry::outbound_event("none", Outcome::DeadLettered);
+                    }
+                    debug!(entry = %entry.id, reason = refused.reason.as_str(), detail = %refused.detail, "dead-lettered");
+                    done.acks.push((entry.stream.clone(), entry.id.clone()));
+                }
+            }
+        }
+        if !done.rejected.is_empty() {
+            let fields: Vec<Fields> = done
+                .rejected
+                .iter()
+                .map(|(e, retry)| event::rejected_fields(e, Reason::QueueFull, *retry))
+                .collect();
+            let items: Vec<EmitItem<'_>> = done
+                .rejected
+                .iter()
+                .zip(&fields)
+                .map(|((e, _), f)| EmitItem { source_stream: &e.entry.stream, source_id: &e.entry.id, fields: f })
+                .collect();
+            if self.emit("reject", &self.rejected, &items, stop).await {
+                for (event, _) in &done.rejected {
+                    telemetry::outbound_event(&event.routes[0], Outcome::Rejected);
+                    done.acks.push((event.entry.stream.clone(), event.entry.id.clone()));
+                }
+            }
+        }
+        self.ack(done.acks, stop).await;
+    }
+
+    async fn emit(&self, op: &'static str, keys: &OutputKeys, items: &[EmitItem<'_>], stop: &CancellationToken) -> bool {
+        self.retry(op, stop, || {
+            let mut con = self.con.clone();
+            async move {
+                self.scripts
+                    .emit(&mut con, keys, self.marker_ttl_ms, self.cfg.outbound.max_len, items)
+                    .await
+            }
+        })
+        .await
+        .is_some()
+    }
+
+    /// Acknowledges finished entries, one XACK per input stream.
+    async fn ack(&self, acks: Vec<(Arc<str>, String)>, stop: &CancellationToken) {
+        let mut by_stream: BTreeMap<Arc<str>, Vec<String>> = BTreeMap::new();
+        for (stream, id) in acks {
+            by_stream.entry(stream).or_default().push(id);
+        }
+        for (stream, ids) in &by_stream {
+            let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+            self.retry("ack", stop, || {
+                let mut con = self.con.clone();
+                let ids = &ids;
+                async move { streams::ack(&mut con, stream, &self.cfg.worker.group, ids).await }
+            })
+            .await;
+        }
+    }
+}
+
+/// The longest an event accepts to wait on `route`: the route's `max_wait`, or less if the
+/// event asks for less.
+fn max_wait_us(route: &Route, event: &OutboundEvent) -> i64 {
+    let cap = route.max_wait;
+    let wait = event.max_wait.map_or(cap, |w| w.min(cap));
+    wait.as_micros() as i64
+}

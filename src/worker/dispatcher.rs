@@ -1,0 +1,230 @@
+//! The dispatcher: holds events until their slots (tokio timers in one ordered map), then hands
+//! each route's due events to `dispatch.lua` in one call, which writes them to the ready stream
+//! only if the rate holds at that moment on Redis's clock; too early, and the event sleeps again.
+//!
+//! On shutdown it keeps going until nothing left falls due within `worker.drain`; whatever is
+//! still held then is dropped unacknowledged, so it stays pending for another worker.
+
+use super::{Finished, Placing, Shared};
+use crate::config::Route;
+use crate::event::{self, Fields, Marker, OutboundEvent};
+use crate::scripts::{DispatchItem, DispatchReply, Dispatched};
+use crate::telemetry;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+/// An event waiting for its slot.
+pub(crate) struct Sleeper {
+    event: OutboundEvent,
+    /// Released when the event is finished or dropped: bounds what one process holds.
+    _permit: OwnedSemaphorePermit,
+    route: String,
+    /// The marker value of this decision; dispatch happens only while the marker still says so.
+    pub(crate) expect: String,
+    slot_us: i64,
+    /// The ready entry's fields, slot and wait included.
+    fields: Fields,
+    wake: Instant,
+    failures: u32,
+}
+
+impl Sleeper {
+    pub(crate) fn new(
+        event: OutboundEvent,
+        permit: OwnedSemaphorePermit,
+        route: &Route,
+        slot_us: i64,
+        wait_us: i64,
+        received: Instant,
+        now_us: i64,
+    ) -> Self {
+        let mut fields = event::ready_fields(&event, &route.name);
+        fields.push((b"pacer_slot_ms".to_vec(), (slot_us / 1000).to_string().into_bytes()));
+        fields.push((b"pacer_wait_ms".to_vec(), (wait_us.max(0) / 1000).to_string().into_bytes()));
+        Sleeper {
+            expect: format!("s{slot_us}|{}", event.owner),
+            event,
+            _permit: permit,
+            route: route.name.clone(),
+            slot_us,
+            fields,
+            wake: local_instant(received, now_us, slot_us),
+            failures: 0,
+        }
+    }
+}
+
+/// This process's instant for a Redis time, given that Redis said `now_us` just before
+/// `received`. Erring late by the reply's travel time, never early: an early wake costs a retry.
+fn local_instant(received: Instant, now_us: i64, at_us: i64) -> Instant {
+    received + Duration::from_micros((at_us - now_us).max(0) as u64)
+}
+
+type Queue = BTreeMap<(Instant, u64), Sleeper>;
+
+struct Timers {
+    queue: Queue,
+    seq: u64,
+}
+
+impl Timers {
+    fn insert(&mut self, s: Sleeper) {
+        self.queue.insert((s.wake, self.seq), s);
+        self.seq += 1;
+    }
+
+    fn next_wake(&self) -> Option<Instant> {
+        self.queue.first_key_value().map(|((w, _), _)| *w)
+    }
+
+    fn take_due(&mut self, now: Instant) -> Vec<Sleeper> {
+        let later = self.queue.split_off(&(now, u64::MAX));
+        std::mem::replace(&mut self.queue, later).into_values().collect()
+    }
+}
+
+pub(crate) async fn run(
+    shared: Arc<Shared>,
+    mut rx: mpsc::UnboundedReceiver<Sleeper>,
+    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
+) {
+    let mut timers = Timers { queue: Queue::new(), seq: 0 };
+    let mut drain_end: Option<Instant> = None;
+    let mut open = true;
+    loop {
+        if drain_end.is_none() && shutdown.is_cancelled() {
+            drain_end = Some(Instant::now() + shared.cfg.worker.drain);
+        }
+        if let Some(end) = drain_end {
+            if !open && timers.next_wake().is_none_or(|w| w > end) {
+                break;
+            }
+        }
+        telemetry::sleeping(timers.queue.len());
+        let next = timers.next_wake();
+        let far = Instant::now() + Duration::from_secs(3600);
+        tokio::select! {
+            biased;
+            _ = hard_stop.cancelled() => break,
+            _ = shutdown.cancelled(), if drain_end.is_none() => {}
+            msg = rx.recv(), if open => match msg {
+                Some(s) => timers.insert(s),
+                None => open = false,
+            },
+            _ = tokio::time::sleep_until(next.unwrap_or(far).into()), if next.is_some() => {
+                let due = timers.take_due(Instant::now());
+                fire(&shared, due, &mut timers, &hard_stop).await;
+            }
+        }
+    }
+    if !timers.queue.is_empty() {
+        warn!(left = timers.queue.len(), "leaving events pending for another worker");
+    }
+    telemetry::sleeping(0);
+}
+
+/// Dispatches due events, one script call per route, all routes at once.
+async fn fire(shared: &Arc<Shared>, due: Vec<Sleeper>, timers: &mut Timers, stop: &CancellationToken) {
+    let mut by_route: BTreeMap<String, Vec<Sleeper>> = BTreeMap::new();
+    for s in due {
+        by_route.entry(s.route.clone()).or_default().push(s);
+    }
+    let calls = by_route.into_iter().map(|(route, group)| dispatch_route(shared, route, group));
+    let mut done = Finished::default();
+    let mut again = Vec::new();
+    for (group, reply) in futures_util::future::join_all(calls).await {
+        let received = Instant::now();
+        let reply = match reply {
+            Ok(reply) => {
+                shared.health.set_redis_ok(true);
+                reply
+            }
+            Err(e) => {
+                shared.health.set_redis_ok(false);
+                for mut s in group {
+                    s.failures += 1;
+                    let backoff = Duration::from_millis(50 << s.failures.min(6));
+                    if s.failures == 1 {
+                        warn!(error = %e, route = %s.route, "dispatch failed; retrying");
+                    }
+                    s.wake = received + backoff;
+                    timers.insert(s);
+                }
+                continue;
+            }
+        };
+        for (mut s, outcome) in group.into_iter().zip(reply.items) {
+            match outcome {
+                Dispatched::Done { entry_id } => {
+                    let id_ms: i64 = entry_id.split('-').next().and_then(|m| m.parse().ok()).unwrap_or(0);
+                    telemetry::lateness(&s.route, id_ms - s.slot_us / 1000);
+                    shared.count_dispatch(&s.event, &s.route, s.route != s.event.routes[0]);
+                    done.acks.push((s.event.entry.stream.clone(), s.event.entry.id.clone()));
+                }
+                Dispatched::NotBefore { at_us } => {
+                    s.wake = local_instant(received, reply.now_us, at_us);
+                    timers.insert(s);
+                }
+                Dispatched::Superseded(value) => match event::parse_marker(&value) {
+                    Some((Marker::Dispatched(_), owner)) if owner == s.event.owner => {
+                        // Dispatched by an earlier call whose reply was lost.
+                        done.acks.push((s.event.entry.stream.clone(), s.event.entry.id.clone()));
+                    }
+                    None if value.is_empty() => {
+                        warn!(event = %s.event.event_id, route = %s.route, "decision marker expired; deciding anew");
+                        again.push(Placing {
+                            next: s.event.routes.iter().position(|r| *r == s.route).unwrap_or(0),
+                            event: s.event,
+                            best_wait_us: None,
+                            expect: None,
+                            permit: s._permit,
+                        });
+                    }
+                    _ => debug!(event = %s.event.event_id, marker = %value, "another worker holds this event now"),
+                },
+            }
+        }
+    }
+    if !again.is_empty() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        shared.place(again, &mut done, &tx, stop).await;
+        drop(tx);
+        while let Ok(s) = rx.try_recv() {
+            timers.insert(s);
+        }
+    }
+    shared.finish(done, stop).await;
+}
+
+async fn dispatch_route(
+    shared: &Arc<Shared>,
+    route: String,
+    group: Vec<Sleeper>,
+) -> (Vec<Sleeper>, crate::error::Result<DispatchReply>) {
+    let route = &shared.cfg.outbound.routes[&route];
+    let items: Vec<DispatchItem<'_>> = group
+        .iter()
+        .map(|s| DispatchItem {
+            event_id: &s.event.event_id,
+            expect: &s.expect,
+            slot_us: s.slot_us,
+            cost: s.event.cost,
+            fields: &s.fields,
+        })
+        .collect();
+    let mut con = shared.con.clone();
+    let reply = telemetry::timed(
+        "dispatch",
+        shared
+            .scripts
+            .dispatch(&mut con, &route.keys, &route.bucket, shared.cfg.outbound.max_len, &items),
+    )
+    .await;
+    drop(items);
+    (group, reply)
+}
