@@ -18,6 +18,20 @@ local function gate(dtat, t, cost, interval, tol)
   return true, math.max(dtat, t) + cost * interval
 end
 
+-- The time a dispatch happens at and the time the gate judges it by: the ready entry's id
+-- millisecond (in µs). The rate is promised on entry ids, so judging by them is exact for that
+-- promise, and a dispatch a fraction of a millisecond late does not hold back the next one.
+local function dispatch_clock(now, last)
+  local t = math.max(now, last)
+  return t, math.floor(t / 1000) * 1000
+end
+
+-- Integers as text. Lua's own number-to-string keeps 14 digits (1.7952982012077e+15), which
+-- would corrupt microsecond times in markers and commands.
+local function int(n)
+  return string.format('%d', n)
+end
+
 -- Redis's own clock: the one clock every decision uses, whatever the workers' clocks say.
 local function redis_now_us()
   local t = redis.call('TIME')
@@ -37,8 +51,8 @@ end
 -- Saves the bucket and lets it expire a minute after its last reservation falls due: an idle
 -- route leaves nothing behind, and a bucket is never dropped while slots are still ahead.
 local function save_bucket(key, now, tat, dtat, last)
-  redis.call('HSET', key, 'tat', tat, 'dtat', dtat, 'last', last)
+  redis.call('HSET', key, 'tat', int(tat), 'dtat', int(dtat), 'last', int(last))
   local ahead_ms = math.floor((math.max(tat, dtat, now) - now) / 1000)
-  redis.call('PEXPIRE', key, ahead_ms + 60000)
+  redis.call('PEXPIRE', key, int(ahead_ms + 60000))
 end
 

@@ -35,24 +35,24 @@ local at = 5
 for i = 1, n do
   local expect, slot, cost = ARGV[at], tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])
   local fields_at = at + 3
-  local t = math.max(now, last)
+  local t, tq = dispatch_clock(now, last)
   local code, value
   if t < slot then
     code, value = 0, slot
   else
-    local ok, g = gate(dtat, t, cost, interval, tol)
+    local ok, g = gate(dtat, tq, cost, interval, tol)
     if not ok then
       code, value = 0, g
     else
-      local id_ms = math.floor(t / 1000)
-      local prev = redis.call('SET', KEYS[2 + i], 'd' .. id_ms .. string.sub(expect, string.find(expect, '|', 1, true)), 'XX', 'GET', 'KEEPTTL')
+      local id_ms = tq / 1000
+      local prev = redis.call('SET', KEYS[2 + i], 'd' .. int(id_ms) .. string.sub(expect, string.find(expect, '|', 1, true)), 'XX', 'GET', 'KEEPTTL')
       if prev ~= expect then
         if prev then
           redis.call('SET', KEYS[2 + i], prev, 'KEEPTTL')
         end
         code, value = 2, prev or ''
       else
-        local args = { 'XADD', KEYS[2], 'MAXLEN', '~', maxlen, id_ms .. '-*' }
+        local args = { 'XADD', KEYS[2], 'MAXLEN', '~', maxlen, int(id_ms) .. '-*' }
         push_fields(args, fields_at)
         code, value = 1, redis.call(unpack(args))
         dtat, last, changed = g, t, true

@@ -35,12 +35,12 @@ for i = 1, n do
   local fields_at = at + 4
   local marker = KEYS[2 + i]
   local slot, next_tat = plan(tat, now, cost, interval, tol)
-  local t = math.max(now, last)
+  local t, tq = dispatch_clock(now, last)
   local code, value
   if slot - now > max_wait then
     code, value = 3, slot - now
   elseif slot <= now then
-    local ok, g = gate(dtat, t, cost, interval, tol)
+    local ok, g = gate(dtat, tq, cost, interval, tol)
     if ok then
       code = 1
     else
@@ -51,8 +51,8 @@ for i = 1, n do
     code, value = 2, slot
   end
 
-  local id_ms = math.floor(t / 1000)
-  local record = (code == 1 and ('d' .. id_ms)) or (code == 2 and ('s' .. slot)) or ('x' .. value)
+  local id_ms = tq / 1000
+  local record = (code == 1 and ('d' .. int(id_ms))) or (code == 2 and ('s' .. int(slot))) or ('x' .. int(value))
   record = record .. '|' .. owner
   local prev
   if expect == '' then
@@ -70,14 +70,14 @@ for i = 1, n do
   if prev then
     code, value = 4, prev
   elseif code == 1 then
-    local args = { 'XADD', KEYS[2], 'MAXLEN', '~', maxlen, id_ms .. '-*' }
+    local args = { 'XADD', KEYS[2], 'MAXLEN', '~', maxlen, int(id_ms) .. '-*' }
     push_fields(args, fields_at)
     args[#args + 1] = 'pacer_slot_ms'
-    args[#args + 1] = math.floor(slot / 1000)
+    args[#args + 1] = int(math.floor(slot / 1000))
     args[#args + 1] = 'pacer_wait_ms'
-    args[#args + 1] = 0
+    args[#args + 1] = '0'
     value = redis.call(unpack(args))
-    local _, next_dtat = gate(dtat, t, cost, interval, tol)
+    local _, next_dtat = gate(dtat, tq, cost, interval, tol)
     dtat, last, tat, changed = next_dtat, t, next_tat, true
   elseif code == 2 then
     tat, changed = next_tat, true

@@ -3,6 +3,7 @@
 //!
 //! The binary (`src/main.rs`) only parses the command line and calls into this library.
 
+pub mod clock;
 pub mod config;
 pub mod error;
 pub mod event;

@@ -64,6 +64,15 @@ pub fn plan(tat_us: i64, now_us: i64, cost: i64, p: &BucketParams) -> Planned {
     }
 }
 
+/// The time a dispatch happens at (never before the route's last one) and the time the gate
+/// judges it by: the millisecond of the ready entry's id, in µs. The rate is promised on entry
+/// ids, so judging by them is exact for that promise, and a dispatch a fraction of a millisecond
+/// late does not hold back the next one.
+pub fn dispatch_clock(now_us: i64, last_us: i64) -> (i64, i64) {
+    let t = now_us.max(last_us);
+    (t, t.div_euclid(1000) * 1000)
+}
+
 /// What the gate says about a dispatch at `t`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Gate {

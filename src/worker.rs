@@ -8,7 +8,9 @@
 //! Every Redis step is idempotent (markers), so any failed step is simply retried with backoff.
 
 mod dispatcher;
+mod waker;
 
+use crate::clock::RedisClock;
 use crate::config::{Config, Route};
 use crate::error::Result;
 use crate::event::{self, Entry, Fields, Marker, OutboundEvent, Reason, Refused};
@@ -37,6 +39,7 @@ pub(crate) struct Shared {
     scripts: Scripts,
     con: ConnectionManager,
     health: Arc<Health>,
+    clock: RedisClock,
     streams: Vec<Arc<str>>,
     rejected: OutputKeys,
     dead: OutputKeys,
@@ -77,6 +80,7 @@ impl Worker {
             scripts: Scripts::default(),
             con,
             health,
+            clock: RedisClock::default(),
             streams: cfg.outbound.streams.iter().map(|s| Arc::from(s.as_str())).collect(),
             rejected: OutputKeys::new(&cfg.outbound.rejected_stream),
             dead: OutputKeys::new(&cfg.outbound.dead_letter_stream),
@@ -333,7 +337,7 @@ impl Shared {
                     // Shutdown while Redis failed: leave these entries pending.
                     continue;
                 };
-                let received = Instant::now();
+                self.clock.observe(reply.now_us, Instant::now());
                 telemetry::route_queue(&route.name, reply.tat_us - reply.now_us);
                 for (mut p, outcome) in group.into_iter().zip(reply.items) {
                     let rerouted = p.next > 0;
@@ -347,7 +351,8 @@ impl Shared {
                         Scheduled::Sleep { slot_us } => {
                             let wait_us = slot_us - reply.now_us;
                             telemetry::scheduled_wait(&route.name, wait_us);
-                            let sleeper = Sleeper::new(p.event, p.permit, &route, slot_us, wait_us, received, reply.now_us);
+                            let wake = self.clock.local(slot_us);
+                            let sleeper = Sleeper::new(p.event, p.permit, &route, slot_us, wait_us, wake);
                             let _ = tx.send(sleeper);
                         }
                         Scheduled::TooLong { wait_us } => {
@@ -355,7 +360,7 @@ impl Shared {
                             self.next_route(p, &mut pending, done);
                         }
                         Scheduled::Decided(marker) => {
-                            self.resume(p, &route, &marker, reply.now_us, received, &mut pending, done, tx);
+                            self.resume(p, &route, &marker, reply.now_us, &mut pending, done, tx);
                         }
                     }
                 }
@@ -419,7 +424,6 @@ impl Shared {
         route: &Route,
         marker: &str,
         now_us: i64,
-        received: Instant,
         pending: &mut Vec<Placing>,
         done: &mut Finished,
         tx: &mpsc::UnboundedSender<Sleeper>,
@@ -446,7 +450,8 @@ impl Shared {
                     pending.push(p);
                 } else {
                     let wait_us = (slot_us - now_us).max(0);
-                    let mut sleeper = Sleeper::new(p.event, p.permit, route, slot_us, wait_us, received, now_us);
+                    let wake = self.clock.local(slot_us);
+                    let mut sleeper = Sleeper::new(p.event, p.permit, route, slot_us, wait_us, wake);
                     sleeper.expect = marker.to_string();
                     let _ = tx.send(sleeper);
                 }

@@ -5,6 +5,7 @@
 //! On shutdown it keeps going until nothing left falls due within `worker.drain`; whatever is
 //! still held then is dropped unacknowledged, so it stays pending for another worker.
 
+use super::waker::Waker;
 use super::{Finished, Placing, Shared};
 use crate::config::Route;
 use crate::event::{self, Fields, Marker, OutboundEvent};
@@ -39,8 +40,7 @@ impl Sleeper {
         route: &Route,
         slot_us: i64,
         wait_us: i64,
-        received: Instant,
-        now_us: i64,
+        wake: Instant,
     ) -> Self {
         let mut fields = event::ready_fields(&event, &route.name);
         fields.push((b"pacer_slot_ms".to_vec(), (slot_us / 1000).to_string().into_bytes()));
@@ -52,16 +52,10 @@ impl Sleeper {
             route: route.name.clone(),
             slot_us,
             fields,
-            wake: local_instant(received, now_us, slot_us),
+            wake,
             failures: 0,
         }
     }
-}
-
-/// This process's instant for a Redis time, given that Redis said `now_us` just before
-/// `received`. Erring late by the reply's travel time, never early: an early wake costs a retry.
-fn local_instant(received: Instant, now_us: i64, at_us: i64) -> Instant {
-    received + Duration::from_micros((at_us - now_us).max(0) as u64)
 }
 
 type Queue = BTreeMap<(Instant, u64), Sleeper>;
@@ -96,6 +90,9 @@ pub(crate) async fn run(
     let mut timers = Timers { queue: Queue::new(), seq: 0 };
     let mut drain_end: Option<Instant> = None;
     let mut open = true;
+    let waker = Waker::start();
+    // The wake-up for the earliest deadline, kept across turns while that deadline stands.
+    let mut alarm: Option<(Instant, tokio::sync::oneshot::Receiver<()>)> = None;
     loop {
         if drain_end.is_none() && shutdown.is_cancelled() {
             drain_end = Some(Instant::now() + shared.cfg.worker.drain);
@@ -107,7 +104,9 @@ pub(crate) async fn run(
         }
         telemetry::sleeping(timers.queue.len());
         let next = timers.next_wake();
-        let far = Instant::now() + Duration::from_secs(3600);
+        if alarm.as_ref().map(|(at, _)| *at) != next {
+            alarm = next.map(|at| (at, waker.sleep_until(at)));
+        }
         tokio::select! {
             biased;
             _ = hard_stop.cancelled() => break,
@@ -116,7 +115,8 @@ pub(crate) async fn run(
                 Some(s) => timers.insert(s),
                 None => open = false,
             },
-            _ = tokio::time::sleep_until(next.unwrap_or(far).into()), if next.is_some() => {
+            _ = async { (&mut alarm.as_mut().expect("guarded").1).await }, if alarm.is_some() => {
+                alarm = None;
                 let due = timers.take_due(Instant::now());
                 fire(&shared, due, &mut timers, &hard_stop).await;
             }
@@ -142,6 +142,7 @@ async fn fire(shared: &Arc<Shared>, due: Vec<Sleeper>, timers: &mut Timers, stop
         let reply = match reply {
             Ok(reply) => {
                 shared.health.set_redis_ok(true);
+                shared.clock.observe(reply.now_us, received);
                 reply
             }
             Err(e) => {
@@ -167,7 +168,7 @@ async fn fire(shared: &Arc<Shared>, due: Vec<Sleeper>, timers: &mut Timers, stop
                     done.acks.push((s.event.entry.stream.clone(), s.event.entry.id.clone()));
                 }
                 Dispatched::NotBefore { at_us } => {
-                    s.wake = local_instant(received, reply.now_us, at_us);
+                    s.wake = shared.clock.local(at_us);
                     timers.insert(s);
                 }
                 Dispatched::Superseded(value) => match event::parse_marker(&value) {
