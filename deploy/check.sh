@@ -562,13 +562,13 @@ dockerfile() {
     grep -Eq '^EXPOSE 9464$' "$f"
     grep -Eq '^ENTRYPOINT \["/usr/local/bin/pacer"\]$' "$f"
     uid=$(sed -n 's/^USER \([0-9]*\).*/\1/p' "$f")
-    [ -n "$uid" ] && [ "$uid" -ne 0 ] || { echo "USER must be a numeric non-root uid"; return 1; }
+    if [ -z "$uid" ] || [ "$uid" -eq 0 ]; then echo "USER must be a numeric non-root uid"; return 1; fi
     k8s_uid=$(sed -n 's/^ *runAsUser: *//p' "$K8S/base/deployment.yaml")
     [ "$uid" = "$k8s_uid" ] || { echo "Dockerfile USER $uid != runAsUser $k8s_uid"; return 1; }
     local src
-    for src in $(sed -n 's/^COPY \([^-][^ ]*\) .*/\1/p' "$f"); do
+    while read -r src; do
         [ "$src" = . ] || [ -e "$src" ] || { echo "COPY source $src does not exist"; return 1; }
-    done
+    done < <(sed -n 's/^COPY \([^-][^ ]*\) .*/\1/p' "$f")
     note "multi-stage, USER $uid (= runAsUser), EXPOSE 9464, ENTRYPOINT pacer"
 }
 step "Dockerfile consistent with the deployment" dockerfile

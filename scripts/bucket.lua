@@ -8,14 +8,22 @@ local function plan(tat, now, cost, interval, tol)
   return math.max(now, tat - tol), math.max(tat, now) + cost * interval
 end
 
--- Whether a dispatch at `t` keeps the rate given the gate `dtat`: true and the next gate, or
--- false and the earliest time it would pass.
-local function gate(dtat, t, cost, interval, tol)
+-- The first whole millisecond (in µs) at or after `x`.
+local function ceil_ms(x)
+  return math.ceil(x / 1000) * 1000
+end
+
+-- Whether a dispatch judged at `tq` (a whole millisecond, see dispatch_clock) keeps the rate
+-- given the gate `dtat`: true and the next gate, or false and the first millisecond it would
+-- pass. An entry written in millisecond m stands for the earliest instant it could have had in
+-- that millisecond, not below the gate: so GCRA runs exactly on the entries' ids, and a slot
+-- that falls inside a millisecond costs no drift.
+local function gate(dtat, tq, cost, interval, tol)
   local earliest = dtat - tol
-  if t < earliest then
-    return false, earliest
+  if tq < earliest then
+    return false, ceil_ms(earliest)
   end
-  return true, math.max(dtat, t) + cost * interval
+  return true, math.max(dtat, tq - 999) + cost * interval
 end
 
 -- The time a dispatch happens at and the time the gate judges it by: the ready entry's id

@@ -48,6 +48,8 @@ for i = 1, n do
       code, value, slot = 2, g, g
     end
   else
+    -- Sleep until the first millisecond the slot can be written in.
+    slot = ceil_ms(slot)
     code, value = 2, slot
   end
 

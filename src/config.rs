@@ -206,9 +206,10 @@ fn read_metrics(p: &mut Problems, v: Option<Value>) -> MetricsConfig {
 
 fn read_outbound(p: &mut Problems, v: Option<Value>) -> OutboundConfig {
     if v.is_none() {
+        // One problem, not one per missing key below it.
         p.push("outbound", "is required: pacer has nothing to do without routes");
     }
-    let raw: RawOutbound = p.section("outbound", v);
+    let raw: RawOutbound = p.section("outbound", v.clone());
     let known = [
         "streams", "rejected_stream", "dead_letter_stream", "max_len", "dedupe_ttl",
         "max_event_bytes", "routes",
@@ -216,6 +217,17 @@ fn read_outbound(p: &mut Problems, v: Option<Value>) -> OutboundConfig {
     p.unknown_keys("outbound", &raw.unknown, &known);
 
     let streams = p.string_list("outbound.streams", &raw.streams);
+    if v.is_none() {
+        return OutboundConfig {
+            streams,
+            rejected_stream: String::new(),
+            dead_letter_stream: String::new(),
+            max_len: 0,
+            dedupe_ttl: Duration::ZERO,
+            max_event_bytes: 0,
+            routes: BTreeMap::new(),
+        };
+    }
     if streams.is_empty() {
         p.push("outbound.streams", "needs at least one input stream");
     }

@@ -14,6 +14,7 @@ pub mod scripts;
 pub mod streams;
 pub mod server;
 pub mod telemetry;
+pub mod testkit;
 pub mod worker;
 pub mod produce;
 pub mod report;

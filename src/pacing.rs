@@ -82,14 +82,28 @@ pub enum Gate {
     NotBefore { at_us: i64 },
 }
 
-/// Checks a dispatch of `cost` units at `t` against the gate at `dtat`.
-pub fn gate(dtat_us: i64, t_us: i64, cost: i64, p: &BucketParams) -> Gate {
+/// The first whole millisecond (in µs) at or after `x`: the earliest a slot can be written in.
+pub fn ceil_ms(x_us: i64) -> i64 {
+    -(-x_us).div_euclid(1000) * 1000
+}
+
+/// Checks a dispatch of `cost` units judged at `tq` (a whole millisecond, see
+/// [`dispatch_clock`]) against the gate at `dtat`.
+///
+/// An entry written in millisecond `m` stands for the earliest instant it could have had in that
+/// millisecond (`tq − 999 µs`), but not below the gate. Those instants keep exact GCRA, and an
+/// entry's id lies at most 999 µs after its instant, so every window of whole milliseconds on the
+/// ids holds at most `W / interval + burst` entries; and a slot that falls inside a millisecond
+/// costs no drift.
+pub fn gate(dtat_us: i64, tq_us: i64, cost: i64, p: &BucketParams) -> Gate {
     let earliest = dtat_us - p.tolerance_us;
-    if t_us < earliest {
-        Gate::NotBefore { at_us: earliest }
+    if tq_us < earliest {
+        Gate::NotBefore {
+            at_us: ceil_ms(earliest),
+        }
     } else {
         Gate::Pass {
-            dtat_us: dtat_us.max(t_us) + cost * p.interval_us,
+            dtat_us: dtat_us.max(tq_us - 999) + cost * p.interval_us,
         }
     }
 }
@@ -139,6 +153,32 @@ mod tests {
             Gate::NotBefore { at_us: 160_000 }
         );
         assert!(matches!(gate(dtat_us, 160_000, 1, &p), Gate::Pass { .. }));
+    }
+
+    #[test]
+    fn a_slot_inside_a_millisecond_passes_in_the_next_without_drift() {
+        let p = params("6/s", 1); // 166 667 µs
+        let mut dtat = 0;
+        let mut ids = Vec::new();
+        let mut t = 0;
+        for _ in 0..20 {
+            if ids.len() == 7 {
+                break;
+            }
+            let at = match gate(dtat, t, 1, &p) {
+                Gate::Pass { dtat_us } => {
+                    ids.push(t / 1000);
+                    dtat = dtat_us;
+                    continue;
+                }
+                Gate::NotBefore { at_us } => at_us,
+            };
+            t = at;
+        }
+        // 6 × 166 667 µs = 1 000 002 µs: the interval is rounded up, never down.
+        assert_eq!(ids, vec![0, 167, 334, 501, 667, 834, 1001]);
+        assert_eq!(ceil_ms(166_667), 167_000);
+        assert_eq!(ceil_ms(167_000), 167_000);
     }
 
     #[test]

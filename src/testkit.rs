@@ -1,0 +1,239 @@
+//! Support for tests and the benchmark: a real `redis-server` on a free loopback port (installed
+//! with apt-get when missing), pacer processes, scratch directories. Not used by the daemon.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Once;
+use std::time::{Duration, Instant};
+
+/// A scratch directory removed on drop.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(label: &str) -> Self {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "pacer-{label}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).expect("creating a scratch directory");
+        TempDir(dir)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// Writes `text` to `name` inside the directory.
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.0.join(name);
+        std::fs::write(&path, text).expect("writing a scratch file");
+        path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("binding a free port")
+        .port()
+}
+
+/// Installs `redis-server` with apt-get if it is not on the PATH (once per process).
+pub fn ensure_redis_installed() {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        if Command::new("redis-server").arg("--version").output().is_ok() {
+            return;
+        }
+        eprintln!("redis-server is missing: installing it with apt-get");
+        let ok = Command::new("sh")
+            .arg("-c")
+            .arg("(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >&2")
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "could not install redis-server; install it (apt-get install redis-server) and retry");
+    });
+}
+
+/// A `redis-server` child process on a free port, killed on drop.
+pub struct RedisServer {
+    child: Child,
+    pub port: u16,
+    dir: TempDir,
+    extra: Vec<String>,
+}
+
+impl RedisServer {
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts with extra `redis-server` arguments (like `--appendonly yes`).
+    pub fn start_with(extra: &[&str]) -> Self {
+        ensure_redis_installed();
+        let dir = TempDir::new("redis");
+        let port = free_port();
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let child = spawn_redis(port, dir.path(), &extra);
+        let server = RedisServer { child, port, dir, extra };
+        server.wait_ready();
+        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn client(&self) -> redis::Client {
+        redis::Client::open(self.url()).expect("a redis client")
+    }
+
+    /// A blocking connection, for simple checks.
+    pub fn con(&self) -> redis::Connection {
+        self.client().get_connection().expect("connecting to the test redis")
+    }
+
+    /// Kills the server (SIGKILL): its data is lost unless persistence is on.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the server again on the same port and directory (AOF, if on, is replayed).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.child = spawn_redis(self.port, self.dir.path(), &self.extra);
+        self.wait_ready();
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(mut con) = self.client().get_connection() {
+                if redis::cmd("PING").query::<String>(&mut con).is_ok() {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "redis-server did not start on port {}", self.port);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn spawn_redis(port: u16, dir: &Path, extra: &[String]) -> Child {
+    Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+        .args(["--appendonly", "no", "--dir"])
+        .arg(dir)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starting redis-server")
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A `pacer` child process, killed on drop.
+pub struct Pacer {
+    child: Child,
+    pub log: PathBuf,
+}
+
+impl Pacer {
+    /// Runs `bin run --config config` with `env`; logs go to `<config>.<n>.log`.
+    pub fn run(bin: &Path, config: &Path, env: &[(&str, &str)]) -> Self {
+        Self::run_wrapped(&[], bin, config, env)
+    }
+
+    /// The same, under a wrapper command (like `faketime -f -30s`).
+    pub fn run_wrapped(wrapper: &[&str], bin: &Path, config: &Path, env: &[(&str, &str)]) -> Self {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let log = config.with_extension(format!("{}.log", N.fetch_add(1, Ordering::Relaxed)));
+        let out = std::fs::File::create(&log).expect("creating a log file");
+        let mut cmd = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin);
+                c
+            }
+            None => Command::new(bin),
+        };
+        cmd.arg("run").arg("--config").arg(config);
+        cmd.env("RUST_LOG", "info");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd
+            .stdout(out.try_clone().expect("log file"))
+            .stderr(out)
+            .spawn()
+            .expect("starting pacer");
+        Pacer { child, log }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let _ = Command::new("kill").arg(format!("-{sig}")).arg(self.pid().to_string()).status();
+    }
+
+    /// Waits for the process to exit, up to `limit`; its exit code, or None if it did not.
+    pub fn wait_for(&mut self, limit: Duration) -> Option<i32> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status.code().unwrap_or(-1));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Pacer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Polls `check` every 20 ms until it returns true or `limit` passes; whether it did.
+pub fn wait_until(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if check() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
