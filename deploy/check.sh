@@ -389,8 +389,7 @@ k8s_validate() { # k8s_validate RENDERED
     for v in 1.29.0 "$KUBERNETES_VALIDATE_VERSION"; do
         "$VENV/bin/kubernetes-validate" --strict --quiet -k "$v" "$1" 2>&1 | tee "$WORK/kv.out"
         # Built-in kinds must validate; CRDs are left to crd_validate.
-        if grep -v "Couldn't find schema for kind \(ServiceMonitor\|ScaledObject\|TriggerAuthentication\)" "$WORK/kv.out" |
-            grep -q .; then
+        if [ -n "$(grep -v "Couldn't find schema for kind \(ServiceMonitor\|ScaledObject\|TriggerAuthentication\)" "$WORK/kv.out" || true)" ]; then
             return 1
         fi
     done
@@ -705,7 +704,12 @@ EOF
     wait_for 20 prom_has 'pacer_redis_errors_total' || true
     sleep 3
     curl -fsS --max-time 5 "http://127.0.0.1:$METRICS_PORT/metrics" >"$WORK/metrics.txt" ||
-        { echo "GET /metrics failed"; tail -n 30 "$WORK/pacer.log"; return 1; }
+        {
+            echo "GET /metrics failed; pacer $(alive "$PACER_PID" && echo running || echo exited)"
+            ss -ltnp 2>/dev/null | grep ":$METRICS_PORT " || echo "nothing listens on :$METRICS_PORT"
+            tail -n 30 "$WORK/pacer.log"
+            return 1
+        }
     echo "redis :$REDIS_PORT, pacer :$METRICS_PORT, prometheus :$PROM_PORT; $(redis-cli -p "$REDIS_PORT" xlen pacer:out) events pushed"
 }
 
@@ -812,8 +816,9 @@ if [ "$LIVE" -eq 1 ]; then
             kill "$REDIS_PID"
             wait "$REDIS_PID" 2>/dev/null || true
             if wait_for 20 is_http "http://127.0.0.1:$METRICS_PORT/readyz" 503; then
-                echo "=> Redis stopped: /readyz 503, $(curl -fsS "http://127.0.0.1:$METRICS_PORT/metrics" | grep -E '^pacer_ready')"
-                curl -fsS "http://127.0.0.1:$METRICS_PORT/metrics" | grep -Eq '^pacer_ready(\{[^}]*\})? 0$' || { echo "pacer_ready not 0"; rc=1; }
+                down_metrics=$(curl -fsS --max-time 5 "http://127.0.0.1:$METRICS_PORT/metrics" || true)
+                echo "=> Redis stopped: /readyz 503, $(grep -E '^pacer_ready' <<<"$down_metrics")"
+                grep -Eq '^pacer_ready(\{[^}]*\})? 0$' <<<"$down_metrics" || { echo "pacer_ready not 0"; rc=1; }
                 is_http "http://127.0.0.1:$METRICS_PORT/healthz" 200 || { echo "/healthz not 200 while Redis is down"; rc=1; }
             else
                 echo "/readyz still $(http_code "http://127.0.0.1:$METRICS_PORT/readyz") 20s after Redis stopped"

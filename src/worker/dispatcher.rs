@@ -162,12 +162,14 @@ async fn fire(shared: &Arc<Shared>, due: Vec<Sleeper>, timers: &mut Timers, stop
         for (mut s, outcome) in group.into_iter().zip(reply.items) {
             match outcome {
                 Dispatched::Done { entry_id } => {
+                    debug!(route = %s.route, slot = s.slot_us, now = reply.now_us, late_wake_us = received.saturating_duration_since(s.wake).as_micros() as u64, "dispatched");
                     let id_ms: i64 = entry_id.split('-').next().and_then(|m| m.parse().ok()).unwrap_or(0);
                     telemetry::lateness(&s.route, id_ms - s.slot_us / 1000);
                     shared.count_dispatch(&s.event, &s.route, s.route != s.event.routes[0]);
                     done.acks.push((s.event.entry.stream.clone(), s.event.entry.id.clone()));
                 }
                 Dispatched::NotBefore { at_us } => {
+                    debug!(route = %s.route, slot = s.slot_us, at_us, now = reply.now_us, "not yet");
                     s.wake = shared.clock.local(at_us);
                     timers.insert(s);
                 }

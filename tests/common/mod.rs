@@ -1,0 +1,101 @@
+//! Helpers shared by the process-level tests: configs, pushing events, reading outputs.
+#![allow(dead_code)]
+
+use pacer::report::{read_all, OutputEntry};
+use pacer::testkit::{http_get, wait_until, Pacer, RedisServer, TempDir};
+use redis::Commands;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+pub fn bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_pacer"))
+}
+
+/// Writes a config for `redis` with metrics on `metrics_port`; `body` holds the `outbound:`
+/// section and anything else.
+pub fn config(dir: &TempDir, name: &str, redis: &RedisServer, metrics_port: u16, worker: &str, body: &str) -> PathBuf {
+    let text = format!(
+        "redis:\n  url: {}\n  timeout: 500ms\nmetrics:\n  listen: 127.0.0.1:{metrics_port}\nworker:\n{worker}\n{body}\n",
+        redis.url()
+    );
+    dir.write(name, &text)
+}
+
+/// Starts pacer and waits until `/readyz` says ready.
+pub fn start(config: &Path, metrics_port: u16) -> Pacer {
+    start_wrapped(&[], &[], config, metrics_port)
+}
+
+pub fn start_wrapped(wrapper: &[&str], env: &[(&str, &str)], config: &Path, metrics_port: u16) -> Pacer {
+    let mut pacer = Pacer::run_wrapped(wrapper, bin(), config, env);
+    let ready = wait_until(Duration::from_secs(15), || {
+        matches!(http_get(metrics_port, "/readyz"), Some((200, _)))
+    });
+    if !ready {
+        pacer.kill();
+        panic!("pacer did not become ready:\n{}", pacer.log_text());
+    }
+    pacer
+}
+
+/// XADDs each event (a list of field/value pairs) to `stream`; returns the entry ids.
+pub fn push(redis: &RedisServer, stream: &str, events: &[Vec<(String, Vec<u8>)>]) -> Vec<String> {
+    let mut con = redis.con();
+    let mut pipe = redis::pipe();
+    for fields in events {
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(stream).arg("*");
+        for (k, v) in fields {
+            cmd.arg(k).arg(v.as_slice());
+        }
+        pipe.add_command(cmd);
+    }
+    pipe.query(&mut con).expect("pushing events")
+}
+
+pub fn event(pairs: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect()
+}
+
+/// Every entry of `stream`.
+pub fn read(redis: &RedisServer, stream: &str) -> Vec<OutputEntry> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut con = redis.client().get_multiplexed_async_connection().await.unwrap();
+        read_all(&mut con, stream).await.unwrap()
+    })
+}
+
+/// Entries of the group still pending on `stream`.
+pub fn pending(redis: &RedisServer, stream: &str, group: &str) -> i64 {
+    let reply: redis::Value = redis::cmd("XPENDING").arg(stream).arg(group).query(&mut redis.con()).unwrap();
+    match reply {
+        redis::Value::Array(v) => match v.first() {
+            Some(redis::Value::Int(n)) => *n,
+            _ => 0,
+        },
+        _ => 0,
+    }
+}
+
+/// Where each input entry ended: source id -> the output streams that hold it.
+pub fn placements(redis: &RedisServer, outputs: &[&str]) -> BTreeMap<String, Vec<String>> {
+    let mut at: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for stream in outputs {
+        for e in read(redis, stream) {
+            let source = e.field("pacer_source_id").expect("pacer_source_id").to_string();
+            at.entry(source).or_default().push(stream.to_string());
+        }
+    }
+    at
+}
+
+pub fn redis_time_ms(redis: &RedisServer) -> i64 {
+    let (s, us): (i64, i64) = redis::cmd("TIME").query(&mut redis.con()).unwrap();
+    s * 1000 + us / 1000
+}
+
+pub fn keys(redis: &RedisServer) -> Vec<String> {
+    redis.con().keys("*").unwrap()
+}

@@ -1,0 +1,271 @@
+//! The outbound daemon end to end: real pacer processes against a real redis-server.
+
+mod common;
+
+use common::*;
+use pacer::keys::hash_tag;
+use pacer::report::{max_in_window, quantile};
+use pacer::testkit::{free_port, http_get, metric, wait_until, RedisServer, TempDir};
+use std::time::{Duration, Instant};
+
+const WORKER: &str = "  batch: 32\n  drain: 1s\n  claim_idle: 30s";
+
+/// Checks the promise on one ready stream: no rolling window W holds more than rate × W + burst
+/// entries by entry-id time. Returns the entries' times.
+fn assert_rate(redis: &RedisServer, stream: &str, per_second: f64, burst: f64) -> Vec<i64> {
+    let times: Vec<i64> = read(redis, stream).iter().map(|e| e.ms).collect();
+    for w in [1, 5, 10, 20, 50, 100, 200, 250, 500, 1000, 2000, 5000] {
+        let limit = per_second * w as f64 / 1000.0 + burst;
+        let seen = max_in_window(&times, w);
+        assert!(seen as f64 <= limit, "{stream}: {seen} entries in a {w} ms window, limit {limit}");
+    }
+    times
+}
+
+#[test]
+fn three_workers_hold_the_rate_reroute_reject_and_place_every_entry_once() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("three");
+    let body = r#"outbound:
+  streams: ["in"]
+  routes:
+    primary: {rate: 50/s, burst: 3, max_wait: 1s, fallbacks: [spare]}
+    spare: {rate: 20/s, burst: 1, max_wait: 2s}
+"#;
+    let mut workers = Vec::new();
+    for i in 0..3 {
+        let port = free_port();
+        let cfg = config(&dir, &format!("w{i}.yaml"), &redis, port, WORKER, body);
+        workers.push((start(&cfg, port), port));
+    }
+    let n = 400;
+    let events: Vec<_> = (0..n)
+        .map(|i| {
+            let route = if i % 4 == 3 { "spare" } else { "primary" };
+            event(&[("route", route), ("id", &format!("call-{i}")), ("to", &format!("+33{i}"))])
+        })
+        .collect();
+    let ids = push(&redis, "in", &events);
+
+    let outputs = ["pacer:{primary}:ready", "pacer:{spare}:ready", "pacer:rejected", "pacer:dead"];
+    let done = wait_until(Duration::from_secs(30), || {
+        placements(&redis, &outputs).len() == n && pending(&redis, "in", "pacer") == 0
+    });
+    let at = placements(&redis, &outputs);
+    assert!(done, "only {} of {n} entries placed; pending {}", at.len(), pending(&redis, "in", "pacer"));
+
+    // Nothing lost, nothing doubled: every input entry is in exactly one output stream.
+    for id in &ids {
+        assert_eq!(at.get(id).map(Vec::len), Some(1), "entry {id} ended in {:?}", at.get(id));
+    }
+    // The rate, by Redis's clock, in every rolling window.
+    let primary = assert_rate(&redis, "pacer:{primary}:ready", 50.0, 3.0);
+    let spare = assert_rate(&redis, "pacer:{spare}:ready", 20.0, 1.0);
+    // Both reroutes and rejections happened, so both paths were exercised.
+    let spare_entries = read(&redis, "pacer:{spare}:ready");
+    let rerouted = spare_entries.iter().filter(|e| e.field("route") == Some("primary")).count();
+    let rejected = read(&redis, "pacer:rejected");
+    assert!(rerouted > 0, "nothing was rerouted");
+    assert!(rejected.len() > 100, "only {} rejected", rejected.len());
+    for r in &rejected {
+        assert_eq!(r.field("pacer_reason"), Some("queue_full"));
+        let retry: i64 = r.field("pacer_retry_after_ms").unwrap().parse().unwrap();
+        assert!(retry > 0, "retry_after must say when a slot frees up");
+    }
+    // Waits respected: no dispatched event waited longer than its route's max_wait.
+    for e in read(&redis, "pacer:{primary}:ready") {
+        assert!(e.field("pacer_wait_ms").unwrap().parse::<i64>().unwrap() <= 1000);
+    }
+    // No slot stays reserved for an event a route did not take: each plan ends burst × interval
+    // after its last slot, not further (one leaked reservation would push it on by an interval).
+    for (route, reach_ms, times) in [("primary", 3 * 20, &primary), ("spare", 50, &spare)] {
+        let last_slot: i64 = read(&redis, &format!("pacer:{{{route}}}:ready"))
+            .iter()
+            .map(|e| e.field("pacer_slot_ms").unwrap().parse::<i64>().unwrap())
+            .max()
+            .unwrap();
+        let tat: i64 = redis::cmd("HGET")
+            .arg(format!("pacer:{{{route}}}:bucket:{route}"))
+            .arg("tat")
+            .query(&mut redis.con())
+            .unwrap();
+        let ahead_ms = tat / 1000 - last_slot;
+        assert!((0..=reach_ms + 1).contains(&ahead_ms), "{route}: plan {ahead_ms} ms past its last slot");
+        assert!(!times.is_empty());
+    }
+    // All three workers took part.
+    for (_, port) in &workers {
+        let (_, text) = http_get(*port, "/metrics").unwrap();
+        assert!(metric(&text, "outcome=\"dispatched\"") + metric(&text, "outcome=\"rejected\"") > 0.0);
+    }
+    // Every key a route's script touched carries the route's hash tag.
+    for key in keys(&redis) {
+        if key.contains(":bucket:") || key.contains(":ev:") {
+            let tag = hash_tag(&key);
+            assert!(tag == "primary" || tag == "spare", "{key} has tag {tag}");
+            assert!(key.contains(&format!(":{tag}")), "{key}: tag and route differ");
+        }
+    }
+}
+
+#[test]
+fn bad_input_is_dead_lettered_with_its_reason_and_the_rest_flows() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("bad");
+    let port = free_port();
+    let body = r#"outbound:
+  streams: ["in"]
+  max_event_bytes: 1024
+  routes:
+    fast: {rate: 100/ms, burst: 1000}
+"#;
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let _pacer = start(&cfg, port);
+
+    let bad: Vec<(Vec<(String, Vec<u8>)>, &str, &str)> = vec![
+        (event(&[("to", "x")]), "malformed", "no route field"),
+        (event(&[("route", "ghost-route")]), "unknown_route", "ghost-route"),
+        (event(&[("route", "fast"), ("cost", "0")]), "malformed", "cost"),
+        (event(&[("route", "fast"), ("cost", "two")]), "malformed", "cost"),
+        (event(&[("route", "fast"), ("cost", "-3")]), "malformed", "cost"),
+        (event(&[("route", "fast"), ("max_wait_ms", "1.5")]), "malformed", "max_wait_ms"),
+        (event(&[("route", "fast"), ("route", "fast")]), "malformed", "twice"),
+        (event(&[("route", "fast"), ("id", "")]), "malformed", "id"),
+        (event(&[("route", "fast"), ("blob", &"x".repeat(5000))]), "malformed", "bytes"),
+        (vec![("route".into(), vec![0xff, 0xfe, 0x00]), (String::from_utf8_lossy(&[0xc3, 0x28]).into(), vec![0x80])], "malformed", "UTF-8"),
+        (event(&[("route", "fast"), ("id", "dup-1")]), "duplicate", "dup-1"),
+    ];
+    // Good events around the bad ones; one of them takes the id the last bad one repeats.
+    let mut events = vec![event(&[("route", "fast"), ("id", "dup-1")])];
+    let mut expected = Vec::new();
+    for (i, (fields, reason, detail)) in bad.into_iter().enumerate() {
+        events.push(event(&[("route", "fast"), ("n", &i.to_string())]));
+        events.push(fields);
+        expected.push((events.len() - 1, reason, detail));
+    }
+    let ids = push(&redis, "in", &events);
+    let good = events.len() - expected.len();
+
+    assert!(wait_until(Duration::from_secs(10), || {
+        read(&redis, "pacer:{fast}:ready").len() == good && read(&redis, "pacer:dead").len() == expected.len()
+    }), "ready {} dead {}", read(&redis, "pacer:{fast}:ready").len(), read(&redis, "pacer:dead").len());
+    assert!(wait_until(Duration::from_secs(5), || pending(&redis, "in", "pacer") == 0));
+    let dead = read(&redis, "pacer:dead");
+    for (index, reason, detail) in expected {
+        let d = dead
+            .iter()
+            .find(|d| d.field("pacer_source_id") == Some(ids[index].as_str()))
+            .unwrap_or_else(|| panic!("entry {index} ({reason}) not dead-lettered"));
+        assert_eq!(d.field("pacer_reason"), Some(reason), "entry {index}");
+        assert!(d.field("pacer_detail").unwrap().contains(detail), "entry {index}: {:?}", d.field("pacer_detail"));
+    }
+    // Junk bytes are kept as they came.
+    let junk = dead.iter().find(|d| d.field("pacer_detail").unwrap().contains("UTF-8")).unwrap();
+    assert!(junk.fields.contains(&(b"route".to_vec(), vec![0xff, 0xfe, 0x00])));
+    // No event can make pacer build keys for a route that is not configured.
+    assert!(keys(&redis).iter().all(|k| !k.contains("ghost")), "{:?}", keys(&redis));
+}
+
+#[test]
+fn sigterm_dispatches_what_falls_due_within_drain_and_leaves_the_rest_pending() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("term");
+    let port = free_port();
+    let body = r#"outbound:
+  streams: ["in"]
+  routes:
+    slow: {rate: 10/s, max_wait: 10s}
+"#;
+    let cfg = config(&dir, "c.yaml", &redis, port, "  drain: 1s", body);
+    let mut pacer = start(&cfg, port);
+    let n = 40;
+    let events: Vec<_> = (0..n).map(|i| event(&[("route", "slow"), ("i", &i.to_string())])).collect();
+    push(&redis, "in", &events);
+    std::thread::sleep(Duration::from_millis(1000));
+    let term_ms = redis_time_ms(&redis);
+    let before = read(&redis, "pacer:{slow}:ready").len();
+    pacer.signal("TERM");
+    let start = Instant::now();
+    let code = pacer.wait_for(Duration::from_secs(5));
+    assert_eq!(code, Some(0), "exit code; log:\n{}", pacer.log_text());
+    assert!(start.elapsed() < Duration::from_millis(2500), "took {:?} to exit", start.elapsed());
+
+    let ready = read(&redis, "pacer:{slow}:ready");
+    let after_term = ready.iter().filter(|e| e.ms > term_ms).count();
+    // The drain dispatched about a second's worth (10/s) after SIGTERM, none due later.
+    assert!((8..=12).contains(&after_term), "{after_term} dispatched during the drain (before: {before})");
+    for e in &ready {
+        let slot: i64 = e.field("pacer_slot_ms").unwrap().parse().unwrap();
+        assert!(slot <= term_ms + 1000 + 20, "slot {slot} is past the drain (term {term_ms})");
+    }
+    // The rest are still pending for another worker, not acknowledged, not dispatched.
+    assert_eq!(pending(&redis, "in", "pacer") as usize, n - ready.len());
+    assert!(pacer.log_text().contains("leaving events pending"));
+}
+
+#[test]
+fn a_worker_with_a_skewed_clock_paces_exactly_like_the_rest() {
+    if std::process::Command::new("faketime").arg("--version").output().is_err() {
+        panic!("faketime is missing: apt-get install faketime (the test command installs it)");
+    }
+    let redis = RedisServer::start();
+    let dir = TempDir::new("skew");
+    let body = r#"outbound:
+  streams: ["in"]
+  routes:
+    shared: {rate: 40/s, burst: 1, max_wait: 10s}
+"#;
+    let (p1, p2) = (free_port(), free_port());
+    let honest = config(&dir, "honest.yaml", &redis, p1, WORKER, body);
+    let skewed = config(&dir, "skewed.yaml", &redis, p2, WORKER, body);
+    // This worker's wall clock is 45 seconds behind; the other's is right. Only the wall clock
+    // is faked: that is what is "off" on a host, while a monotonic clock has no meaningful
+    // offset (pacer uses it only to measure durations).
+    let _b = start_wrapped(&["faketime", "-f", "-45s"], &[("FAKETIME_DONT_FAKE_MONOTONIC", "1")], &skewed, p2);
+    let _a = start(&honest, p1);
+    let n = 120;
+    let events: Vec<_> = (0..n).map(|i| event(&[("route", "shared"), ("i", &i.to_string())])).collect();
+    push(&redis, "in", &events);
+    assert!(wait_until(Duration::from_secs(15), || read(&redis, "pacer:{shared}:ready").len() == n));
+
+    assert_rate(&redis, "pacer:{shared}:ready", 40.0, 1.0);
+    let (_, skewed_metrics) = http_get(p2, "/metrics").unwrap();
+    let by_skewed = metric(&skewed_metrics, "outcome=\"dispatched\"");
+    assert!(by_skewed >= 10.0, "the skewed worker dispatched only {by_skewed}");
+    // Had it used its own clock it would dispatch 45 s off; by Redis's clock it is on time.
+    let mut late: Vec<i64> = read(&redis, "pacer:{shared}:ready")
+        .iter()
+        .map(|e| e.ms - e.field("pacer_slot_ms").unwrap().parse::<i64>().unwrap())
+        .collect();
+    late.sort();
+    assert!(late[0] >= 0, "dispatched {} ms before its slot", -late[0]);
+    assert!(quantile(&late, 0.99).unwrap() <= 20, "lateness {:?}", late);
+}
+
+#[test]
+fn readyz_follows_redis_and_the_worker_recovers_after_a_restart() {
+    let mut redis = RedisServer::start();
+    let dir = TempDir::new("ready");
+    let port = free_port();
+    let body = r#"outbound:
+  streams: ["in"]
+  routes:
+    r: {rate: 1000/s, burst: 100}
+"#;
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let mut pacer = start(&cfg, port);
+    assert_eq!(http_get(port, "/healthz").map(|r| r.0), Some(200));
+    redis.kill();
+    assert!(wait_until(Duration::from_secs(10), || matches!(http_get(port, "/readyz"), Some((503, _)))));
+    assert_eq!(http_get(port, "/healthz").map(|r| r.0), Some(200), "alive while Redis is down");
+    // A fresh Redis (no scripts, no groups): the worker reloads scripts, recreates its group.
+    redis.restart();
+    push(&redis, "in", &[event(&[("route", "r")]), event(&[("route", "r")])]);
+    assert!(
+        wait_until(Duration::from_secs(20), || read(&redis, "pacer:{r}:ready").len() == 2),
+        "nothing dispatched after the restart:\n{}",
+        pacer.log_text()
+    );
+    assert!(wait_until(Duration::from_secs(10), || matches!(http_get(port, "/readyz"), Some((200, _)))));
+    assert!(pacer.wait_for(Duration::from_millis(10)).is_none(), "the worker must not exit");
+}
