@@ -269,3 +269,39 @@ fn readyz_follows_redis_and_the_worker_recovers_after_a_restart() {
     assert!(wait_until(Duration::from_secs(10), || matches!(http_get(port, "/readyz"), Some((200, _)))));
     assert!(pacer.wait_for(Duration::from_millis(10)).is_none(), "the worker must not exit");
 }
+
+/// Guarantee 5: on Redis Cluster every script call's keys must share one slot, or Redis refuses
+/// the call (CROSSSLOT). A single-node cluster owning every slot enforces exactly that check.
+#[test]
+fn runs_on_redis_cluster_every_script_call_in_one_slot() {
+    let redis = RedisServer::start_with(&["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]);
+    let _: () = redis::cmd("CLUSTER").arg("ADDSLOTSRANGE").arg(0).arg(16383).query(&mut redis.con()).unwrap();
+    assert!(wait_until(Duration::from_secs(10), || {
+        let info: String = redis::cmd("CLUSTER").arg("INFO").query(&mut redis.con()).unwrap();
+        info.contains("cluster_state:ok")
+    }));
+    let dir = TempDir::new("cluster");
+    let port = free_port();
+    let body = r#"outbound:
+  streams: ["in"]
+  routes:
+    a: {rate: 100/s, burst: 5, max_wait: 100ms, fallbacks: [b]}
+    b: {rate: 50/s, burst: 1, max_wait: 100ms}
+"#;
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let pacer = start(&cfg, port);
+    let mut events: Vec<_> = (0..60).map(|i| event(&[("route", "a"), ("i", &i.to_string())])).collect();
+    events.push(event(&[("route", "nowhere")]));
+    push(&redis, "in", &events);
+    let outputs = ["pacer:{a}:ready", "pacer:{b}:ready", "pacer:rejected", "pacer:dead"];
+    assert!(
+        wait_until(Duration::from_secs(15), || placements(&redis, &outputs).len() == events.len()),
+        "log:\n{}",
+        pacer.log_text()
+    );
+    // Each path ran: primary, fallback, rejection and dead letter.
+    for stream in outputs {
+        assert!(!read(&redis, stream).is_empty(), "{stream} is empty");
+    }
+    assert!(!pacer.log_text().contains("CROSSSLOT"));
+}
