@@ -107,11 +107,12 @@ as_root() {
 }
 apt_install() { # apt_install PACKAGE...
     if [ "$APT_UPDATED" -eq 0 ]; then
-        as_root apt-get update -qq >/dev/null
+        as_root apt-get update -qq >"$WORK/apt.log" 2>&1 || { cat "$WORK/apt.log"; die "apt-get update failed"; }
         APT_UPDATED=1
     fi
     echo "installing (apt): $*"
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" \
+        >>"$WORK/apt.log" 2>&1 || { tail -n 30 "$WORK/apt.log"; die "apt-get install $* failed"; }
 }
 need() { # need COMMAND APT_PACKAGE
     command -v "$1" >/dev/null 2>&1 || apt_install "$2"
@@ -132,7 +133,8 @@ if ! "$VENV/bin/kubernetes-validate" --version 2>/dev/null | grep -qx "$KUBERNET
     rm -rf "$VENV"
     mkdir -p "$CACHE"
     python3 -m venv "$VENV"
-    "$VENV/bin/pip" install -q --disable-pip-version-check "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION"
+    "$VENV/bin/pip" install -q --disable-pip-version-check "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" ||
+        die "pip install kubernetes-validate failed"
 fi
 PY=$VENV/bin/python # has PyYAML and jsonschema (kubernetes-validate's dependencies)
 
@@ -587,6 +589,12 @@ wait_for() { # wait_for SECONDS COMMAND... : polls every 0.2s
 http_code() { curl -s -o /dev/null -w '%{http_code}' --max-time 2 "$1" || true; }
 is_http() { [ "$(http_code "$1")" = "$2" ]; }
 alive() { kill -0 "$1" 2>/dev/null; }
+# Says so when pacer was stopped by a signal this script did not send.
+outside_signal() {
+    if grep -q 'SIG\(TERM\|INT\): draining' "$WORK/pacer.log"; then
+        echo "note: pacer got SIGTERM/SIGINT from outside this script (another process on the machine, e.g. a pkill)"
+    fi
+}
 promq() { # promq QUERY -> JSON of /api/v1/query
     curl -fsS --max-time 5 "http://127.0.0.1:$PROM_PORT/api/v1/query" --data-urlencode "query=$1"
 }
@@ -672,7 +680,8 @@ EOF
     PROM_PID=$!
     PIDS+=("$PROM_PID")
     if ! wait_for 30 prom_has 'up{job="pacer"} == 1'; then
-        echo "Prometheus did not scrape pacer"
+        echo "Prometheus did not scrape pacer; pacer $(alive "$PACER_PID" && echo running || echo exited)"
+        outside_signal
         tail -n 30 "$WORK/prometheus.log"
         return 1
     fi
@@ -698,7 +707,7 @@ EOF
         push_batch "$b"
         sleep 1
     done
-    alive "$PACER_PID" || { echo "pacer died under load"; tail -n 30 "$WORK/pacer.log"; return 1; }
+    alive "$PACER_PID" || { echo "pacer died under load"; outside_signal; tail -n 30 "$WORK/pacer.log"; return 1; }
     # Stream gauges come from a periodic poll: wait for them, then a few scrapes more.
     wait_for 20 prom_has 'pacer_stream_lag' || true
     wait_for 20 prom_has 'pacer_redis_errors_total' || true
@@ -706,6 +715,7 @@ EOF
     curl -fsS --max-time 5 "http://127.0.0.1:$METRICS_PORT/metrics" >"$WORK/metrics.txt" ||
         {
             echo "GET /metrics failed; pacer $(alive "$PACER_PID" && echo running || echo exited)"
+            outside_signal
             ss -ltnp 2>/dev/null | grep ":$METRICS_PORT " || echo "nothing listens on :$METRICS_PORT"
             tail -n 30 "$WORK/pacer.log"
             return 1

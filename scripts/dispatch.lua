@@ -12,7 +12,8 @@
 --               slot_us   its slot
 --               cost      units of the rate it uses
 --               nfields, name1, value1, ...   the fields of the ready entry
--- Returns { now_us, code1, value1, code2, value2, ... } where for event i:
+-- Returns { now_us, code1, value1, ..., end_us } where end_us is Redis's clock as the script
+-- ends (what workers map their timers with), and for event i:
 --   1, ready entry id   dispatched; the marker now says "d<entry id's ms>|owner"
 --   0, retry_at_us      not yet: its slot is ahead, or the rate would break now (a late slot
 --                       before it); nothing changed
@@ -67,4 +68,5 @@ end
 if changed then
   save_bucket(KEYS[1], now, tat, dtat, last)
 end
+out[#out + 1] = redis_now_us()
 return out

@@ -14,7 +14,8 @@
 --               cost         units of the rate the event uses (integer >= 1)
 --               max_wait_us  the longest wait the event accepts on this route
 --               nfields, name1, value1, ...   the fields of the ready entry, should it go now
--- Returns { now_us, tat_us, code1, value1, code2, value2, ... } where for event i:
+-- Returns { now_us, tat_us, code1, value1, ..., end_us } where end_us is Redis's clock as the
+-- script ends (what workers map their timers with), and for event i:
 --   1, ready entry id   dispatched now (marker "d<entry id's ms>|owner")
 --   2, slot_us          slot reserved; sleep until it (marker "s<slot_us>|owner")
 --   3, wait_us          would wait longer than max_wait: nothing reserved (marker "x<wait>|owner")
@@ -93,4 +94,5 @@ if changed then
   save_bucket(KEYS[1], now, tat, dtat, last)
 end
 out[2] = tat
+out[#out + 1] = redis_now_us()
 return out

@@ -40,7 +40,7 @@ impl RedisClock {
         *state = Some(match *state {
             None => (sample, local_us),
             Some((offset, last)) => {
-                let creep = (local_us - last).max(0) * CREEP_PER_SECOND_US / 1_000_000 + 1;
+                let creep = (local_us - last).max(0) * CREEP_PER_SECOND_US / 1_000_000;
                 (sample.min(offset + creep), local_us)
             }
         });

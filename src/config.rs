@@ -115,7 +115,11 @@ impl Config {
                 return p.into_result(|| unreachable!());
             }
         };
-        p.unknown_keys("", &raw.unknown, &["redis", "worker", "metrics", "outbound"]);
+        p.unknown_keys(
+            "",
+            &raw.unknown,
+            &["redis", "worker", "metrics", "outbound"],
+        );
         let redis = read_redis(&mut p, raw.redis, overrides);
         let worker = read_worker(&mut p, raw.worker);
         let metrics = read_metrics(&mut p, raw.metrics);
@@ -161,7 +165,13 @@ fn read_redis(p: &mut Problems, v: Option<Value>, overrides: &Overrides) -> Redi
 fn read_worker(p: &mut Problems, v: Option<Value>) -> WorkerConfig {
     let raw: RawWorker = p.section("worker", v);
     let known = [
-        "group", "consumer", "batch", "max_inflight", "claim_idle", "max_deliveries", "drain",
+        "group",
+        "consumer",
+        "batch",
+        "max_inflight",
+        "claim_idle",
+        "max_deliveries",
+        "drain",
     ];
     p.unknown_keys("worker", &raw.unknown, &known);
     let group = p.string("worker.group", &raw.group, Some("pacer"));
@@ -169,15 +179,24 @@ fn read_worker(p: &mut Problems, v: Option<Value>) -> WorkerConfig {
         p.push("worker.group", "must not be empty");
     }
     let batch = p.integer("worker.batch", &raw.batch, 64, 1, 10_000) as usize;
-    let max_inflight =
-        p.integer("worker.max_inflight", &raw.max_inflight, 10_000, 1, 10_000_000) as usize;
+    let max_inflight = p.integer(
+        "worker.max_inflight",
+        &raw.max_inflight,
+        10_000,
+        1,
+        10_000_000,
+    ) as usize;
     if max_inflight < batch {
         p.push(
             "worker.max_inflight",
             format!("must be at least worker.batch ({batch}), got {max_inflight}"),
         );
     }
-    let claim_idle = p.duration("worker.claim_idle", &raw.claim_idle, Duration::from_secs(30));
+    let claim_idle = p.duration(
+        "worker.claim_idle",
+        &raw.claim_idle,
+        Duration::from_secs(30),
+    );
     if claim_idle < Duration::from_millis(100) {
         p.push("worker.claim_idle", "must be at least 100ms");
     }
@@ -207,12 +226,20 @@ fn read_metrics(p: &mut Problems, v: Option<Value>) -> MetricsConfig {
 fn read_outbound(p: &mut Problems, v: Option<Value>) -> OutboundConfig {
     if v.is_none() {
         // One problem, not one per missing key below it.
-        p.push("outbound", "is required: pacer has nothing to do without routes");
+        p.push(
+            "outbound",
+            "is required: pacer has nothing to do without routes",
+        );
     }
     let raw: RawOutbound = p.section("outbound", v.clone());
     let known = [
-        "streams", "rejected_stream", "dead_letter_stream", "max_len", "dedupe_ttl",
-        "max_event_bytes", "routes",
+        "streams",
+        "rejected_stream",
+        "dead_letter_stream",
+        "max_len",
+        "dedupe_ttl",
+        "max_event_bytes",
+        "routes",
     ];
     p.unknown_keys("outbound", &raw.unknown, &known);
 
@@ -231,20 +258,41 @@ fn read_outbound(p: &mut Problems, v: Option<Value>) -> OutboundConfig {
     if streams.is_empty() {
         p.push("outbound.streams", "needs at least one input stream");
     }
-    let rejected_stream =
-        p.string("outbound.rejected_stream", &raw.rejected_stream, Some("pacer:rejected"));
-    let dead_letter_stream =
-        p.string("outbound.dead_letter_stream", &raw.dead_letter_stream, Some("pacer:dead"));
-    let max_len = p.integer("outbound.max_len", &raw.max_len, 1_000_000, 100, u32::MAX as u64);
-    let dedupe_ttl = p.duration("outbound.dedupe_ttl", &raw.dedupe_ttl, Duration::from_secs(3600));
+    let rejected_stream = p.string(
+        "outbound.rejected_stream",
+        &raw.rejected_stream,
+        Some("pacer:rejected"),
+    );
+    let dead_letter_stream = p.string(
+        "outbound.dead_letter_stream",
+        &raw.dead_letter_stream,
+        Some("pacer:dead"),
+    );
+    let max_len = p.integer(
+        "outbound.max_len",
+        &raw.max_len,
+        1_000_000,
+        100,
+        u32::MAX as u64,
+    );
+    let dedupe_ttl = p.duration(
+        "outbound.dedupe_ttl",
+        &raw.dedupe_ttl,
+        Duration::from_secs(3600),
+    );
     if dedupe_ttl < Duration::from_secs(60) {
         p.push(
             "outbound.dedupe_ttl",
             "must be at least 1m: markers must outlive any redelivery",
         );
     }
-    let max_event_bytes =
-        p.integer("outbound.max_event_bytes", &raw.max_event_bytes, 65_536, 64, 16 << 20) as usize;
+    let max_event_bytes = p.integer(
+        "outbound.max_event_bytes",
+        &raw.max_event_bytes,
+        65_536,
+        64,
+        16 << 20,
+    ) as usize;
     let routes = read_routes(p, raw.routes);
 
     // Every stream name, input or output, must have a usable hash tag and appear once: an output
@@ -256,7 +304,10 @@ fn read_outbound(p: &mut Problems, v: Option<Value>) -> OutboundConfig {
         .map(|(i, s)| (format!("outbound.streams[{i}]"), s.clone()))
         .collect();
     named.push(("outbound.rejected_stream".into(), rejected_stream.clone()));
-    named.push(("outbound.dead_letter_stream".into(), dead_letter_stream.clone()));
+    named.push((
+        "outbound.dead_letter_stream".into(),
+        dead_letter_stream.clone(),
+    ));
     for (name, route) in &routes {
         named.push((
             format!("outbound.routes.{name}.ready_stream"),
@@ -267,7 +318,10 @@ fn read_outbound(p: &mut Problems, v: Option<Value>) -> OutboundConfig {
         if let Err(e) = keys::check_stream_name(&stream) {
             p.push(&path, e);
         } else if let Some(first) = seen.get(&stream) {
-            p.push(&path, format!("stream {stream:?} is already used by {first}"));
+            p.push(
+                &path,
+                format!("stream {stream:?} is already used by {first}"),
+            );
         } else {
             seen.insert(stream, path);
         }
@@ -308,7 +362,10 @@ fn read_routes(p: &mut Problems, v: Option<Value>) -> BTreeMap<String, Route> {
         let name = match key {
             Value::String(s) => s,
             other => {
-                p.push("outbound.routes", format!("route names are strings, got {other:?}"));
+                p.push(
+                    "outbound.routes",
+                    format!("route names are strings, got {other:?}"),
+                );
                 continue;
             }
         };
@@ -322,7 +379,11 @@ fn read_routes(p: &mut Problems, v: Option<Value>) -> BTreeMap<String, Route> {
         let rate: Option<Rate> = p.parsed(&join(&path, "rate"), &raw.rate, "a rate like 10/s");
         let burst = p.integer(&join(&path, "burst"), &raw.burst, 1, 1, 1_000_000) as u32;
         let burst = NonZeroU32::new(burst).expect("burst is at least 1");
-        let max_wait = p.duration(&join(&path, "max_wait"), &raw.max_wait, Duration::from_secs(1));
+        let max_wait = p.duration(
+            &join(&path, "max_wait"),
+            &raw.max_wait,
+            Duration::from_secs(1),
+        );
         let fallbacks = p.string_list(&join(&path, "fallbacks"), &raw.fallbacks);
         let ready = match &raw.ready_stream {
             None | Some(Value::Null) => keys::default_ready_stream(&name),
@@ -393,7 +454,10 @@ outbound:
         let a = &c.outbound.routes["carrier-a"];
         assert_eq!(a.keys.ready, "pacer:{carrier-a}:ready");
         assert_eq!(a.bucket.tolerance_us, 100_000);
-        assert_eq!(c.outbound.routes["carrier-b"].max_wait, Duration::from_secs(1));
+        assert_eq!(
+            c.outbound.routes["carrier-b"].max_wait,
+            Duration::from_secs(1)
+        );
     }
 
     #[test]
@@ -401,7 +465,10 @@ outbound:
         let o = Overrides {
             redis_url: Some("redis://10.1.2.3:7000".into()),
         };
-        assert_eq!(Config::parse(GOOD, &o).unwrap().redis.url, "redis://10.1.2.3:7000");
+        assert_eq!(
+            Config::parse(GOOD, &o).unwrap().redis.url,
+            "redis://10.1.2.3:7000"
+        );
     }
 
     #[test]

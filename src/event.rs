@@ -106,7 +106,10 @@ pub struct OutboundEvent {
 
 /// Checks an entry against the config. Route names come only from the config: an event naming
 /// another route is refused here, before any key is built from it.
-pub fn parse_outbound(entry: Entry, cfg: &OutboundConfig) -> Result<OutboundEvent, (Entry, Refused)> {
+pub fn parse_outbound(
+    entry: Entry,
+    cfg: &OutboundConfig,
+) -> Result<OutboundEvent, (Entry, Refused)> {
     match check(&entry, cfg) {
         Ok((route, event_id, cost, max_wait)) => {
             let mut routes = vec![route.clone()];
@@ -155,7 +158,9 @@ fn check(entry: &Entry, cfg: &OutboundConfig) -> Result<Checked, Refused> {
         });
     }
     let id = match text_field(entry, "id")? {
-        Some(id) if id.is_empty() || id.len() > MAX_ID_BYTES || id.chars().any(char::is_control) => {
+        Some(id)
+            if id.is_empty() || id.len() > MAX_ID_BYTES || id.chars().any(char::is_control) =>
+        {
             return Err(Refused::malformed(format!(
                 "id must be 1 to {MAX_ID_BYTES} bytes of printable text"
             )))
@@ -193,7 +198,9 @@ fn text_field<'a>(entry: &'a Entry, name: &str) -> Result<Option<&'a str>, Refus
     for (k, v) in &entry.fields {
         if k.as_slice() == name.as_bytes() {
             if found.is_some() {
-                return Err(Refused::malformed(format!("the field {name} is given twice")));
+                return Err(Refused::malformed(format!(
+                    "the field {name} is given twice"
+                )));
             }
             let text = std::str::from_utf8(v)
                 .map_err(|_| Refused::malformed(format!("the field {name} is not UTF-8 text")))?;
@@ -280,7 +287,10 @@ mod tests {
         Entry {
             stream: "in".into(),
             id: "1-0".into(),
-            fields: fields.iter().map(|(k, v)| (k.to_vec(), v.to_vec())).collect(),
+            fields: fields
+                .iter()
+                .map(|(k, v)| (k.to_vec(), v.to_vec()))
+                .collect(),
             deliveries: 1,
         }
     }
@@ -292,7 +302,12 @@ mod tests {
     #[test]
     fn reads_a_good_event_and_carries_its_fields() {
         let e = parse_outbound(
-            entry(&[(b"route", b"a"), (b"to", b"+3312"), (b"pacer_route", b"forged"), (b"cost", b"2")]),
+            entry(&[
+                (b"route", b"a"),
+                (b"to", b"+3312"),
+                (b"pacer_route", b"forged"),
+                (b"cost", b"2"),
+            ]),
             &cfg(),
         )
         .unwrap();
@@ -307,14 +322,28 @@ mod tests {
     fn refuses_each_kind_of_bad_event_with_a_reason() {
         assert_eq!(refused(&[(b"to", b"x")]).detail, "no route field");
         assert_eq!(refused(&[(b"route", b"zz")]).reason, Reason::UnknownRoute);
-        assert!(refused(&[(b"route", b"a"), (b"cost", b"0")]).detail.contains("cost"));
-        assert!(refused(&[(b"route", b"a"), (b"cost", b"-1")]).detail.contains("cost"));
-        assert!(refused(&[(b"route", b"a"), (b"cost", b"1.5")]).detail.contains("cost"));
+        assert!(refused(&[(b"route", b"a"), (b"cost", b"0")])
+            .detail
+            .contains("cost"));
+        assert!(refused(&[(b"route", b"a"), (b"cost", b"-1")])
+            .detail
+            .contains("cost"));
+        assert!(refused(&[(b"route", b"a"), (b"cost", b"1.5")])
+            .detail
+            .contains("cost"));
         assert!(refused(&[(b"route", b"\xff\xfe")]).detail.contains("UTF-8"));
-        assert!(refused(&[(b"route", b"a"), (b"route", b"b")]).detail.contains("twice"));
-        assert!(refused(&[(b"route", b"a"), (b"max_wait_ms", b"soon")]).detail.contains("max_wait_ms"));
-        assert!(refused(&[(b"route", b"a"), (b"id", b"")]).detail.contains("id"));
-        assert!(refused(&[(b"route", b"a"), (b"blob", &[7u8; 300])]).detail.contains("bytes"));
+        assert!(refused(&[(b"route", b"a"), (b"route", b"b")])
+            .detail
+            .contains("twice"));
+        assert!(refused(&[(b"route", b"a"), (b"max_wait_ms", b"soon")])
+            .detail
+            .contains("max_wait_ms"));
+        assert!(refused(&[(b"route", b"a"), (b"id", b"")])
+            .detail
+            .contains("id"));
+        assert!(refused(&[(b"route", b"a"), (b"blob", &[7u8; 300])])
+            .detail
+            .contains("bytes"));
         assert!(refused(&[]).detail.contains("no fields"));
     }
 
@@ -329,8 +358,14 @@ mod tests {
 
     #[test]
     fn parses_marker_values() {
-        assert_eq!(parse_marker("s123|1-0@in"), Some((Marker::Slot(123), "1-0@in")));
-        assert_eq!(parse_marker("d1700-3|1-0@in"), Some((Marker::Dispatched(1700), "1-0@in")));
+        assert_eq!(
+            parse_marker("s123|1-0@in"),
+            Some((Marker::Slot(123), "1-0@in"))
+        );
+        assert_eq!(
+            parse_marker("d1700-3|1-0@in"),
+            Some((Marker::Dispatched(1700), "1-0@in"))
+        );
         assert_eq!(parse_marker("x5|o"), Some((Marker::Skipped(5), "o")));
         assert_eq!(parse_marker("junk"), None);
     }

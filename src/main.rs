@@ -10,10 +10,20 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
-#[command(name = "pacer", version, about = "Paces outbound events per route, with shared state in Redis")]
+#[command(
+    name = "pacer",
+    version,
+    about = "Paces outbound events per route, with shared state in Redis"
+)]
 struct Cli {
     /// Log format (filter with RUST_LOG).
-    #[arg(long, env = "PACER_LOG_FORMAT", value_enum, default_value = "text", global = true)]
+    #[arg(
+        long,
+        env = "PACER_LOG_FORMAT",
+        value_enum,
+        default_value = "text",
+        global = true
+    )]
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
@@ -52,7 +62,9 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let overrides = Overrides {
-        redis_url: std::env::var("PACER_REDIS_URL").ok().filter(|u| !u.is_empty()),
+        redis_url: std::env::var("PACER_REDIS_URL")
+            .ok()
+            .filter(|u| !u.is_empty()),
     };
     let path = match &cli.command {
         Command::Run(c) | Command::CheckConfig(c) | Command::Report(c) => &c.config,
@@ -88,10 +100,26 @@ fn main() -> ExitCode {
 async fn async_main(command: Command, cfg: Config) -> anyhow::Result<()> {
     match command {
         Command::Run(_) => run(cfg).await,
-        Command::Produce { count, routes, bad_every, .. } => {
-            let routes = if routes.is_empty() { cfg.outbound.routes.keys().cloned().collect() } else { routes };
+        Command::Produce {
+            count,
+            routes,
+            bad_every,
+            ..
+        } => {
+            let routes = if routes.is_empty() {
+                cfg.outbound.routes.keys().cloned().collect()
+            } else {
+                routes
+            };
             let mut con = connect(&cfg).await?;
-            pacer::produce::produce(&mut con, &cfg.outbound.streams[0], &routes, count, bad_every).await?;
+            pacer::produce::produce(
+                &mut con,
+                &cfg.outbound.streams[0],
+                &routes,
+                count,
+                bad_every,
+            )
+            .await?;
             println!("pushed {count} events to {}", cfg.outbound.streams[0]);
             Ok(())
         }
@@ -121,7 +149,12 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     tracing::info!(listen = %listener.local_addr()?, "serving /metrics, /healthz and /readyz");
     let shutdown = CancellationToken::new();
     let server_stop = CancellationToken::new();
-    let server = tokio::spawn(pacer::server::serve(listener, metrics, health.clone(), server_stop.clone()));
+    let server = tokio::spawn(pacer::server::serve(
+        listener,
+        metrics,
+        health.clone(),
+        server_stop.clone(),
+    ));
     tokio::spawn(wait_for_signal(shutdown.clone()));
     let worker = pacer::worker::Worker::new(cfg, health)?;
     worker.run(shutdown).await;

@@ -107,9 +107,15 @@ mod tests {
     fn refuses_bad_rates() {
         assert!(matches!("0/s".parse::<Rate>(), Err(RateError::Count(_))));
         assert!(matches!("ten/s".parse::<Rate>(), Err(RateError::Count(_))));
-        assert!(matches!("10/day".parse::<Rate>(), Err(RateError::Syntax(_))));
+        assert!(matches!(
+            "10/day".parse::<Rate>(),
+            Err(RateError::Syntax(_))
+        ));
         assert!(matches!("10".parse::<Rate>(), Err(RateError::Syntax(_))));
-        assert!(matches!("2000/ms".parse::<Rate>(), Err(RateError::TooFast(_))));
+        assert!(matches!(
+            "2000/ms".parse::<Rate>(),
+            Err(RateError::TooFast(_))
+        ));
     }
 
     #[test]

@@ -69,8 +69,16 @@ pub async fn read_all<C: ConnectionLike>(con: &mut C, stream: &str) -> Result<Ve
         let n = entries.len();
         for e in entries {
             start = format!("({}", e.id);
-            let ms = e.id.split('-').next().and_then(|m| m.parse().ok()).unwrap_or(0);
-            out.push(OutputEntry { id: e.id, ms, fields: e.fields });
+            let ms =
+                e.id.split('-')
+                    .next()
+                    .and_then(|m| m.parse().ok())
+                    .unwrap_or(0);
+            out.push(OutputEntry {
+                id: e.id,
+                ms,
+                fields: e.fields,
+            });
         }
         if n < 10_000 {
             return Ok(out);
@@ -119,8 +127,14 @@ pub async fn report<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Repo
             rate: route.rate.to_string(),
             burst: route.burst.get(),
             dispatched: entries.len(),
-            rerouted_in: entries.iter().filter(|e| e.field("route") != Some(&route.name)).count(),
-            rejected: rejected.iter().filter(|e| e.field("pacer_route") == Some(&route.name)).count(),
+            rerouted_in: entries
+                .iter()
+                .filter(|e| e.field("route") != Some(&route.name))
+                .count(),
+            rejected: rejected
+                .iter()
+                .filter(|e| e.field("pacer_route") == Some(&route.name))
+                .count(),
             max_per_second: max_in_window(&times, 1000),
             limit_per_second: route.bucket.window_limit(1_000_000),
             min_gap_ms: times.windows(2).map(|w| w[1] - w[0]).min(),
@@ -144,7 +158,15 @@ impl fmt::Display for Report {
         writeln!(
             f,
             "{:<14} {:>8} {:>6} {:>10} {:>9} {:>8} {:>14} {:>10} {:>18}",
-            "route", "rate", "burst", "dispatched", "rerouted", "rejected", "max in 1s/limit", "min gap ms", "late p50/p99/max"
+            "route",
+            "rate",
+            "burst",
+            "dispatched",
+            "rerouted",
+            "rejected",
+            "max in 1s/limit",
+            "min gap ms",
+            "late p50/p99/max"
         )?;
         for r in &self.routes {
             writeln!(
@@ -158,11 +180,28 @@ impl fmt::Display for Report {
                 r.rejected,
                 format!("{}/{}", r.max_per_second, r.limit_per_second),
                 opt(r.min_gap_ms),
-                format!("{}/{}/{}", opt(r.lateness_p50_ms), opt(r.lateness_p99_ms), opt(r.lateness_max_ms)),
+                format!(
+                    "{}/{}/{}",
+                    opt(r.lateness_p50_ms),
+                    opt(r.lateness_p99_ms),
+                    opt(r.lateness_max_ms)
+                ),
             )?;
         }
-        let dead: Vec<String> = self.dead_letters.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        writeln!(f, "dead letters: {}", if dead.is_empty() { "none".into() } else { dead.join(", ") })
+        let dead: Vec<String> = self
+            .dead_letters
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        writeln!(
+            f,
+            "dead letters: {}",
+            if dead.is_empty() {
+                "none".into()
+            } else {
+                dead.join(", ")
+            }
+        )
     }
 }
 

@@ -56,9 +56,15 @@ pub struct ScheduleItem<'a> {
 /// What `schedule` decided for one event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Scheduled {
-    Dispatched { entry_id: String },
-    Sleep { slot_us: i64 },
-    TooLong { wait_us: i64 },
+    Dispatched {
+        entry_id: String,
+    },
+    Sleep {
+        slot_us: i64,
+    },
+    TooLong {
+        wait_us: i64,
+    },
     /// An earlier delivery decided this event already: the marker's value.
     Decided(String),
 }
@@ -66,6 +72,8 @@ pub enum Scheduled {
 #[derive(Debug, Clone)]
 pub struct ScheduleReply {
     pub now_us: i64,
+    /// Redis's clock as the script ended: the reply left Redis just after it.
+    pub end_us: i64,
     /// The route's plan after this batch: how far ahead its next free slot is.
     pub tat_us: i64,
     pub items: Vec<Scheduled>,
@@ -82,8 +90,12 @@ pub struct DispatchItem<'a> {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Dispatched {
-    Done { entry_id: String },
-    NotBefore { at_us: i64 },
+    Done {
+        entry_id: String,
+    },
+    NotBefore {
+        at_us: i64,
+    },
     /// The marker no longer holds this decision (its value, empty if gone).
     Superseded(String),
 }
@@ -91,6 +103,7 @@ pub enum Dispatched {
 #[derive(Debug, Clone)]
 pub struct DispatchReply {
     pub now_us: i64,
+    pub end_us: i64,
     pub items: Vec<Dispatched>,
 }
 
@@ -156,6 +169,7 @@ impl Scripts {
         }
         Ok(ScheduleReply {
             now_us,
+            end_us: values.int()?,
             tat_us,
             items: out,
         })
@@ -196,7 +210,11 @@ impl Scripts {
                 other => return Err(Error::reply("dispatch", format!("code {other}"))),
             });
         }
-        Ok(DispatchReply { now_us, items: out })
+        Ok(DispatchReply {
+            now_us,
+            end_us: values.int()?,
+            items: out,
+        })
     }
 
     /// Writes each item to `keys.stream` unless an earlier delivery did; returns which were new.
@@ -241,7 +259,10 @@ impl Reply {
                 op,
                 values: values.into_iter(),
             }),
-            other => Err(Error::reply(op, format!("expected an array, got {other:?}"))),
+            other => Err(Error::reply(
+                op,
+                format!("expected an array, got {other:?}"),
+            )),
         }
     }
 
@@ -252,7 +273,10 @@ impl Reply {
                 .ok()
                 .and_then(|s| s.parse().ok())
                 .ok_or_else(|| Error::reply(self.op, "expected an integer")),
-            other => Err(Error::reply(self.op, format!("expected an integer, got {other:?}"))),
+            other => Err(Error::reply(
+                self.op,
+                format!("expected an integer, got {other:?}"),
+            )),
         }
     }
 
@@ -261,7 +285,10 @@ impl Reply {
             Some(Value::BulkString(b)) => Ok(String::from_utf8_lossy(&b).into_owned()),
             Some(Value::SimpleString(s)) => Ok(s),
             Some(Value::Int(i)) => Ok(i.to_string()),
-            other => Err(Error::reply(self.op, format!("expected a string, got {other:?}"))),
+            other => Err(Error::reply(
+                self.op,
+                format!("expected a string, got {other:?}"),
+            )),
         }
     }
 }

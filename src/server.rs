@@ -34,12 +34,17 @@ pub async fn serve(
         let metrics = metrics.clone();
         let health = health.clone();
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(5), answer(socket, &metrics, &health)).await;
+            let _ = tokio::time::timeout(Duration::from_secs(5), answer(socket, &metrics, &health))
+                .await;
         });
     }
 }
 
-async fn answer(mut socket: TcpStream, metrics: &PrometheusHandle, health: &Health) -> std::io::Result<()> {
+async fn answer(
+    mut socket: TcpStream,
+    metrics: &PrometheusHandle,
+    health: &Health,
+) -> std::io::Result<()> {
     let mut buf = vec![0u8; 2048];
     let mut len = 0;
     // The request line is all we need; stop at the end of the headers or a full buffer.
@@ -66,7 +71,11 @@ async fn answer(mut socket: TcpStream, metrics: &PrometheusHandle, health: &Heal
             "text/plain",
             "not ready: Redis unreachable or scripts not loaded\n".to_string(),
         ),
-        ("GET", _) => ("404 Not Found", "text/plain", "try /metrics, /healthz or /readyz\n".into()),
+        ("GET", _) => (
+            "404 Not Found",
+            "text/plain",
+            "try /metrics, /healthz or /readyz\n".into(),
+        ),
         _ => ("405 Method Not Allowed", "text/plain", "GET only\n".into()),
     };
     let head = format!(

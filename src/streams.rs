@@ -82,7 +82,12 @@ pub async fn read_group<C: ConnectionLike>(
 
 /// Parses `[[id, [f, v, ...]], ...]`. An entry deleted while pending comes back with no fields
 /// (`nil`); it is kept, fieldless, so that it is dead-lettered and acknowledged, not stuck.
-pub fn parse_entries(v: Value, stream: &Arc<str>, deliveries: u64, out: &mut Vec<Entry>) -> Result<()> {
+pub fn parse_entries(
+    v: Value,
+    stream: &Arc<str>,
+    deliveries: u64,
+    out: &mut Vec<Entry>,
+) -> Result<()> {
     let Value::Array(entries) = v else {
         return Err(Error::reply("read", "expected a list of entries"));
     };
@@ -94,7 +99,8 @@ pub fn parse_entries(v: Value, stream: &Arc<str>, deliveries: u64, out: &mut Vec
             return Err(Error::reply("read", "expected [id, fields]"));
         }
         let raw = parts.pop().expect("two items");
-        let id = String::from_utf8_lossy(&bytes(parts.pop().expect("two items"), "read")?).into_owned();
+        let id =
+            String::from_utf8_lossy(&bytes(parts.pop().expect("two items"), "read")?).into_owned();
         let mut fields: Fields = Vec::new();
         match raw {
             Value::Nil => {}
@@ -126,12 +132,20 @@ fn bytes(v: Value, op: &'static str) -> Result<Vec<u8>> {
         Value::BulkString(b) => Ok(b),
         Value::SimpleString(s) => Ok(s.into_bytes()),
         Value::Int(i) => Ok(i.to_string().into_bytes()),
-        other => Err(Error::reply(op, format!("expected a string, got {other:?}"))),
+        other => Err(Error::reply(
+            op,
+            format!("expected a string, got {other:?}"),
+        )),
     }
 }
 
 /// Acknowledges entries of one stream.
-pub async fn ack<C: ConnectionLike>(con: &mut C, stream: &str, group: &str, ids: &[&str]) -> Result<()> {
+pub async fn ack<C: ConnectionLike>(
+    con: &mut C,
+    stream: &str,
+    group: &str,
+    ids: &[&str],
+) -> Result<()> {
     if ids.is_empty() {
         return Ok(());
     }
@@ -148,7 +162,11 @@ pub async fn group_info<C: ConnectionLike>(
     stream: &str,
     group: &str,
 ) -> Result<Option<(i64, Option<i64>)>> {
-    let reply: Value = redis::cmd("XINFO").arg("GROUPS").arg(stream).query_async(con).await?;
+    let reply: Value = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .query_async(con)
+        .await?;
     let Value::Array(groups) = reply else {
         return Ok(None);
     };
@@ -178,7 +196,10 @@ pub async fn group_info<C: ConnectionLike>(
                 Some(Value::Int(i)) => Some(i),
                 _ => None,
             };
-            return Ok(Some((int(field("pending")).unwrap_or(0), int(field("lag")))));
+            return Ok(Some((
+                int(field("pending")).unwrap_or(0),
+                int(field("lag")),
+            )));
         }
     }
     Ok(None)

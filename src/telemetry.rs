@@ -89,13 +89,21 @@ where
 
 /// Installs the Prometheus recorder, with buckets fit for what each histogram holds.
 pub fn install_metrics() -> Result<PrometheusHandle, String> {
-    let lateness = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0];
-    let waits = [0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0];
-    let redis = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0];
+    let lateness = [
+        0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+    ];
+    let waits = [
+        0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
+    ];
+    let redis = [
+        0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0,
+    ];
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Full(LATENESS_SECONDS.into()), &lateness)
         .and_then(|b| b.set_buckets_for_metric(Matcher::Full(WAIT_SECONDS.into()), &waits))
-        .and_then(|b| b.set_buckets_for_metric(Matcher::Full(REDIS_DURATION_SECONDS.into()), &redis))
+        .and_then(|b| {
+            b.set_buckets_for_metric(Matcher::Full(REDIS_DURATION_SECONDS.into()), &redis)
+        })
         .and_then(|b| b.install_recorder())
         .map_err(|e| e.to_string())?;
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);

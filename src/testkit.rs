@@ -87,7 +87,12 @@ impl RedisServer {
         let port = free_port();
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         let child = spawn_redis(port, dir.path(), &extra);
-        let server = RedisServer { child, port, dir, extra };
+        let server = RedisServer {
+            child,
+            port,
+            dir,
+            extra,
+        };
         server.wait_ready();
         server
     }
@@ -102,7 +107,9 @@ impl RedisServer {
 
     /// A blocking connection, for simple checks.
     pub fn con(&self) -> redis::Connection {
-        self.client().get_connection().expect("connecting to the test redis")
+        self.client()
+            .get_connection()
+            .expect("connecting to the test redis")
     }
 
     /// Kills the server (SIGKILL): its data is lost unless persistence is on.
@@ -126,7 +133,11 @@ impl RedisServer {
                     return;
                 }
             }
-            assert!(Instant::now() < deadline, "redis-server did not start on port {}", self.port);
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not start on port {}",
+                self.port
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -134,7 +145,14 @@ impl RedisServer {
 
 fn spawn_redis(port: u16, dir: &Path, extra: &[String]) -> Child {
     Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+        ])
         .args(["--appendonly", "no", "--dir"])
         .arg(dir)
         .args(extra)
@@ -193,7 +211,10 @@ impl Pacer {
     }
 
     pub fn signal(&self, sig: &str) {
-        let _ = Command::new("kill").arg(format!("-{sig}")).arg(self.pid().to_string()).status();
+        let _ = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid().to_string())
+            .status();
     }
 
     /// Waits for the process to exit, up to `limit`; its exit code, or None if it did not.
@@ -243,11 +264,18 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
     let mut text = String::new();
     s.read_to_string(&mut text).ok()?;
     let status = text.split_whitespace().nth(1)?.parse().ok()?;
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     Some((status, body))
 }
 

@@ -69,7 +69,8 @@ impl Worker {
         let con = ConnectionManager::new_lazy_with_config(client.clone(), manager_cfg(timeout))?;
         // Blocking reads get their own connection: a read blocked in Redis must not hold up the
         // scheduling and dispatch calls queued behind it.
-        let reader_con = ConnectionManager::new_lazy_with_config(client, manager_cfg(READ_BLOCK + timeout))?;
+        let reader_con =
+            ConnectionManager::new_lazy_with_config(client, manager_cfg(READ_BLOCK + timeout))?;
         let consumer = if cfg.worker.consumer.is_empty() {
             default_consumer()
         } else {
@@ -81,7 +82,12 @@ impl Worker {
             con,
             health,
             clock: RedisClock::default(),
-            streams: cfg.outbound.streams.iter().map(|s| Arc::from(s.as_str())).collect(),
+            streams: cfg
+                .outbound
+                .streams
+                .iter()
+                .map(|s| Arc::from(s.as_str()))
+                .collect(),
             rejected: OutputKeys::new(&cfg.outbound.rejected_stream),
             dead: OutputKeys::new(&cfg.outbound.dead_letter_stream),
             marker_ttl_ms: cfg.outbound.dedupe_ttl.as_millis() as u64,
@@ -109,7 +115,12 @@ impl Worker {
         }
         let hard_stop = CancellationToken::new();
         let (tx, rx) = mpsc::unbounded_channel();
-        let dispatcher = tokio::spawn(dispatcher::run(shared.clone(), rx, shutdown.clone(), hard_stop.clone()));
+        let dispatcher = tokio::spawn(dispatcher::run(
+            shared.clone(),
+            rx,
+            shutdown.clone(),
+            hard_stop.clone(),
+        ));
         let monitor = tokio::spawn(monitor(shared.clone(), hard_stop.clone()));
         read_loop(&shared, self.reader_con, &tx, &shutdown).await;
         drop(tx);
@@ -157,7 +168,14 @@ async fn read_loop(
         };
         let read = telemetry::timed(
             "read",
-            streams::read_group(&mut con, &shared.cfg.worker.group, &shared.consumer, &shared.streams, batch, READ_BLOCK),
+            streams::read_group(
+                &mut con,
+                &shared.cfg.worker.group,
+                &shared.consumer,
+                &shared.streams,
+                batch,
+                READ_BLOCK,
+            ),
         )
         .await;
         let entries = match read {
@@ -194,7 +212,11 @@ async fn monitor(shared: Arc<Shared>, stop: CancellationToken) {
     let mut con = shared.con.clone();
     loop {
         for stream in &shared.streams {
-            let info = telemetry::timed("info", streams::group_info(&mut con, stream, &shared.cfg.worker.group)).await;
+            let info = telemetry::timed(
+                "info",
+                streams::group_info(&mut con, stream, &shared.cfg.worker.group),
+            )
+            .await;
             match info {
                 Ok(Some((pending, lag))) => {
                     telemetry::stream_state(stream, &shared.cfg.worker.group, pending, lag);
@@ -253,7 +275,12 @@ impl Shared {
 
     /// Runs `f` until it succeeds, backing off between failures; `None` if `stop` comes first.
     /// Safe because every step pacer takes in Redis is idempotent.
-    async fn retry<T, F, Fut>(&self, op: &'static str, stop: &CancellationToken, mut f: F) -> Option<T>
+    async fn retry<T, F, Fut>(
+        &self,
+        op: &'static str,
+        stop: &CancellationToken,
+        mut f: F,
+    ) -> Option<T>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
@@ -299,7 +326,13 @@ impl Shared {
                     "delivered {} times, more than worker.max_deliveries ({})",
                     entry.deliveries, self.cfg.worker.max_deliveries
                 );
-                done.dead.push((entry, Refused { reason: Reason::TooManyDeliveries, detail }));
+                done.dead.push((
+                    entry,
+                    Refused {
+                        reason: Reason::TooManyDeliveries,
+                        detail,
+                    },
+                ));
                 continue;
             }
             match event::parse_outbound(entry, &self.cfg.outbound) {
@@ -329,15 +362,20 @@ impl Shared {
         while !pending.is_empty() {
             let mut by_route: BTreeMap<String, Vec<Placing>> = BTreeMap::new();
             for p in pending.drain(..) {
-                by_route.entry(p.event.routes[p.next].clone()).or_default().push(p);
+                by_route
+                    .entry(p.event.routes[p.next].clone())
+                    .or_default()
+                    .push(p);
             }
-            let calls = by_route.into_iter().map(|(route, group)| self.schedule_on(route, group, stop));
+            let calls = by_route
+                .into_iter()
+                .map(|(route, group)| self.schedule_on(route, group, stop));
             for (route, group, reply) in futures_util::future::join_all(calls).await {
                 let Some(reply) = reply else {
                     // Shutdown while Redis failed: leave these entries pending.
                     continue;
                 };
-                self.clock.observe(reply.now_us, Instant::now());
+                self.clock.observe(reply.end_us, Instant::now());
                 telemetry::route_queue(&route.name, reply.tat_us - reply.now_us);
                 for (mut p, outcome) in group.into_iter().zip(reply.items) {
                     let rerouted = p.next > 0;
@@ -346,17 +384,18 @@ impl Shared {
                             telemetry::scheduled_wait(&route.name, 0);
                             telemetry::lateness(&route.name, 0);
                             self.count_dispatch(&p.event, &route.name, rerouted);
-                            done.acks.push((p.event.entry.stream.clone(), p.event.entry.id.clone()));
+                            done.acks
+                                .push((p.event.entry.stream.clone(), p.event.entry.id.clone()));
                         }
                         Scheduled::Sleep { slot_us } => {
                             let wait_us = slot_us - reply.now_us;
                             telemetry::scheduled_wait(&route.name, wait_us);
-                            let wake = self.clock.local(slot_us);
-                            let sleeper = Sleeper::new(p.event, p.permit, &route, slot_us, wait_us, wake);
+                            let sleeper = Sleeper::new(p.event, p.permit, &route, slot_us, wait_us);
                             let _ = tx.send(sleeper);
                         }
                         Scheduled::TooLong { wait_us } => {
-                            p.best_wait_us = Some(p.best_wait_us.map_or(wait_us, |b| b.min(wait_us)));
+                            p.best_wait_us =
+                                Some(p.best_wait_us.map_or(wait_us, |b| b.min(wait_us)));
                             self.next_route(p, &mut pending, done);
                         }
                         Scheduled::Decided(marker) => {
@@ -375,7 +414,10 @@ impl Shared {
         stop: &CancellationToken,
     ) -> (Route, Vec<Placing>, Option<crate::scripts::ScheduleReply>) {
         let route = self.cfg.outbound.routes[&route].clone();
-        let fields: Vec<Fields> = group.iter().map(|p| event::ready_fields(&p.event, &route.name)).collect();
+        let fields: Vec<Fields> = group
+            .iter()
+            .map(|p| event::ready_fields(&p.event, &route.name))
+            .collect();
         let reply = {
             let items: Vec<ScheduleItem<'_>> = group
                 .iter()
@@ -395,7 +437,14 @@ impl Shared {
                 let route = &route;
                 async move {
                     self.scripts
-                        .schedule(&mut con, &route.keys, &route.bucket, self.marker_ttl_ms, self.cfg.outbound.max_len, items)
+                        .schedule(
+                            &mut con,
+                            &route.keys,
+                            &route.bucket,
+                            self.marker_ttl_ms,
+                            self.cfg.outbound.max_len,
+                            items,
+                        )
                         .await
                 }
             })
@@ -430,13 +479,23 @@ impl Shared {
     ) {
         match event::parse_marker(marker) {
             Some((_, owner)) if owner != p.event.owner => {
-                let detail = format!("event id {:?} was already taken by entry {owner}", p.event.event_id);
+                let detail = format!(
+                    "event id {:?} was already taken by entry {owner}",
+                    p.event.event_id
+                );
                 telemetry::outbound_event(&p.event.routes[0], Outcome::Duplicate);
-                done.dead.push((p.event.entry, Refused { reason: Reason::Duplicate, detail }));
+                done.dead.push((
+                    p.event.entry,
+                    Refused {
+                        reason: Reason::Duplicate,
+                        detail,
+                    },
+                ));
             }
             Some((Marker::Dispatched(_), _)) => {
                 debug!(event = %p.event.event_id, route = %route.name, "already dispatched by an earlier delivery");
-                done.acks.push((p.event.entry.stream.clone(), p.event.entry.id.clone()));
+                done.acks
+                    .push((p.event.entry.stream.clone(), p.event.entry.id.clone()));
             }
             Some((Marker::Skipped(wait_us), _)) => {
                 p.best_wait_us = Some(p.best_wait_us.map_or(wait_us, |b| b.min(wait_us)));
@@ -450,8 +509,7 @@ impl Shared {
                     pending.push(p);
                 } else {
                     let wait_us = (slot_us - now_us).max(0);
-                    let wake = self.clock.local(slot_us);
-                    let mut sleeper = Sleeper::new(p.event, p.permit, route, slot_us, wait_us, wake);
+                    let mut sleeper = Sleeper::new(p.event, p.permit, route, slot_us, wait_us);
                     sleeper.expect = marker.to_string();
                     let _ = tx.send(sleeper);
                 }
@@ -474,12 +532,20 @@ impl Shared {
     /// Writes rejections and dead letters (once each), then acknowledges everything finished.
     async fn finish(&self, mut done: Finished, stop: &CancellationToken) {
         if !done.dead.is_empty() {
-            let fields: Vec<Fields> = done.dead.iter().map(|(e, r)| event::dead_letter_fields(e, r)).collect();
+            let fields: Vec<Fields> = done
+                .dead
+                .iter()
+                .map(|(e, r)| event::dead_letter_fields(e, r))
+                .collect();
             let items: Vec<EmitItem<'_>> = done
                 .dead
                 .iter()
                 .zip(&fields)
-                .map(|((e, _), f)| EmitItem { source_stream: &e.stream, source_id: &e.id, fields: f })
+                .map(|((e, _), f)| EmitItem {
+                    source_stream: &e.stream,
+                    source_id: &e.id,
+                    fields: f,
+                })
                 .collect();
             if self.emit("deadletter", &self.dead, &items, stop).await {
                 for (entry, refused) in &done.dead {
@@ -501,24 +567,41 @@ impl Shared {
                 .rejected
                 .iter()
                 .zip(&fields)
-                .map(|((e, _), f)| EmitItem { source_stream: &e.entry.stream, source_id: &e.entry.id, fields: f })
+                .map(|((e, _), f)| EmitItem {
+                    source_stream: &e.entry.stream,
+                    source_id: &e.entry.id,
+                    fields: f,
+                })
                 .collect();
             if self.emit("reject", &self.rejected, &items, stop).await {
                 for (event, _) in &done.rejected {
                     telemetry::outbound_event(&event.routes[0], Outcome::Rejected);
-                    done.acks.push((event.entry.stream.clone(), event.entry.id.clone()));
+                    done.acks
+                        .push((event.entry.stream.clone(), event.entry.id.clone()));
                 }
             }
         }
         self.ack(done.acks, stop).await;
     }
 
-    async fn emit(&self, op: &'static str, keys: &OutputKeys, items: &[EmitItem<'_>], stop: &CancellationToken) -> bool {
+    async fn emit(
+        &self,
+        op: &'static str,
+        keys: &OutputKeys,
+        items: &[EmitItem<'_>],
+        stop: &CancellationToken,
+    ) -> bool {
         self.retry(op, stop, || {
             let mut con = self.con.clone();
             async move {
                 self.scripts
-                    .emit(&mut con, keys, self.marker_ttl_ms, self.cfg.outbound.max_len, items)
+                    .emit(
+                        &mut con,
+                        keys,
+                        self.marker_ttl_ms,
+                        self.cfg.outbound.max_len,
+                        items,
+                    )
                     .await
             }
         })

@@ -45,7 +45,10 @@ fn args(op: &Op) -> [String; 4] {
 
 fn time() -> impl Strategy<Value = i64> {
     // Zero (an empty bucket) or around now, with µs detail.
-    prop_oneof![Just(0i64), (0i64..10_000_000_000).prop_map(|d| EPOCH_US + d)]
+    prop_oneof![
+        Just(0i64),
+        (0i64..10_000_000_000).prop_map(|d| EPOCH_US + d)
+    ]
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -71,22 +74,28 @@ fn lua_and_rust_agree() {
     let script = redis::Script::new(&format!("{BUCKET_LIB}{PROBE}"));
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(300));
     runner
-        .run(&(params(), proptest::collection::vec(op(), 1..40)), |(p, ops)| {
-            let mut call = script.prepare_invoke();
-            call.arg(p.interval_us).arg(p.tolerance_us);
-            for op in &ops {
-                for a in args(op) {
-                    call.arg(a);
+        .run(
+            &(params(), proptest::collection::vec(op(), 1..40)),
+            |(p, ops)| {
+                let mut call = script.prepare_invoke();
+                call.arg(p.interval_us).arg(p.tolerance_us);
+                for op in &ops {
+                    for a in args(op) {
+                        call.arg(a);
+                    }
                 }
-            }
-            let lua: Vec<i64> = call.invoke(&mut *con.borrow_mut()).expect("probe script");
-            let expected: Vec<i64> = ops.iter().flat_map(|op| {
-                let (a, b) = rust(op, &p);
-                [a, b]
-            }).collect();
-            prop_assert_eq!(lua, expected, "params {:?} ops {:?}", p, ops);
-            Ok(())
-        })
+                let lua: Vec<i64> = call.invoke(&mut *con.borrow_mut()).expect("probe script");
+                let expected: Vec<i64> = ops
+                    .iter()
+                    .flat_map(|op| {
+                        let (a, b) = rust(op, &p);
+                        [a, b]
+                    })
+                    .collect();
+                prop_assert_eq!(lua, expected, "params {:?} ops {:?}", p, ops);
+                Ok(())
+            },
+        )
         .unwrap();
 }
 
@@ -112,7 +121,13 @@ fn check_windows(ids: &[i64], p: &BucketParams) -> Result<(), TestCaseError> {
     for w_ms in [1, 2, 3, 5, 10, 17, 50, 100, 333, 1000, 2500, 10_000] {
         let limit = (w_ms * 1000) as f64 / p.interval_us as f64 + burst as f64;
         let seen = max_in_window(ids, w_ms) as f64;
-        prop_assert!(seen <= limit, "{} entries in {} ms, limit {}", seen, w_ms, limit);
+        prop_assert!(
+            seen <= limit,
+            "{} entries in {} ms, limit {}",
+            seen,
+            w_ms,
+            limit
+        );
     }
     Ok(())
 }
@@ -120,7 +135,12 @@ fn check_windows(ids: &[i64], p: &BucketParams) -> Result<(), TestCaseError> {
 fn attempts() -> impl Strategy<Value = Vec<(i64, i64)>> {
     proptest::collection::vec((0i64..40_000, 1i64..4), 1..400).prop_map(|gaps| {
         let mut t = EPOCH_US;
-        gaps.into_iter().map(|(gap, cost)| { t += gap; (t, cost) }).collect()
+        gaps.into_iter()
+            .map(|(gap, cost)| {
+                t += gap;
+                (t, cost)
+            })
+            .collect()
     })
 }
 
@@ -176,6 +196,9 @@ fn planning_alone_breaks_the_rate_when_dispatch_is_late() {
     }
     late.sort();
     let ungated: Vec<i64> = late.iter().map(|(t, _)| t / 1000).collect();
-    assert!(check_windows(&ungated, &p).is_err(), "late slots without a gate should bunch");
+    assert!(
+        check_windows(&ungated, &p).is_err(),
+        "late slots without a gate should bunch"
+    );
     assert!(check_windows(&gated(&late, &p), &p).is_ok());
 }

@@ -22,20 +22,42 @@ fn pacer(args: &[&str]) -> (i32, String, String) {
 #[test]
 fn every_bad_fixture_is_refused_with_exactly_its_problems() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/bad");
-    let mut fixtures: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut fixtures: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     fixtures.sort();
-    assert!(fixtures.len() >= 20, "expected one fixture per kind of mistake");
+    assert!(
+        fixtures.len() >= 20,
+        "expected one fixture per kind of mistake"
+    );
     for path in fixtures {
         let text = std::fs::read_to_string(&path).unwrap();
-        let expected: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# expect: ")).collect();
-        assert!(!expected.is_empty(), "{} has no # expect: line", path.display());
+        let expected: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# expect: "))
+            .collect();
+        assert!(
+            !expected.is_empty(),
+            "{} has no # expect: line",
+            path.display()
+        );
         let (code, _, stderr) = pacer(&["check-config", "--config", path.to_str().unwrap()]);
         assert_eq!(code, 2, "{}: exit code\n{stderr}", path.display());
         for e in &expected {
-            assert!(stderr.contains(e.trim_end()), "{}: missing {e:?} in\n{stderr}", path.display());
+            assert!(
+                stderr.contains(e.trim_end()),
+                "{}: missing {e:?} in\n{stderr}",
+                path.display()
+            );
         }
         let problems = stderr.lines().filter(|l| l.starts_with("  ")).count();
-        assert_eq!(problems, expected.len(), "{}: problem count in\n{stderr}", path.display());
+        assert_eq!(
+            problems,
+            expected.len(),
+            "{}: problem count in\n{stderr}",
+            path.display()
+        );
     }
 }
 
@@ -49,7 +71,8 @@ fn the_documented_example_config_is_valid() {
 
 #[test]
 fn run_refuses_to_start_on_a_bad_config() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/bad/every_problem_at_once.yaml");
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/bad/every_problem_at_once.yaml");
     let (code, _, stderr) = pacer(&["run", "--config", path.to_str().unwrap()]);
     assert_eq!(code, 2);
     assert!(stderr.contains("7 problems in the config"), "{stderr}");
@@ -64,5 +87,8 @@ fn pacer_config_names_the_file_and_a_missing_file_is_a_clear_error() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2));
-    assert!(stderr.contains("/nonexistent/pacer.yaml: cannot read the config file"), "{stderr}");
+    assert!(
+        stderr.contains("/nonexistent/pacer.yaml: cannot read the config file"),
+        "{stderr}"
+    );
 }

@@ -8,6 +8,9 @@ use pacer::report::{max_in_window, quantile};
 use pacer::testkit::{free_port, http_get, metric, wait_until, RedisServer, TempDir};
 use std::time::{Duration, Instant};
 
+/// An event's fields as pushed: names and raw values.
+type RawEvent = Vec<(String, Vec<u8>)>;
+
 const WORKER: &str = "  batch: 32\n  drain: 1s\n  claim_idle: 30s";
 
 /// Checks the promise on one ready stream: no rolling window W holds more than rate × W + burst
@@ -17,7 +20,10 @@ fn assert_rate(redis: &RedisServer, stream: &str, per_second: f64, burst: f64) -
     for w in [1, 5, 10, 20, 50, 100, 200, 250, 500, 1000, 2000, 5000] {
         let limit = per_second * w as f64 / 1000.0 + burst;
         let seen = max_in_window(&times, w);
-        assert!(seen as f64 <= limit, "{stream}: {seen} entries in a {w} ms window, limit {limit}");
+        assert!(
+            seen as f64 <= limit,
+            "{stream}: {seen} entries in a {w} ms window, limit {limit}"
+        );
     }
     times
 }
@@ -42,28 +48,50 @@ fn three_workers_hold_the_rate_reroute_reject_and_place_every_entry_once() {
     let events: Vec<_> = (0..n)
         .map(|i| {
             let route = if i % 4 == 3 { "spare" } else { "primary" };
-            event(&[("route", route), ("id", &format!("call-{i}")), ("to", &format!("+33{i}"))])
+            event(&[
+                ("route", route),
+                ("id", &format!("call-{i}")),
+                ("to", &format!("+33{i}")),
+            ])
         })
         .collect();
     let ids = push(&redis, "in", &events);
 
-    let outputs = ["pacer:{primary}:ready", "pacer:{spare}:ready", "pacer:rejected", "pacer:dead"];
+    let outputs = [
+        "pacer:{primary}:ready",
+        "pacer:{spare}:ready",
+        "pacer:rejected",
+        "pacer:dead",
+    ];
     let done = wait_until(Duration::from_secs(30), || {
         placements(&redis, &outputs).len() == n && pending(&redis, "in", "pacer") == 0
     });
     let at = placements(&redis, &outputs);
-    assert!(done, "only {} of {n} entries placed; pending {}", at.len(), pending(&redis, "in", "pacer"));
+    assert!(
+        done,
+        "only {} of {n} entries placed; pending {}",
+        at.len(),
+        pending(&redis, "in", "pacer")
+    );
 
     // Nothing lost, nothing doubled: every input entry is in exactly one output stream.
     for id in &ids {
-        assert_eq!(at.get(id).map(Vec::len), Some(1), "entry {id} ended in {:?}", at.get(id));
+        assert_eq!(
+            at.get(id).map(Vec::len),
+            Some(1),
+            "entry {id} ended in {:?}",
+            at.get(id)
+        );
     }
     // The rate, by Redis's clock, in every rolling window.
     let primary = assert_rate(&redis, "pacer:{primary}:ready", 50.0, 3.0);
     let spare = assert_rate(&redis, "pacer:{spare}:ready", 20.0, 1.0);
     // Both reroutes and rejections happened, so both paths were exercised.
     let spare_entries = read(&redis, "pacer:{spare}:ready");
-    let rerouted = spare_entries.iter().filter(|e| e.field("route") == Some("primary")).count();
+    let rerouted = spare_entries
+        .iter()
+        .filter(|e| e.field("route") == Some("primary"))
+        .count();
     let rejected = read(&redis, "pacer:rejected");
     assert!(rerouted > 0, "nothing was rerouted");
     assert!(rejected.len() > 100, "only {} rejected", rejected.len());
@@ -90,20 +118,28 @@ fn three_workers_hold_the_rate_reroute_reject_and_place_every_entry_once() {
             .query(&mut redis.con())
             .unwrap();
         let ahead_ms = tat / 1000 - last_slot;
-        assert!((0..=reach_ms + 1).contains(&ahead_ms), "{route}: plan {ahead_ms} ms past its last slot");
+        assert!(
+            (0..=reach_ms + 1).contains(&ahead_ms),
+            "{route}: plan {ahead_ms} ms past its last slot"
+        );
         assert!(!times.is_empty());
     }
     // All three workers took part.
     for (_, port) in &workers {
         let (_, text) = http_get(*port, "/metrics").unwrap();
-        assert!(metric(&text, "outcome=\"dispatched\"") + metric(&text, "outcome=\"rejected\"") > 0.0);
+        assert!(
+            metric(&text, "outcome=\"dispatched\"") + metric(&text, "outcome=\"rejected\"") > 0.0
+        );
     }
     // Every key a route's script touched carries the route's hash tag.
     for key in keys(&redis) {
         if key.contains(":bucket:") || key.contains(":ev:") {
             let tag = hash_tag(&key);
             assert!(tag == "primary" || tag == "spare", "{key} has tag {tag}");
-            assert!(key.contains(&format!(":{tag}")), "{key}: tag and route differ");
+            assert!(
+                key.contains(&format!(":{tag}")),
+                "{key}: tag and route differ"
+            );
         }
     }
 }
@@ -122,18 +158,58 @@ fn bad_input_is_dead_lettered_with_its_reason_and_the_rest_flows() {
     let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
     let _pacer = start(&cfg, port);
 
-    let bad: Vec<(Vec<(String, Vec<u8>)>, &str, &str)> = vec![
+    // (fields, pacer_reason, a word pacer_detail must contain)
+    let bad: Vec<(RawEvent, &str, &str)> = vec![
         (event(&[("to", "x")]), "malformed", "no route field"),
-        (event(&[("route", "ghost-route")]), "unknown_route", "ghost-route"),
-        (event(&[("route", "fast"), ("cost", "0")]), "malformed", "cost"),
-        (event(&[("route", "fast"), ("cost", "two")]), "malformed", "cost"),
-        (event(&[("route", "fast"), ("cost", "-3")]), "malformed", "cost"),
-        (event(&[("route", "fast"), ("max_wait_ms", "1.5")]), "malformed", "max_wait_ms"),
-        (event(&[("route", "fast"), ("route", "fast")]), "malformed", "twice"),
+        (
+            event(&[("route", "ghost-route")]),
+            "unknown_route",
+            "ghost-route",
+        ),
+        (
+            event(&[("route", "fast"), ("cost", "0")]),
+            "malformed",
+            "cost",
+        ),
+        (
+            event(&[("route", "fast"), ("cost", "two")]),
+            "malformed",
+            "cost",
+        ),
+        (
+            event(&[("route", "fast"), ("cost", "-3")]),
+            "malformed",
+            "cost",
+        ),
+        (
+            event(&[("route", "fast"), ("max_wait_ms", "1.5")]),
+            "malformed",
+            "max_wait_ms",
+        ),
+        (
+            event(&[("route", "fast"), ("route", "fast")]),
+            "malformed",
+            "twice",
+        ),
         (event(&[("route", "fast"), ("id", "")]), "malformed", "id"),
-        (event(&[("route", "fast"), ("blob", &"x".repeat(5000))]), "malformed", "bytes"),
-        (vec![("route".into(), vec![0xff, 0xfe, 0x00]), (String::from_utf8_lossy(&[0xc3, 0x28]).into(), vec![0x80])], "malformed", "UTF-8"),
-        (event(&[("route", "fast"), ("id", "dup-1")]), "duplicate", "dup-1"),
+        (
+            event(&[("route", "fast"), ("blob", &"x".repeat(5000))]),
+            "malformed",
+            "bytes",
+        ),
+        (
+            vec![
+                ("route".into(), vec![0xff, 0xfe, 0x00]),
+                (String::from_utf8_lossy(&[0xc3, 0x28]).into(), vec![0x80]),
+            ],
+            "malformed",
+            "UTF-8",
+        ),
+        (
+            event(&[("route", "fast"), ("id", "dup-1")]),
+            "duplicate",
+            "dup-1",
+        ),
     ];
     // Good events around the bad ones; one of them takes the id the last bad one repeats.
     let mut events = vec![event(&[("route", "fast"), ("id", "dup-1")])];
@@ -146,10 +222,18 @@ fn bad_input_is_dead_lettered_with_its_reason_and_the_rest_flows() {
     let ids = push(&redis, "in", &events);
     let good = events.len() - expected.len();
 
-    assert!(wait_until(Duration::from_secs(10), || {
-        read(&redis, "pacer:{fast}:ready").len() == good && read(&redis, "pacer:dead").len() == expected.len()
-    }), "ready {} dead {}", read(&redis, "pacer:{fast}:ready").len(), read(&redis, "pacer:dead").len());
-    assert!(wait_until(Duration::from_secs(5), || pending(&redis, "in", "pacer") == 0));
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            read(&redis, "pacer:{fast}:ready").len() == good
+                && read(&redis, "pacer:dead").len() == expected.len()
+        }),
+        "ready {} dead {}",
+        read(&redis, "pacer:{fast}:ready").len(),
+        read(&redis, "pacer:dead").len()
+    );
+    assert!(wait_until(Duration::from_secs(5), || pending(
+        &redis, "in", "pacer"
+    ) == 0));
     let dead = read(&redis, "pacer:dead");
     for (index, reason, detail) in expected {
         let d = dead
@@ -157,13 +241,26 @@ fn bad_input_is_dead_lettered_with_its_reason_and_the_rest_flows() {
             .find(|d| d.field("pacer_source_id") == Some(ids[index].as_str()))
             .unwrap_or_else(|| panic!("entry {index} ({reason}) not dead-lettered"));
         assert_eq!(d.field("pacer_reason"), Some(reason), "entry {index}");
-        assert!(d.field("pacer_detail").unwrap().contains(detail), "entry {index}: {:?}", d.field("pacer_detail"));
+        assert!(
+            d.field("pacer_detail").unwrap().contains(detail),
+            "entry {index}: {:?}",
+            d.field("pacer_detail")
+        );
     }
     // Junk bytes are kept as they came.
-    let junk = dead.iter().find(|d| d.field("pacer_detail").unwrap().contains("UTF-8")).unwrap();
-    assert!(junk.fields.contains(&(b"route".to_vec(), vec![0xff, 0xfe, 0x00])));
+    let junk = dead
+        .iter()
+        .find(|d| d.field("pacer_detail").unwrap().contains("UTF-8"))
+        .unwrap();
+    assert!(junk
+        .fields
+        .contains(&(b"route".to_vec(), vec![0xff, 0xfe, 0x00])));
     // No event can make pacer build keys for a route that is not configured.
-    assert!(keys(&redis).iter().all(|k| !k.contains("ghost")), "{:?}", keys(&redis));
+    assert!(
+        keys(&redis).iter().all(|k| !k.contains("ghost")),
+        "{:?}",
+        keys(&redis)
+    );
 }
 
 #[test]
@@ -179,7 +276,9 @@ fn sigterm_dispatches_what_falls_due_within_drain_and_leaves_the_rest_pending() 
     let cfg = config(&dir, "c.yaml", &redis, port, "  drain: 1s", body);
     let mut pacer = start(&cfg, port);
     let n = 40;
-    let events: Vec<_> = (0..n).map(|i| event(&[("route", "slow"), ("i", &i.to_string())])).collect();
+    let events: Vec<_> = (0..n)
+        .map(|i| event(&[("route", "slow"), ("i", &i.to_string())]))
+        .collect();
     push(&redis, "in", &events);
     std::thread::sleep(Duration::from_millis(1000));
     let term_ms = redis_time_ms(&redis);
@@ -188,15 +287,25 @@ fn sigterm_dispatches_what_falls_due_within_drain_and_leaves_the_rest_pending() 
     let start = Instant::now();
     let code = pacer.wait_for(Duration::from_secs(5));
     assert_eq!(code, Some(0), "exit code; log:\n{}", pacer.log_text());
-    assert!(start.elapsed() < Duration::from_millis(2500), "took {:?} to exit", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_millis(2500),
+        "took {:?} to exit",
+        start.elapsed()
+    );
 
     let ready = read(&redis, "pacer:{slow}:ready");
     let after_term = ready.iter().filter(|e| e.ms > term_ms).count();
     // The drain dispatched about a second's worth (10/s) after SIGTERM, none due later.
-    assert!((8..=12).contains(&after_term), "{after_term} dispatched during the drain (before: {before})");
+    assert!(
+        (8..=12).contains(&after_term),
+        "{after_term} dispatched during the drain (before: {before})"
+    );
     for e in &ready {
         let slot: i64 = e.field("pacer_slot_ms").unwrap().parse().unwrap();
-        assert!(slot <= term_ms + 1000 + 20, "slot {slot} is past the drain (term {term_ms})");
+        assert!(
+            slot <= term_ms + 1000 + 20,
+            "slot {slot} is past the drain (term {term_ms})"
+        );
     }
     // The rest are still pending for another worker, not acknowledged, not dispatched.
     assert_eq!(pending(&redis, "in", "pacer") as usize, n - ready.len());
@@ -205,7 +314,11 @@ fn sigterm_dispatches_what_falls_due_within_drain_and_leaves_the_rest_pending() 
 
 #[test]
 fn a_worker_with_a_skewed_clock_paces_exactly_like_the_rest() {
-    if std::process::Command::new("faketime").arg("--version").output().is_err() {
+    if std::process::Command::new("faketime")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
         panic!("faketime is missing: apt-get install faketime (the test command installs it)");
     }
     let redis = RedisServer::start();
@@ -221,17 +334,32 @@ fn a_worker_with_a_skewed_clock_paces_exactly_like_the_rest() {
     // This worker's wall clock is 45 seconds behind; the other's is right. Only the wall clock
     // is faked: that is what is "off" on a host, while a monotonic clock has no meaningful
     // offset (pacer uses it only to measure durations).
-    let _b = start_wrapped(&["faketime", "-f", "-45s"], &[("FAKETIME_DONT_FAKE_MONOTONIC", "1")], &skewed, p2);
+    let _b = start_wrapped(
+        &["faketime", "-f", "-45s"],
+        &[("FAKETIME_DONT_FAKE_MONOTONIC", "1")],
+        &skewed,
+        p2,
+    );
     let _a = start(&honest, p1);
     let n = 120;
-    let events: Vec<_> = (0..n).map(|i| event(&[("route", "shared"), ("i", &i.to_string())])).collect();
+    let events: Vec<_> = (0..n)
+        .map(|i| event(&[("route", "shared"), ("i", &i.to_string())]))
+        .collect();
     push(&redis, "in", &events);
-    assert!(wait_until(Duration::from_secs(15), || read(&redis, "pacer:{shared}:ready").len() == n));
+    assert!(wait_until(Duration::from_secs(15), || read(
+        &redis,
+        "pacer:{shared}:ready"
+    )
+    .len()
+        == n));
 
     assert_rate(&redis, "pacer:{shared}:ready", 40.0, 1.0);
     let (_, skewed_metrics) = http_get(p2, "/metrics").unwrap();
     let by_skewed = metric(&skewed_metrics, "outcome=\"dispatched\"");
-    assert!(by_skewed >= 10.0, "the skewed worker dispatched only {by_skewed}");
+    assert!(
+        by_skewed >= 10.0,
+        "the skewed worker dispatched only {by_skewed}"
+    );
     // Had it used its own clock it would dispatch 45 s off; by Redis's clock it is on time.
     let mut late: Vec<i64> = read(&redis, "pacer:{shared}:ready")
         .iter()
@@ -256,28 +384,60 @@ fn readyz_follows_redis_and_the_worker_recovers_after_a_restart() {
     let mut pacer = start(&cfg, port);
     assert_eq!(http_get(port, "/healthz").map(|r| r.0), Some(200));
     redis.kill();
-    assert!(wait_until(Duration::from_secs(10), || matches!(http_get(port, "/readyz"), Some((503, _)))));
-    assert_eq!(http_get(port, "/healthz").map(|r| r.0), Some(200), "alive while Redis is down");
+    assert!(wait_until(Duration::from_secs(10), || matches!(
+        http_get(port, "/readyz"),
+        Some((503, _))
+    )));
+    assert_eq!(
+        http_get(port, "/healthz").map(|r| r.0),
+        Some(200),
+        "alive while Redis is down"
+    );
     // A fresh Redis (no scripts, no groups): the worker reloads scripts, recreates its group.
     redis.restart();
-    push(&redis, "in", &[event(&[("route", "r")]), event(&[("route", "r")])]);
+    push(
+        &redis,
+        "in",
+        &[event(&[("route", "r")]), event(&[("route", "r")])],
+    );
     assert!(
-        wait_until(Duration::from_secs(20), || read(&redis, "pacer:{r}:ready").len() == 2),
+        wait_until(Duration::from_secs(20), || read(&redis, "pacer:{r}:ready")
+            .len()
+            == 2),
         "nothing dispatched after the restart:\n{}",
         pacer.log_text()
     );
-    assert!(wait_until(Duration::from_secs(10), || matches!(http_get(port, "/readyz"), Some((200, _)))));
-    assert!(pacer.wait_for(Duration::from_millis(10)).is_none(), "the worker must not exit");
+    assert!(wait_until(Duration::from_secs(10), || matches!(
+        http_get(port, "/readyz"),
+        Some((200, _))
+    )));
+    assert!(
+        pacer.wait_for(Duration::from_millis(10)).is_none(),
+        "the worker must not exit"
+    );
 }
 
 /// Guarantee 5: on Redis Cluster every script call's keys must share one slot, or Redis refuses
 /// the call (CROSSSLOT). A single-node cluster owning every slot enforces exactly that check.
 #[test]
 fn runs_on_redis_cluster_every_script_call_in_one_slot() {
-    let redis = RedisServer::start_with(&["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]);
-    let _: () = redis::cmd("CLUSTER").arg("ADDSLOTSRANGE").arg(0).arg(16383).query(&mut redis.con()).unwrap();
+    let redis = RedisServer::start_with(&[
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+    ]);
+    let _: () = redis::cmd("CLUSTER")
+        .arg("ADDSLOTSRANGE")
+        .arg(0)
+        .arg(16383)
+        .query(&mut redis.con())
+        .unwrap();
     assert!(wait_until(Duration::from_secs(10), || {
-        let info: String = redis::cmd("CLUSTER").arg("INFO").query(&mut redis.con()).unwrap();
+        let info: String = redis::cmd("CLUSTER")
+            .arg("INFO")
+            .query(&mut redis.con())
+            .unwrap();
         info.contains("cluster_state:ok")
     }));
     let dir = TempDir::new("cluster");
@@ -290,12 +450,21 @@ fn runs_on_redis_cluster_every_script_call_in_one_slot() {
 "#;
     let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
     let pacer = start(&cfg, port);
-    let mut events: Vec<_> = (0..60).map(|i| event(&[("route", "a"), ("i", &i.to_string())])).collect();
+    let mut events: Vec<_> = (0..60)
+        .map(|i| event(&[("route", "a"), ("i", &i.to_string())]))
+        .collect();
     events.push(event(&[("route", "nowhere")]));
     push(&redis, "in", &events);
-    let outputs = ["pacer:{a}:ready", "pacer:{b}:ready", "pacer:rejected", "pacer:dead"];
+    let outputs = [
+        "pacer:{a}:ready",
+        "pacer:{b}:ready",
+        "pacer:rejected",
+        "pacer:dead",
+    ];
     assert!(
-        wait_until(Duration::from_secs(15), || placements(&redis, &outputs).len() == events.len()),
+        wait_until(Duration::from_secs(15), || placements(&redis, &outputs)
+            .len()
+            == events.len()),
         "log:\n{}",
         pacer.log_text()
     );

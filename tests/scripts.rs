@@ -10,7 +10,11 @@ use std::time::Duration;
 
 fn route_config(rate: &str, burst: u32) -> pacer::config::Route {
     let yaml = format!("outbound:\n  streams: [in]\n  routes:\n    r: {{rate: {rate}, burst: {burst}, max_wait: 5s}}\n");
-    Config::parse(&yaml, &Overrides::default()).unwrap().outbound.routes["r"].clone()
+    Config::parse(&yaml, &Overrides::default())
+        .unwrap()
+        .outbound
+        .routes["r"]
+        .clone()
 }
 
 fn fields(i: usize) -> Fields {
@@ -28,9 +32,20 @@ struct Rig {
 impl Rig {
     fn new(rate: &str, burst: u32) -> Self {
         let redis = RedisServer::start();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let con = rt.block_on(redis.client().get_multiplexed_async_connection()).unwrap();
-        Rig { _redis: redis, con, scripts: Scripts::default(), route: route_config(rate, burst), rt }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let con = rt
+            .block_on(redis.client().get_multiplexed_async_connection())
+            .unwrap();
+        Rig {
+            _redis: redis,
+            con,
+            scripts: Scripts::default(),
+            route: route_config(rate, burst),
+            rt,
+        }
     }
 
     fn schedule(&mut self, events: &[(&str, &str)], max_wait_us: i64) -> (i64, Vec<Scheduled>) {
@@ -38,11 +53,25 @@ impl Rig {
         let items: Vec<ScheduleItem<'_>> = events
             .iter()
             .zip(&f)
-            .map(|((id, owner), fields)| ScheduleItem { event_id: id, owner, expect: None, cost: 1, max_wait_us, fields })
+            .map(|((id, owner), fields)| ScheduleItem {
+                event_id: id,
+                owner,
+                expect: None,
+                cost: 1,
+                max_wait_us,
+                fields,
+            })
             .collect();
         let reply = self
             .rt
-            .block_on(self.scripts.schedule(&mut self.con, &self.route.keys, &self.route.bucket, 600_000, 1000, &items))
+            .block_on(self.scripts.schedule(
+                &mut self.con,
+                &self.route.keys,
+                &self.route.bucket,
+                600_000,
+                1000,
+                &items,
+            ))
             .unwrap();
         (reply.now_us, reply.items)
     }
@@ -52,18 +81,34 @@ impl Rig {
         let items: Vec<DispatchItem<'_>> = events
             .iter()
             .zip(&f)
-            .map(|((id, expect, slot), fields)| DispatchItem { event_id: id, expect, slot_us: *slot, cost: 1, fields })
+            .map(|((id, expect, slot), fields)| DispatchItem {
+                event_id: id,
+                expect,
+                slot_us: *slot,
+                cost: 1,
+                fields,
+            })
             .collect();
         let reply = self
             .rt
-            .block_on(self.scripts.dispatch(&mut self.con, &self.route.keys, &self.route.bucket, 1000, &items))
+            .block_on(self.scripts.dispatch(
+                &mut self.con,
+                &self.route.keys,
+                &self.route.bucket,
+                1000,
+                &items,
+            ))
             .unwrap();
         reply.items
     }
 
     fn ready_len(&mut self) -> usize {
         self.rt
-            .block_on(redis::cmd("XLEN").arg(&self.route.keys.ready).query_async(&mut self.con))
+            .block_on(
+                redis::cmd("XLEN")
+                    .arg(&self.route.keys.ready)
+                    .query_async(&mut self.con),
+            )
             .unwrap()
     }
 }
@@ -95,8 +140,13 @@ fn slot_of(s: &Scheduled) -> i64 {
 #[test]
 fn slots_dispatched_late_do_not_bunch() {
     let mut rig = Rig::new("20/s", 1);
-    let events: Vec<(String, String)> = (0..5).map(|i| (format!("e{i}"), format!("{i}-0@in"))).collect();
-    let refs: Vec<(&str, &str)> = events.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
+    let events: Vec<(String, String)> = (0..5)
+        .map(|i| (format!("e{i}"), format!("{i}-0@in")))
+        .collect();
+    let refs: Vec<(&str, &str)> = events
+        .iter()
+        .map(|(a, b)| (a.as_str(), b.as_str()))
+        .collect();
     let (_, decided) = rig.schedule(&refs, 5_000_000);
     assert!(matches!(decided[0], Scheduled::Dispatched { .. }));
     let slots: Vec<i64> = decided[1..].iter().map(slot_of).collect();
@@ -109,7 +159,10 @@ fn slots_dispatched_late_do_not_bunch() {
         .map(|((id, owner), slot)| (id.as_str(), format!("s{slot}|{owner}"), *slot))
         .collect();
     let out = rig.dispatch(&late);
-    let done = out.iter().filter(|d| matches!(d, Dispatched::Done { .. })).count();
+    let done = out
+        .iter()
+        .filter(|d| matches!(d, Dispatched::Done { .. }))
+        .count();
     assert_eq!(done, 1, "{out:?}");
     for d in &out[1..] {
         assert!(matches!(d, Dispatched::NotBefore { .. }), "{d:?}");
@@ -131,7 +184,10 @@ fn an_event_that_would_wait_too_long_reserves_nothing() {
         })
         .collect();
     assert!(waits[0] > 150_000 && waits[0] <= 200_000, "{waits:?}");
-    assert!((waits[1] - waits[0]).abs() < 5_000, "a refused event must not move the plan: {waits:?}");
+    assert!(
+        (waits[1] - waits[0]).abs() < 5_000,
+        "a refused event must not move the plan: {waits:?}"
+    );
 }
 
 #[test]
@@ -152,7 +208,10 @@ fn a_decision_is_recorded_once_and_dispatch_happens_once() {
     assert!(matches!(first, Dispatched::Done { .. }), "{first:?}");
     // Two workers holding the same decision: the second dispatch finds it done.
     let second = settle(&mut rig, "e", &expect, slot);
-    assert!(matches!(&second, Dispatched::Superseded(v) if v.starts_with('d')), "{second:?}");
+    assert!(
+        matches!(&second, Dispatched::Superseded(v) if v.starts_with('d')),
+        "{second:?}"
+    );
     // A stale decision (another worker re-decided the event) cannot dispatch either.
     let stale = settle(&mut rig, "e", &format!("s{}|2-0@in", slot - 1), slot - 1);
     assert!(matches!(stale, Dispatched::Superseded(_)));
@@ -164,11 +223,24 @@ fn shared_streams_are_written_once_per_input_entry() {
     let mut rig = Rig::new("10/s", 1);
     let keys = OutputKeys::new("pacer:rejected");
     let f = fields(1);
-    let items = [EmitItem { source_stream: "in", source_id: "7-0", fields: &f }];
+    let items = [EmitItem {
+        source_stream: "in",
+        source_id: "7-0",
+        fields: &f,
+    }];
     let con = &mut rig.con;
-    let first = rig.rt.block_on(rig.scripts.emit(con, &keys, 60_000, 1000, &items)).unwrap();
-    let second = rig.rt.block_on(rig.scripts.emit(con, &keys, 60_000, 1000, &items)).unwrap();
+    let first = rig
+        .rt
+        .block_on(rig.scripts.emit(con, &keys, 60_000, 1000, &items))
+        .unwrap();
+    let second = rig
+        .rt
+        .block_on(rig.scripts.emit(con, &keys, 60_000, 1000, &items))
+        .unwrap();
     assert_eq!((first, second), (vec![true], vec![false]));
-    let len: usize = rig.rt.block_on(redis::cmd("XLEN").arg("pacer:rejected").query_async(con)).unwrap();
+    let len: usize = rig
+        .rt
+        .block_on(redis::cmd("XLEN").arg("pacer:rejected").query_async(con))
+        .unwrap();
     assert_eq!(len, 1);
 }

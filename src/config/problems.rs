@@ -29,7 +29,11 @@ pub struct ConfigError {
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let n = self.problems.len();
-        writeln!(f, "{n} problem{} in the config:", if n == 1 { "" } else { "s" })?;
+        writeln!(
+            f,
+            "{n} problem{} in the config:",
+            if n == 1 { "" } else { "s" }
+        )?;
         for p in &self.problems {
             writeln!(f, "  {p}")?;
         }
@@ -107,7 +111,14 @@ impl Problems {
         }
     }
 
-    pub fn integer(&mut self, path: &str, v: &Option<Value>, default: u64, min: u64, max: u64) -> u64 {
+    pub fn integer(
+        &mut self,
+        path: &str,
+        v: &Option<Value>,
+        default: u64,
+        min: u64,
+        max: u64,
+    ) -> u64 {
         let n = match v {
             None | Some(Value::Null) => return default,
             Some(Value::Number(n)) => n.as_u64(),
@@ -118,7 +129,10 @@ impl Problems {
             _ => {
                 self.push(
                     path,
-                    format!("expected a whole number from {min} to {max}, got {}", show(v)),
+                    format!(
+                        "expected a whole number from {min} to {max}, got {}",
+                        show(v)
+                    ),
                 );
                 default
             }
@@ -135,7 +149,10 @@ impl Problems {
             Some(other) => {
                 self.push(
                     path,
-                    format!("expected a duration like 250ms or 2s, got {}", show(&Some(other.clone()))),
+                    format!(
+                        "expected a duration like 250ms or 2s, got {}",
+                        show(&Some(other.clone()))
+                    ),
                 );
                 default
             }
@@ -172,7 +189,10 @@ impl Problems {
                 .filter_map(|(i, item)| match item {
                     Value::String(s) => Some(s.clone()),
                     other => {
-                        self.push(format!("{path}[{i}]"), format!("expected a string, got {}", kind(other)));
+                        self.push(
+                            format!("{path}[{i}]"),
+                            format!("expected a string, got {}", kind(other)),
+                        );
                         None
                     }
                 })

@@ -7,6 +7,7 @@
 
 use super::waker::Waker;
 use super::{Finished, Placing, Shared};
+use crate::clock::RedisClock;
 use crate::config::Route;
 use crate::event::{self, Fields, Marker, OutboundEvent};
 use crate::scripts::{DispatchItem, DispatchReply, Dispatched};
@@ -29,6 +30,10 @@ pub(crate) struct Sleeper {
     slot_us: i64,
     /// The ready entry's fields, slot and wait included.
     fields: Fields,
+    /// The Redis time to dispatch at: the slot, or a later time the gate named.
+    target_us: i64,
+    /// Whether this target was tried already (only first tries teach the lead).
+    retried: bool,
     wake: Instant,
     failures: u32,
 }
@@ -40,11 +45,16 @@ impl Sleeper {
         route: &Route,
         slot_us: i64,
         wait_us: i64,
-        wake: Instant,
     ) -> Self {
         let mut fields = event::ready_fields(&event, &route.name);
-        fields.push((b"pacer_slot_ms".to_vec(), (slot_us / 1000).to_string().into_bytes()));
-        fields.push((b"pacer_wait_ms".to_vec(), (wait_us.max(0) / 1000).to_string().into_bytes()));
+        fields.push((
+            b"pacer_slot_ms".to_vec(),
+            (slot_us / 1000).to_string().into_bytes(),
+        ));
+        fields.push((
+            b"pacer_wait_ms".to_vec(),
+            (wait_us.max(0) / 1000).to_string().into_bytes(),
+        ));
         Sleeper {
             expect: format!("s{slot_us}|{}", event.owner),
             event,
@@ -52,7 +62,9 @@ impl Sleeper {
             route: route.name.clone(),
             slot_us,
             fields,
-            wake,
+            target_us: slot_us,
+            retried: false,
+            wake: Instant::now(),
             failures: 0,
         }
     }
@@ -60,24 +72,56 @@ impl Sleeper {
 
 type Queue = BTreeMap<(Instant, u64), Sleeper>;
 
+/// Where the dispatch call should land: this far after the target, inside its millisecond.
+const AIM_AFTER_US: i64 = 250;
+/// The most a wake-up is brought forward.
+const LEAD_MAX_US: i64 = 900;
+
 struct Timers {
     queue: Queue,
     seq: u64,
+    /// How much earlier than its target to wake an event, learnt from how long after waking the
+    /// dispatch script actually runs (wake-up plus the request's trip to Redis). Landing inside
+    /// the target's millisecond matters: on a burst-1 route a dispatch that slips into the next
+    /// millisecond holds the following ones back by that millisecond too.
+    lead_us: i64,
 }
 
 impl Timers {
-    fn insert(&mut self, s: Sleeper) {
+    /// Queues an event for its target on Redis's clock (the lead is applied when it is due, so
+    /// what the lead learns counts for every event already queued).
+    fn insert(&mut self, clock: &RedisClock, mut s: Sleeper) {
+        s.wake = clock.local(s.target_us);
+        self.requeue(s);
+    }
+
+    fn lead(&self) -> Duration {
+        Duration::from_micros(self.lead_us as u64)
+    }
+
+    /// Queues an event at the `wake` it already has.
+    fn requeue(&mut self, s: Sleeper) {
         self.queue.insert((s.wake, self.seq), s);
         self.seq += 1;
     }
 
+    /// Learns from a dispatch call that ran `late_us` after its target (negative: early).
+    fn learn(&mut self, late_us: i64) {
+        let error = late_us - AIM_AFTER_US;
+        self.lead_us = (self.lead_us + error / 4).clamp(0, LEAD_MAX_US);
+    }
+
     fn next_wake(&self) -> Option<Instant> {
-        self.queue.first_key_value().map(|((w, _), _)| *w)
+        self.queue
+            .first_key_value()
+            .map(|((w, _), _)| *w - self.lead())
     }
 
     fn take_due(&mut self, now: Instant) -> Vec<Sleeper> {
-        let later = self.queue.split_off(&(now, u64::MAX));
-        std::mem::replace(&mut self.queue, later).into_values().collect()
+        let later = self.queue.split_off(&(now + self.lead(), u64::MAX));
+        std::mem::replace(&mut self.queue, later)
+            .into_values()
+            .collect()
     }
 }
 
@@ -87,7 +131,11 @@ pub(crate) async fn run(
     shutdown: CancellationToken,
     hard_stop: CancellationToken,
 ) {
-    let mut timers = Timers { queue: Queue::new(), seq: 0 };
+    let mut timers = Timers {
+        queue: Queue::new(),
+        seq: 0,
+        lead_us: 0,
+    };
     let mut drain_end: Option<Instant> = None;
     let mut open = true;
     let waker = Waker::start();
@@ -112,7 +160,7 @@ pub(crate) async fn run(
             _ = hard_stop.cancelled() => break,
             _ = shutdown.cancelled(), if drain_end.is_none() => {}
             msg = rx.recv(), if open => match msg {
-                Some(s) => timers.insert(s),
+                Some(s) => timers.insert(&shared.clock, s),
                 None => open = false,
             },
             _ = async { (&mut alarm.as_mut().expect("guarded").1).await }, if alarm.is_some() => {
@@ -123,18 +171,28 @@ pub(crate) async fn run(
         }
     }
     if !timers.queue.is_empty() {
-        warn!(left = timers.queue.len(), "leaving events pending for another worker");
+        warn!(
+            left = timers.queue.len(),
+            "leaving events pending for another worker"
+        );
     }
     telemetry::sleeping(0);
 }
 
 /// Dispatches due events, one script call per route, all routes at once.
-async fn fire(shared: &Arc<Shared>, due: Vec<Sleeper>, timers: &mut Timers, stop: &CancellationToken) {
+async fn fire(
+    shared: &Arc<Shared>,
+    due: Vec<Sleeper>,
+    timers: &mut Timers,
+    stop: &CancellationToken,
+) {
     let mut by_route: BTreeMap<String, Vec<Sleeper>> = BTreeMap::new();
     for s in due {
         by_route.entry(s.route.clone()).or_default().push(s);
     }
-    let calls = by_route.into_iter().map(|(route, group)| dispatch_route(shared, route, group));
+    let calls = by_route
+        .into_iter()
+        .map(|(route, group)| dispatch_route(shared, route, group));
     let mut done = Finished::default();
     let mut again = Vec::new();
     for (group, reply) in futures_util::future::join_all(calls).await {
@@ -142,7 +200,7 @@ async fn fire(shared: &Arc<Shared>, due: Vec<Sleeper>, timers: &mut Timers, stop
         let reply = match reply {
             Ok(reply) => {
                 shared.health.set_redis_ok(true);
-                shared.clock.observe(reply.now_us, received);
+                shared.clock.observe(reply.end_us, received);
                 reply
             }
             Err(e) => {
@@ -154,7 +212,7 @@ async fn fire(shared: &Arc<Shared>, due: Vec<Sleeper>, timers: &mut Timers, stop
                         warn!(error = %e, route = %s.route, "dispatch failed; retrying");
                     }
                     s.wake = received + backoff;
-                    timers.insert(s);
+                    timers.requeue(s);
                 }
                 continue;
             }
@@ -162,33 +220,54 @@ async fn fire(shared: &Arc<Shared>, due: Vec<Sleeper>, timers: &mut Timers, stop
         for (mut s, outcome) in group.into_iter().zip(reply.items) {
             match outcome {
                 Dispatched::Done { entry_id } => {
-                    debug!(route = %s.route, slot = s.slot_us, now = reply.now_us, late_wake_us = received.saturating_duration_since(s.wake).as_micros() as u64, "dispatched");
-                    let id_ms: i64 = entry_id.split('-').next().and_then(|m| m.parse().ok()).unwrap_or(0);
+                    debug!(route = %s.route, slot = s.slot_us, now = reply.now_us, lead = timers.lead_us, "dispatched");
+                    if !s.retried {
+                        timers.learn(reply.now_us - s.target_us);
+                    }
+                    let id_ms: i64 = entry_id
+                        .split('-')
+                        .next()
+                        .and_then(|m| m.parse().ok())
+                        .unwrap_or(0);
                     telemetry::lateness(&s.route, id_ms - s.slot_us / 1000);
                     shared.count_dispatch(&s.event, &s.route, s.route != s.event.routes[0]);
-                    done.acks.push((s.event.entry.stream.clone(), s.event.entry.id.clone()));
+                    done.acks
+                        .push((s.event.entry.stream.clone(), s.event.entry.id.clone()));
                 }
                 Dispatched::NotBefore { at_us } => {
                     debug!(route = %s.route, slot = s.slot_us, at_us, now = reply.now_us, "not yet");
-                    s.wake = shared.clock.local(at_us);
-                    timers.insert(s);
+                    if at_us == s.target_us && !s.retried {
+                        // Woken too early for its own target: bring later wake-ups back.
+                        timers.learn(reply.now_us - at_us);
+                    }
+                    s.retried = at_us == s.target_us;
+                    s.target_us = at_us;
+                    timers.insert(&shared.clock, s);
                 }
                 Dispatched::Superseded(value) => match event::parse_marker(&value) {
                     Some((Marker::Dispatched(_), owner)) if owner == s.event.owner => {
                         // Dispatched by an earlier call whose reply was lost.
-                        done.acks.push((s.event.entry.stream.clone(), s.event.entry.id.clone()));
+                        done.acks
+                            .push((s.event.entry.stream.clone(), s.event.entry.id.clone()));
                     }
                     None if value.is_empty() => {
                         warn!(event = %s.event.event_id, route = %s.route, "decision marker expired; deciding anew");
                         again.push(Placing {
-                            next: s.event.routes.iter().position(|r| *r == s.route).unwrap_or(0),
+                            next: s
+                                .event
+                                .routes
+                                .iter()
+                                .position(|r| *r == s.route)
+                                .unwrap_or(0),
                             event: s.event,
                             best_wait_us: None,
                             expect: None,
                             permit: s._permit,
                         });
                     }
-                    _ => debug!(event = %s.event.event_id, marker = %value, "another worker holds this event now"),
+                    _ => {
+                        debug!(event = %s.event.event_id, marker = %value, "another worker holds this event now")
+                    }
                 },
             }
         }
@@ -198,10 +277,12 @@ async fn fire(shared: &Arc<Shared>, due: Vec<Sleeper>, timers: &mut Timers, stop
         shared.place(again, &mut done, &tx, stop).await;
         drop(tx);
         while let Ok(s) = rx.try_recv() {
-            timers.insert(s);
+            timers.insert(&shared.clock, s);
         }
     }
-    shared.finish(done, stop).await;
+    // Acknowledging is off the timer loop: the next due event must not wait for an XACK.
+    let (shared, stop) = (shared.clone(), stop.clone());
+    tokio::spawn(async move { shared.finish(done, &stop).await });
 }
 
 async fn dispatch_route(
@@ -223,9 +304,13 @@ async fn dispatch_route(
     let mut con = shared.con.clone();
     let reply = telemetry::timed(
         "dispatch",
-        shared
-            .scripts
-            .dispatch(&mut con, &route.keys, &route.bucket, shared.cfg.outbound.max_len, &items),
+        shared.scripts.dispatch(
+            &mut con,
+            &route.keys,
+            &route.bucket,
+            shared.cfg.outbound.max_len,
+            &items,
+        ),
     )
     .await;
     drop(items);

@@ -6,8 +6,8 @@
 //! OS thread sleeping on a futex with a timeout wakes within tens of microseconds instead, and
 //! serves every deadline of the process.
 
-use std::collections::BinaryHeap;
 use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::sync::mpsc;
 use std::time::Instant;
 use tokio::sync::oneshot;

@@ -14,7 +14,14 @@ pub fn bin() -> &'static Path {
 
 /// Writes a config for `redis` with metrics on `metrics_port`; `body` holds the `outbound:`
 /// section and anything else.
-pub fn config(dir: &TempDir, name: &str, redis: &RedisServer, metrics_port: u16, worker: &str, body: &str) -> PathBuf {
+pub fn config(
+    dir: &TempDir,
+    name: &str,
+    redis: &RedisServer,
+    metrics_port: u16,
+    worker: &str,
+    body: &str,
+) -> PathBuf {
     let text = format!(
         "redis:\n  url: {}\n  timeout: 500ms\nmetrics:\n  listen: 127.0.0.1:{metrics_port}\nworker:\n{worker}\n{body}\n",
         redis.url()
@@ -27,7 +34,12 @@ pub fn start(config: &Path, metrics_port: u16) -> Pacer {
     start_wrapped(&[], &[], config, metrics_port)
 }
 
-pub fn start_wrapped(wrapper: &[&str], env: &[(&str, &str)], config: &Path, metrics_port: u16) -> Pacer {
+pub fn start_wrapped(
+    wrapper: &[&str],
+    env: &[(&str, &str)],
+    config: &Path,
+    metrics_port: u16,
+) -> Pacer {
     let mut pacer = Pacer::run_wrapped(wrapper, bin(), config, env);
     let ready = wait_until(Duration::from_secs(15), || {
         matches!(http_get(metrics_port, "/readyz"), Some((200, _)))
@@ -55,21 +67,35 @@ pub fn push(redis: &RedisServer, stream: &str, events: &[Vec<(String, Vec<u8>)>]
 }
 
 pub fn event(pairs: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
-    pairs.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect()
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
+        .collect()
 }
 
 /// Every entry of `stream`.
 pub fn read(redis: &RedisServer, stream: &str) -> Vec<OutputEntry> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
-        let mut con = redis.client().get_multiplexed_async_connection().await.unwrap();
+        let mut con = redis
+            .client()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
         read_all(&mut con, stream).await.unwrap()
     })
 }
 
 /// Entries of the group still pending on `stream`.
 pub fn pending(redis: &RedisServer, stream: &str, group: &str) -> i64 {
-    let reply: redis::Value = redis::cmd("XPENDING").arg(stream).arg(group).query(&mut redis.con()).unwrap();
+    let reply: redis::Value = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .query(&mut redis.con())
+        .unwrap();
     match reply {
         redis::Value::Array(v) => match v.first() {
             Some(redis::Value::Int(n)) => *n,
@@ -84,7 +110,10 @@ pub fn placements(redis: &RedisServer, outputs: &[&str]) -> BTreeMap<String, Vec
     let mut at: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for stream in outputs {
         for e in read(redis, stream) {
-            let source = e.field("pacer_source_id").expect("pacer_source_id").to_string();
+            let source = e
+                .field("pacer_source_id")
+                .expect("pacer_source_id")
+                .to_string();
             at.entry(source).or_default().push(stream.to_string());
         }
     }
