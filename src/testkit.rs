@@ -194,6 +194,9 @@ impl Pacer {
             None => Command::new(bin),
         };
         cmd.arg("run").arg("--config").arg(config);
+        // Its own process group, so that signals and kills reach pacer itself even under a
+        // wrapper (faketime runs pacer as its child; killing the wrapper alone orphans it).
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         cmd.env("RUST_LOG", "info");
         for (k, v) in env {
             cmd.env(k, v);
@@ -210,10 +213,12 @@ impl Pacer {
         self.child.id()
     }
 
+    /// Sends `sig` to the process and everything in its process group.
     pub fn signal(&self, sig: &str) {
         let _ = Command::new("kill")
             .arg(format!("-{sig}"))
-            .arg(self.pid().to_string())
+            .arg("--")
+            .arg(format!("-{}", self.pid()))
             .status();
     }
 
@@ -230,6 +235,8 @@ impl Pacer {
     }
 
     pub fn kill(&mut self) {
+        // The group, even if its leader has exited: a wrapper's child may outlive it.
+        self.signal("KILL");
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
