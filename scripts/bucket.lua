@@ -1,5 +1,5 @@
--- bucket.lua: the leaky-bucket maths every pacing script shares, prepended to each of them
--- when pacer is built (see src/scripts.rs). The same functions as src/pacing.rs, held to the
+-- bucket.lua: the leaky-bucket maths and the helpers every script shares (reading fields from
+-- ARGV, XADD, saving the bucket), prepended to each script when pacer is built (src/scripts.rs). The same functions as src/pacing.rs, held to the
 -- same answers by tests/bucket_differential.rs. All times are microseconds of Redis's clock;
 -- integers below 2^53, so Lua's doubles compute them exactly.
 
@@ -46,14 +46,22 @@ local function redis_now_us()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
--- Appends an event's fields (count at ARGV[at], then name/value pairs) to `args`; returns the
--- index just past them.
-local function push_fields(args, at)
-  local nf = tonumber(ARGV[at])
-  for j = at + 1, at + 2 * nf do
+-- The index just past an event's fields (their count at ARGV[at], then name/value pairs).
+local function fields_end(at)
+  return at + 1 + 2 * tonumber(ARGV[at])
+end
+
+-- XADDs to `stream`, trimmed to about `maxlen` entries, at `id` ('<ms>-*' or '*'): the fields
+-- at ARGV[at], then the name/value pairs in `extra`. Returns the new entry's id.
+local function xadd(stream, maxlen, id, at, extra)
+  local args = { 'XADD', stream, 'MAXLEN', '~', maxlen, id }
+  for j = at + 1, fields_end(at) - 1 do
     args[#args + 1] = ARGV[j]
   end
-  return at + 1 + 2 * nf
+  for _, v in ipairs(extra) do
+    args[#args + 1] = v
+  end
+  return redis.call(unpack(args))
 end
 
 -- Saves the bucket and lets it expire a minute after its last reservation falls due: an idle
@@ -62,5 +70,15 @@ local function save_bucket(key, now, tat, dtat, last)
   redis.call('HSET', key, 'tat', int(tat), 'dtat', int(dtat), 'last', int(last))
   local ahead_ms = math.floor((math.max(tat, dtat, now) - now) / 1000)
   redis.call('PEXPIRE', key, int(ahead_ms + 60000))
+end
+
+-- Ends a pacing script: saves the bucket (KEYS[1]) if it changed, and appends Redis's clock as
+-- the script ends, which workers map their timers with.
+local function finish(out, changed, now, tat, dtat, last)
+  if changed then
+    save_bucket(KEYS[1], now, tat, dtat, last)
+  end
+  out[#out + 1] = redis_now_us()
+  return out
 end
 

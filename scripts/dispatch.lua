@@ -53,20 +53,14 @@ for i = 1, n do
         end
         code, value = 2, prev or ''
       else
-        local args = { 'XADD', KEYS[2], 'MAXLEN', '~', maxlen, int(id_ms) .. '-*' }
-        push_fields(args, fields_at)
-        code, value = 1, redis.call(unpack(args))
+        code, value = 1, xadd(KEYS[2], maxlen, int(id_ms) .. '-*', fields_at, {})
         dtat, last, changed = g, t, true
       end
     end
   end
   out[#out + 1] = code
   out[#out + 1] = value
-  at = fields_at + 1 + 2 * tonumber(ARGV[fields_at])
+  at = fields_end(fields_at)
 end
 
-if changed then
-  save_bucket(KEYS[1], now, tat, dtat, last)
-end
-out[#out + 1] = redis_now_us()
-return out
+return finish(out, changed, now, tat, dtat, last)

@@ -13,13 +13,11 @@ local out = {}
 local at = 4
 for i = 1, n do
   if redis.call('SET', KEYS[1 + i], '1', 'NX', 'PX', ttl) then
-    local args = { 'XADD', KEYS[1], 'MAXLEN', '~', maxlen, '*' }
-    at = push_fields(args, at)
-    redis.call(unpack(args))
+    xadd(KEYS[1], maxlen, '*', at, {})
     out[i] = 1
   else
-    at = at + 1 + 2 * tonumber(ARGV[at])
     out[i] = 0
   end
+  at = fields_end(at)
 end
 return out

@@ -73,13 +73,8 @@ for i = 1, n do
   if prev then
     code, value = 4, prev
   elseif code == 1 then
-    local args = { 'XADD', KEYS[2], 'MAXLEN', '~', maxlen, int(id_ms) .. '-*' }
-    push_fields(args, fields_at)
-    args[#args + 1] = 'pacer_slot_ms'
-    args[#args + 1] = int(math.floor(slot / 1000))
-    args[#args + 1] = 'pacer_wait_ms'
-    args[#args + 1] = '0'
-    value = redis.call(unpack(args))
+    local extra = { 'pacer_slot_ms', int(math.floor(slot / 1000)), 'pacer_wait_ms', '0' }
+    value = xadd(KEYS[2], maxlen, int(id_ms) .. '-*', fields_at, extra)
     local _, next_dtat = gate(dtat, tq, cost, interval, tol)
     dtat, last, tat, changed = next_dtat, t, next_tat, true
   elseif code == 2 then
@@ -87,12 +82,8 @@ for i = 1, n do
   end
   out[#out + 1] = code
   out[#out + 1] = value
-  at = fields_at + 1 + 2 * tonumber(ARGV[fields_at])
+  at = fields_end(fields_at)
 end
 
-if changed then
-  save_bucket(KEYS[1], now, tat, dtat, last)
-end
 out[2] = tat
-out[#out + 1] = redis_now_us()
-return out
+return finish(out, changed, now, tat, dtat, last)

@@ -131,15 +131,6 @@ impl Config {
             outbound,
         })
     }
-
-    /// Every stream pacer writes to.
-    pub fn output_streams(&self) -> Vec<&str> {
-        let o = &self.outbound;
-        let mut out: Vec<&str> = o.routes.values().map(|r| r.keys.ready.as_str()).collect();
-        out.push(&o.rejected_stream);
-        out.push(&o.dead_letter_stream);
-        out
-    }
 }
 
 fn read_redis(p: &mut Problems, v: Option<Value>, overrides: &Overrides) -> RedisConfig {

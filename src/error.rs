@@ -7,10 +7,6 @@ pub enum Error {
     Redis(#[from] redis::RedisError),
     #[error("unexpected reply from Redis to {op}: {detail}")]
     Reply { op: &'static str, detail: String },
-    #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
-    #[error("{0}")]
-    Io(#[from] std::io::Error),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

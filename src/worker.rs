@@ -377,7 +377,7 @@ impl Shared {
                 };
                 self.clock.observe(reply.end_us, Instant::now());
                 telemetry::route_queue(&route.name, reply.tat_us - reply.now_us);
-                for (mut p, outcome) in group.into_iter().zip(reply.items) {
+                for ((mut p, fields), outcome) in group.into_iter().zip(reply.items) {
                     let rerouted = p.next > 0;
                     match outcome {
                         Scheduled::Dispatched { .. } => {
@@ -390,7 +390,14 @@ impl Shared {
                         Scheduled::Sleep { slot_us } => {
                             let wait_us = slot_us - reply.now_us;
                             telemetry::scheduled_wait(&route.name, wait_us);
-                            let sleeper = Sleeper::new(p.event, p.permit, &route, slot_us, wait_us);
+                            let sleeper = Sleeper::new(
+                                p.event,
+                                p.permit,
+                                &route.name,
+                                fields,
+                                slot_us,
+                                wait_us,
+                            );
                             let _ = tx.send(sleeper);
                         }
                         Scheduled::TooLong { wait_us } => {
@@ -399,7 +406,16 @@ impl Shared {
                             self.next_route(p, &mut pending, done);
                         }
                         Scheduled::Decided(marker) => {
-                            self.resume(p, &route, &marker, reply.now_us, &mut pending, done, tx);
+                            self.resume(
+                                p,
+                                route,
+                                fields,
+                                &marker,
+                                reply.now_us,
+                                &mut pending,
+                                done,
+                                tx,
+                            );
                         }
                     }
                 }
@@ -412,8 +428,12 @@ impl Shared {
         route: String,
         group: Vec<Placing>,
         stop: &CancellationToken,
-    ) -> (Route, Vec<Placing>, Option<crate::scripts::ScheduleReply>) {
-        let route = self.cfg.outbound.routes[&route].clone();
+    ) -> (
+        &Route,
+        Vec<(Placing, Fields)>,
+        Option<crate::scripts::ScheduleReply>,
+    ) {
+        let route = &self.cfg.outbound.routes[&route];
         let fields: Vec<Fields> = group
             .iter()
             .map(|p| event::ready_fields(&p.event, &route.name))
@@ -427,14 +447,13 @@ impl Shared {
                     owner: &p.event.owner,
                     expect: p.expect.as_deref(),
                     cost: p.event.cost,
-                    max_wait_us: max_wait_us(&route, &p.event),
+                    max_wait_us: max_wait_us(route, &p.event),
                     fields,
                 })
                 .collect();
             self.retry("schedule", stop, || {
                 let mut con = self.con.clone();
                 let items = &items;
-                let route = &route;
                 async move {
                     self.scripts
                         .schedule(
@@ -450,7 +469,8 @@ impl Shared {
             })
             .await
         };
-        (route, group, reply)
+        // The fields go on with each event: a sleeper dispatches with the same ones.
+        (route, group.into_iter().zip(fields).collect(), reply)
     }
 
     /// A route could not take the event in time: try the next, or reject it.
@@ -471,6 +491,7 @@ impl Shared {
         &self,
         mut p: Placing,
         route: &Route,
+        fields: Fields,
         marker: &str,
         now_us: i64,
         pending: &mut Vec<Placing>,
@@ -509,7 +530,8 @@ impl Shared {
                     pending.push(p);
                 } else {
                     let wait_us = (slot_us - now_us).max(0);
-                    let mut sleeper = Sleeper::new(p.event, p.permit, route, slot_us, wait_us);
+                    let mut sleeper =
+                        Sleeper::new(p.event, p.permit, &route.name, fields, slot_us, wait_us);
                     sleeper.expect = marker.to_string();
                     let _ = tx.send(sleeper);
                 }
@@ -531,68 +553,65 @@ impl Shared {
 
     /// Writes rejections and dead letters (once each), then acknowledges everything finished.
     async fn finish(&self, mut done: Finished, stop: &CancellationToken) {
-        if !done.dead.is_empty() {
-            let fields: Vec<Fields> = done
-                .dead
-                .iter()
-                .map(|(e, r)| event::dead_letter_fields(e, r))
-                .collect();
-            let items: Vec<EmitItem<'_>> = done
-                .dead
-                .iter()
-                .zip(&fields)
-                .map(|((e, _), f)| EmitItem {
-                    source_stream: &e.stream,
-                    source_id: &e.id,
-                    fields: f,
-                })
-                .collect();
-            if self.emit("deadletter", &self.dead, &items, stop).await {
-                for (entry, refused) in &done.dead {
-                    if refused.reason != Reason::Duplicate {
-                        telemetry::outbound_event("none", Outcome::DeadLettered);
-                    }
-                    debug!(entry = %entry.id, reason = refused.reason.as_str(), detail = %refused.detail, "dead-lettered");
-                    done.acks.push((entry.stream.clone(), entry.id.clone()));
-                }
+        let dead: Vec<(&Entry, Fields)> = done
+            .dead
+            .iter()
+            .map(|(e, r)| (e, event::dead_letter_fields(e, r)))
+            .collect();
+        if self.emit("deadletter", &self.dead, &dead, stop).await {
+            for (entry, refused) in &done.dead {
+                let outcome = match refused.reason {
+                    Reason::Duplicate => Outcome::Duplicate,
+                    _ => Outcome::DeadLettered,
+                };
+                telemetry::outbound_event("none", outcome);
+                debug!(entry = %entry.id, reason = refused.reason.as_str(), detail = %refused.detail, "dead-lettered");
+                done.acks.push((entry.stream.clone(), entry.id.clone()));
             }
         }
-        if !done.rejected.is_empty() {
-            let fields: Vec<Fields> = done
-                .rejected
-                .iter()
-                .map(|(e, retry)| event::rejected_fields(e, Reason::QueueFull, *retry))
-                .collect();
-            let items: Vec<EmitItem<'_>> = done
-                .rejected
-                .iter()
-                .zip(&fields)
-                .map(|((e, _), f)| EmitItem {
-                    source_stream: &e.entry.stream,
-                    source_id: &e.entry.id,
-                    fields: f,
-                })
-                .collect();
-            if self.emit("reject", &self.rejected, &items, stop).await {
-                for (event, _) in &done.rejected {
-                    telemetry::outbound_event(&event.routes[0], Outcome::Rejected);
-                    done.acks
-                        .push((event.entry.stream.clone(), event.entry.id.clone()));
-                }
+        let rejected: Vec<(&Entry, Fields)> = done
+            .rejected
+            .iter()
+            .map(|(e, retry)| {
+                (
+                    &e.entry,
+                    event::rejected_fields(e, Reason::QueueFull, *retry),
+                )
+            })
+            .collect();
+        if self.emit("reject", &self.rejected, &rejected, stop).await {
+            for (event, _) in &done.rejected {
+                telemetry::outbound_event(&event.routes[0], Outcome::Rejected);
+                done.acks
+                    .push((event.entry.stream.clone(), event.entry.id.clone()));
             }
         }
         self.ack(done.acks, stop).await;
     }
 
+    /// Writes each entry's fields to a shared output stream once; true when done (also when
+    /// there was nothing to write), false if shutdown came first.
     async fn emit(
         &self,
         op: &'static str,
         keys: &OutputKeys,
-        items: &[EmitItem<'_>],
+        entries: &[(&Entry, Fields)],
         stop: &CancellationToken,
     ) -> bool {
+        if entries.is_empty() {
+            return true;
+        }
+        let items: Vec<EmitItem<'_>> = entries
+            .iter()
+            .map(|(e, fields)| EmitItem {
+                source_stream: &e.stream,
+                source_id: &e.id,
+                fields,
+            })
+            .collect();
         self.retry(op, stop, || {
             let mut con = self.con.clone();
+            let items = &items;
             async move {
                 self.scripts
                     .emit(

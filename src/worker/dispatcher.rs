@@ -8,7 +8,6 @@
 use super::waker::Waker;
 use super::{Finished, Placing, Shared};
 use crate::clock::RedisClock;
-use crate::config::Route;
 use crate::event::{self, Fields, Marker, OutboundEvent};
 use crate::scripts::{DispatchItem, DispatchReply, Dispatched};
 use crate::telemetry;
@@ -42,11 +41,12 @@ impl Sleeper {
     pub(crate) fn new(
         event: OutboundEvent,
         permit: OwnedSemaphorePermit,
-        route: &Route,
+        route: &str,
+        mut fields: Fields,
         slot_us: i64,
         wait_us: i64,
     ) -> Self {
-        let mut fields = event::ready_fields(&event, &route.name);
+        // `fields` are the ready entry's, as built for the scheduling call.
         fields.push((
             b"pacer_slot_ms".to_vec(),
             (slot_us / 1000).to_string().into_bytes(),
@@ -59,7 +59,7 @@ impl Sleeper {
             expect: format!("s{slot_us}|{}", event.owner),
             event,
             _permit: permit,
-            route: route.name.clone(),
+            route: route.to_string(),
             slot_us,
             fields,
             target_us: slot_us,
