@@ -124,6 +124,7 @@ impl Config {
         let worker = read_worker(&mut p, raw.worker);
         let metrics = read_metrics(&mut p, raw.metrics);
         let outbound = read_outbound(&mut p, raw.outbound);
+        check_recovery(&mut p, &worker, &outbound);
         p.into_result(|| Config {
             redis,
             worker,
@@ -146,7 +147,7 @@ fn read_redis(p: &mut Problems, v: Option<Value>, overrides: &Overrides) -> Redi
     if let Err(e) = redis::Client::open(url.as_str()) {
         p.push(path, format!("not a usable Redis URL: {e}"));
     }
-    let timeout = p.duration("redis.timeout", &raw.timeout, Duration::from_secs(2));
+    let timeout = p.duration("redis.timeout", &raw.timeout, Duration::from_secs(1));
     if timeout.is_zero() {
         p.push("redis.timeout", "must be more than 0");
     }
@@ -199,6 +200,34 @@ fn read_worker(p: &mut Problems, v: Option<Value>) -> WorkerConfig {
         claim_idle,
         max_deliveries: p.integer("worker.max_deliveries", &raw.max_deliveries, 5, 1, 1_000),
         drain: p.duration("worker.drain", &raw.drain, Duration::from_secs(5)),
+    }
+}
+
+/// Claiming and deduplication must fit together: a live worker's sleeping events are not
+/// claimed, and a decision outlives every redelivery of its entry.
+fn check_recovery(p: &mut Problems, worker: &WorkerConfig, outbound: &OutboundConfig) {
+    let Some(longest_wait) = outbound.routes.values().map(|r| r.max_wait).max() else {
+        return;
+    };
+    if worker.claim_idle <= longest_wait + Duration::from_secs(1) {
+        p.push(
+            "worker.claim_idle",
+            format!(
+                "must be more than the longest route max_wait ({}) plus 1s, or live workers' sleeping events would be claimed",
+                humantime::format_duration(longest_wait)
+            ),
+        );
+    }
+    // An entry can be redelivered up to max_deliveries times, each after claim_idle.
+    let lifetime = worker.claim_idle * worker.max_deliveries as u32 + longest_wait;
+    if !outbound.dedupe_ttl.is_zero() && outbound.dedupe_ttl <= lifetime {
+        p.push(
+            "outbound.dedupe_ttl",
+            format!(
+                "must be more than worker.claim_idle x worker.max_deliveries + the longest max_wait ({}), or a redelivered entry could outlive its decision",
+                humantime::format_duration(lifetime)
+            ),
+        );
     }
 }
 
@@ -271,11 +300,8 @@ fn read_outbound(p: &mut Problems, v: Option<Value>) -> OutboundConfig {
         &raw.dedupe_ttl,
         Duration::from_secs(3600),
     );
-    if dedupe_ttl < Duration::from_secs(60) {
-        p.push(
-            "outbound.dedupe_ttl",
-            "must be at least 1m: markers must outlive any redelivery",
-        );
+    if dedupe_ttl < Duration::from_secs(1) {
+        p.push("outbound.dedupe_ttl", "must be at least 1s");
     }
     let max_event_bytes = p.integer(
         "outbound.max_event_bytes",

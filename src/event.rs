@@ -253,6 +253,8 @@ pub enum Marker {
     Dispatched(i64),
     /// Passed over for a fallback; the wait it would have had (µs).
     Skipped(i64),
+    /// Voided: the entry was delivered too often and is dead-lettered (`scripts/void.lua`).
+    Voided,
 }
 
 /// Parses a marker value into the decision and the entry that owns it.
@@ -264,6 +266,7 @@ pub fn parse_marker(value: &str) -> Option<(Marker, &str)> {
         "s" => Marker::Slot(number),
         "d" => Marker::Dispatched(number),
         "x" => Marker::Skipped(number),
+        "v" => Marker::Voided,
         _ => return None,
     };
     Some((marker, owner))
@@ -367,6 +370,7 @@ mod tests {
             Some((Marker::Dispatched(1700), "1-0@in"))
         );
         assert_eq!(parse_marker("x5|o"), Some((Marker::Skipped(5), "o")));
+        assert_eq!(parse_marker("v0|o"), Some((Marker::Voided, "o")));
         assert_eq!(parse_marker("junk"), None);
     }
 }

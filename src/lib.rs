@@ -7,6 +7,7 @@ pub mod clock;
 pub mod config;
 pub mod error;
 pub mod event;
+pub mod fault;
 pub mod keys;
 pub mod pacing;
 pub mod produce;

@@ -24,12 +24,14 @@ pub const BUCKET_LIB: &str = include_str!("../scripts/bucket.lua");
 pub const SCHEDULE: &str = with_bucket_lib!("schedule.lua");
 pub const DISPATCH: &str = with_bucket_lib!("dispatch.lua");
 pub const EMIT: &str = with_bucket_lib!("emit.lua");
+pub const VOID: &str = include_str!("../scripts/void.lua");
 
 /// The scripts, hashed once per process.
 pub struct Scripts {
     schedule: Script,
     dispatch: Script,
     emit: Script,
+    void: Script,
 }
 
 impl Default for Scripts {
@@ -38,6 +40,7 @@ impl Default for Scripts {
             schedule: Script::new(SCHEDULE),
             dispatch: Script::new(DISPATCH),
             emit: Script::new(EMIT),
+            void: Script::new(VOID),
         }
     }
 }
@@ -117,7 +120,7 @@ pub struct EmitItem<'a> {
 impl Scripts {
     /// Loads every script into Redis's script cache (readiness means this has happened).
     pub async fn load<C: ConnectionLike>(&self, con: &mut C) -> Result<()> {
-        for script in [&self.schedule, &self.dispatch, &self.emit] {
+        for script in [&self.schedule, &self.dispatch, &self.emit, &self.void] {
             script.prepare_invoke().load_async(con).await?;
         }
         Ok(())
@@ -236,6 +239,23 @@ impl Scripts {
         let reply: Value = call.invoke_async(con).await?;
         let mut values = Reply::new("emit", reply)?;
         items.iter().map(|_| Ok(values.int()? == 1)).collect()
+    }
+}
+
+impl Scripts {
+    /// Voids a poison event's undispatched decision on one route; returns the marker's value
+    /// before ("" if none), see `scripts/void.lua`.
+    pub async fn void<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        keys: &RouteKeys,
+        event_id: &str,
+        owner: &str,
+        marker_ttl_ms: u64,
+    ) -> Result<String> {
+        let mut call = self.void.prepare_invoke();
+        call.key(keys.marker(event_id)).arg(owner).arg(marker_ttl_ms);
+        Ok(call.invoke_async(con).await?)
     }
 }
 

@@ -139,6 +139,76 @@ fn bytes(v: Value, op: &'static str) -> Result<Vec<u8>> {
     }
 }
 
+/// Entries of `stream` pending in `group` for longer than `min_idle`, oldest first, each with
+/// how often it has been delivered (`XPENDING … IDLE`).
+pub async fn pending_idle<C: ConnectionLike>(
+    con: &mut C,
+    stream: &str,
+    group: &str,
+    min_idle: Duration,
+    count: usize,
+) -> Result<Vec<(String, u64)>> {
+    let reply: Value = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .arg("IDLE")
+        .arg(min_idle.as_millis() as u64)
+        .arg("-")
+        .arg("+")
+        .arg(count)
+        .query_async(con)
+        .await?;
+    let Value::Array(rows) = reply else {
+        return Err(Error::reply("pending", "expected a list"));
+    };
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        let Value::Array(cols) = row else {
+            return Err(Error::reply("pending", "expected [id, consumer, idle, deliveries]"));
+        };
+        let mut cols = cols.into_iter();
+        let (Some(id), Some(_consumer), Some(_idle), Some(Value::Int(deliveries))) =
+            (cols.next(), cols.next(), cols.next(), cols.next())
+        else {
+            return Err(Error::reply("pending", "expected [id, consumer, idle, deliveries]"));
+        };
+        let id = String::from_utf8_lossy(&bytes(id, "pending")?).into_owned();
+        out.push((id, deliveries.max(0) as u64));
+    }
+    Ok(out)
+}
+
+/// Claims `ids` for `consumer` if they are still idle longer than `min_idle` (another worker may
+/// have claimed them since they were listed). Each comes back with `deliveries` + 1, the count
+/// XCLAIM leaves; entries trimmed from the stream meanwhile are dropped from the group by Redis.
+pub async fn claim<C: ConnectionLike>(
+    con: &mut C,
+    stream: &Arc<str>,
+    group: &str,
+    consumer: &str,
+    min_idle: Duration,
+    ids: &[(String, u64)],
+) -> Result<Vec<Entry>> {
+    let mut cmd = redis::cmd("XCLAIM");
+    cmd.arg(stream.as_ref())
+        .arg(group)
+        .arg(consumer)
+        .arg(min_idle.as_millis() as u64);
+    for (id, _) in ids {
+        cmd.arg(id);
+    }
+    let reply: Value = cmd.query_async(con).await?;
+    let mut out = Vec::new();
+    parse_entries(reply, stream, 0, &mut out)?;
+    for entry in &mut out {
+        entry.deliveries = ids
+            .iter()
+            .find(|(id, _)| *id == entry.id)
+            .map_or(1, |(_, n)| n + 1);
+    }
+    Ok(out)
+}
+
 /// Acknowledges entries of one stream.
 pub async fn ack<C: ConnectionLike>(
     con: &mut C,

@@ -18,6 +18,7 @@ pub const REDIS_DURATION_SECONDS: &str = "pacer_redis_command_duration_seconds";
 pub const REDIS_ERRORS_TOTAL: &str = "pacer_redis_errors_total";
 pub const STREAM_PENDING: &str = "pacer_stream_pending";
 pub const STREAM_LAG: &str = "pacer_stream_lag";
+pub const CLAIMED_TOTAL: &str = "pacer_claimed_total";
 pub const READY: &str = "pacer_ready";
 pub const BUILD_INFO: &str = "pacer_build_info";
 
@@ -71,6 +72,11 @@ pub fn stream_state(stream: &str, group: &str, pending: i64, lag: Option<i64>) {
     if let Some(lag) = lag {
         gauge!(STREAM_LAG, &labels).set(lag as f64);
     }
+}
+
+/// Entries this worker claimed from consumers that left them pending longer than `claim_idle`.
+pub fn claimed(stream: &str, n: usize) {
+    counter!(CLAIMED_TOTAL, "stream" => stream.to_string()).increment(n as u64);
 }
 
 /// Runs one Redis operation, timing it and counting its failure under `op`.

@@ -14,6 +14,7 @@ use crate::clock::RedisClock;
 use crate::config::{Config, Route};
 use crate::error::Result;
 use crate::event::{self, Entry, Fields, Marker, OutboundEvent, Reason, Refused};
+use crate::fault;
 use crate::keys::OutputKeys;
 use crate::scripts::{EmitItem, ScheduleItem, Scheduled, Scripts};
 use crate::streams;
@@ -122,7 +123,9 @@ impl Worker {
             hard_stop.clone(),
         ));
         let monitor = tokio::spawn(monitor(shared.clone(), hard_stop.clone()));
+        let claimer = tokio::spawn(claim_loop(shared.clone(), tx.clone(), shutdown.clone()));
         read_loop(&shared, self.reader_con, &tx, &shutdown).await;
+        let _ = claimer.await;
         drop(tx);
         // The dispatcher finishes what falls due within the drain; past it (say Redis is down),
         // stop it so that the process still exits in bounded time.
@@ -203,7 +206,70 @@ async fn read_loop(
             .map(|_| permits.split(1).expect("one permit per entry read"))
             .collect();
         drop(permits);
+        if !entries.is_empty() {
+            fault::point("read");
+        }
         shared.handle_entries(entries, held, tx, shutdown).await;
+    }
+}
+
+/// Most claim rounds one tick runs per stream, so that a stream full of entries another worker
+/// keeps claiming first cannot hold this loop.
+const CLAIM_ROUNDS: usize = 100;
+
+/// Claims, every `claim_idle / 2`, the entries other consumers left pending longer than
+/// `claim_idle` (a killed or stuck worker, or one that drained), and finishes them: a recorded
+/// decision is carried on, not taken again (see `resume`).
+async fn claim_loop(
+    shared: Arc<Shared>,
+    tx: mpsc::UnboundedSender<Sleeper>,
+    shutdown: CancellationToken,
+) {
+    let idle = shared.cfg.worker.claim_idle;
+    let every = (idle / 2).clamp(Duration::from_millis(50), Duration::from_secs(10));
+    let batch = shared.cfg.worker.batch;
+    let mut failures = 0u32;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        for stream in &shared.streams {
+            for _ in 0..CLAIM_ROUNDS {
+                let mut permits = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    p = shared.permits.clone().acquire_many_owned(batch as u32) => p.expect("never closed"),
+                };
+                let claimed = telemetry::timed("claim", shared.claim(stream, idle, batch)).await;
+                let (listed, entries) = match claimed {
+                    Ok(c) => {
+                        failures = 0;
+                        c
+                    }
+                    Err(e) => {
+                        // The reader and the dispatcher report Redis trouble too; say it once.
+                        failures += 1;
+                        if failures == 1 {
+                            warn!(error = %e, %stream, "claiming pending entries failed");
+                        }
+                        break;
+                    }
+                };
+                if !entries.is_empty() {
+                    info!(%stream, count = entries.len(), "claimed entries left pending by another consumer");
+                    telemetry::claimed(stream, entries.len());
+                    let held: Vec<OwnedSemaphorePermit> = entries
+                        .iter()
+                        .map(|_| permits.split(1).expect("one permit per entry claimed"))
+                        .collect();
+                    drop(permits);
+                    shared.handle_entries(entries, held, &tx, &shutdown).await;
+                }
+                if listed < batch {
+                    break;
+                }
+            }
+        }
     }
 }
 
@@ -254,6 +320,25 @@ struct Finished {
 }
 
 impl Shared {
+    /// Lists up to `count` entries of `stream` idle longer than `idle` and claims them; returns
+    /// how many were listed and the entries this worker won.
+    async fn claim(
+        &self,
+        stream: &Arc<str>,
+        idle: Duration,
+        count: usize,
+    ) -> Result<(usize, Vec<Entry>)> {
+        let mut con = self.con.clone();
+        let group = &self.cfg.worker.group;
+        let listed = streams::pending_idle(&mut con, stream, group, idle, count).await?;
+        if listed.is_empty() {
+            return Ok((0, Vec::new()));
+        }
+        let entries =
+            streams::claim(&mut con, stream, group, &self.consumer, idle, &listed).await?;
+        Ok((listed.len(), entries))
+    }
+
     /// Creates the consumer groups and loads the scripts, retrying until Redis answers.
     /// Returns false if shutdown came first.
     async fn prepare(&self, shutdown: &CancellationToken) -> bool {
@@ -320,22 +405,11 @@ impl Shared {
     ) {
         let mut done = Finished::default();
         let mut placing = Vec::new();
+        let mut poison = Vec::new();
         for (entry, permit) in entries.into_iter().zip(permits) {
-            if entry.deliveries > self.cfg.worker.max_deliveries {
-                let detail = format!(
-                    "delivered {} times, more than worker.max_deliveries ({})",
-                    entry.deliveries, self.cfg.worker.max_deliveries
-                );
-                done.dead.push((
-                    entry,
-                    Refused {
-                        reason: Reason::TooManyDeliveries,
-                        detail,
-                    },
-                ));
-                continue;
-            }
+            let over = entry.deliveries > self.cfg.worker.max_deliveries;
             match event::parse_outbound(entry, &self.cfg.outbound) {
+                Ok(event) if over => poison.push(event),
                 Ok(event) => placing.push(Placing {
                     event,
                     next: 0,
@@ -343,11 +417,99 @@ impl Shared {
                     expect: None,
                     permit,
                 }),
+                // An entry that cannot be parsed is dead-lettered for that, however often it came.
                 Err((entry, refused)) => done.dead.push((entry, refused)),
             }
         }
+        if !poison.is_empty() && !self.settle_poison(poison, &mut done, stop).await {
+            return;
+        }
+        let placed = !placing.is_empty();
         self.place(placing, &mut done, tx, stop).await;
+        if placed {
+            fault::point("scheduled");
+        }
         self.finish(done, stop).await;
+    }
+
+    /// Ends events delivered more than `max_deliveries` times (each delivery's worker died or
+    /// stalled on them) without deciding them again. Each route's undispatched decision is voided
+    /// first, so that no sleeping worker can still dispatch the event; then an event already
+    /// dispatched is only acknowledged, one passed over by every route is rejected as before,
+    /// and any other is dead-lettered. False if shutdown came first.
+    async fn settle_poison(
+        &self,
+        poison: Vec<OutboundEvent>,
+        done: &mut Finished,
+        stop: &CancellationToken,
+    ) -> bool {
+        let calls = poison.iter().flat_map(|e| {
+            e.routes.iter().map(move |route| {
+                let keys = &self.cfg.outbound.routes[route].keys;
+                self.retry("void", stop, move || {
+                    let mut con = self.con.clone();
+                    async move {
+                        self.scripts
+                            .void(&mut con, keys, &e.event_id, &e.owner, self.marker_ttl_ms)
+                            .await
+                    }
+                })
+            })
+        });
+        let olds = futures_util::future::join_all(calls).await;
+        let Some(mut olds) = olds.into_iter().collect::<Option<Vec<String>>>() else {
+            return false;
+        };
+        let max = self.cfg.worker.max_deliveries;
+        for event in poison {
+            let rest = olds.split_off(event.routes.len());
+            let markers = std::mem::replace(&mut olds, rest);
+            let parsed: Vec<_> = markers.iter().map(|m| event::parse_marker(m)).collect();
+            let ours = |m: &Option<(Marker, &str)>| m.as_ref().is_some_and(|(_, o)| *o == event.owner);
+            let dispatched = parsed
+                .iter()
+                .any(|m| ours(m) && matches!(m, Some((Marker::Dispatched(_), _))));
+            let skipped_wait = parsed
+                .iter()
+                .map(|m| match m {
+                    Some((Marker::Skipped(w), o)) if *o == event.owner => Some(*w),
+                    _ => None,
+                })
+                .collect::<Option<Vec<i64>>>();
+            warn!(entry = %event.entry.id, stream = %event.entry.stream, deliveries = event.entry.deliveries, "poison entry");
+            if dispatched {
+                done.acks
+                    .push((event.entry.stream.clone(), event.entry.id.clone()));
+            } else if let Some(other) = markers.iter().zip(&parsed).find_map(|(m, p)| {
+                p.as_ref().filter(|(_, o)| *o != event.owner).map(|_| m)
+            }) {
+                let detail = format!("event id {:?} was already taken: {other}", event.event_id);
+                done.dead.push((
+                    event.entry,
+                    Refused {
+                        reason: Reason::Duplicate,
+                        detail,
+                    },
+                ));
+            } else if let Some(waits) = skipped_wait {
+                let best = waits.into_iter().min().unwrap_or(0);
+                done.rejected
+                    .push((event, (best.max(0) as u64).div_ceil(1000) as i64));
+            } else {
+                let detail = format!(
+                    "delivered {} times, more than worker.max_deliveries ({max})",
+                    event.entry.deliveries
+                );
+                done.dead.push((
+                    event.entry,
+                    Refused {
+                        reason: Reason::TooManyDeliveries,
+                        detail,
+                    },
+                ));
+            }
+        }
+        true
     }
 
     /// Offers events to their routes, one `schedule` call per route per round, until each is
@@ -521,6 +683,21 @@ impl Shared {
             Some((Marker::Skipped(wait_us), _)) => {
                 p.best_wait_us = Some(p.best_wait_us.map_or(wait_us, |b| b.min(wait_us)));
                 self.next_route(p, pending, done);
+            }
+            Some((Marker::Voided, _)) => {
+                // A poison check voided it while this delivery was on its way: the entry is
+                // being dead-lettered (write-once, so writing it here too cannot double it).
+                let detail = format!(
+                    "delivered more than worker.max_deliveries ({}) times",
+                    self.cfg.worker.max_deliveries
+                );
+                done.dead.push((
+                    p.event.entry,
+                    Refused {
+                        reason: Reason::TooManyDeliveries,
+                        detail,
+                    },
+                ));
             }
             Some((Marker::Slot(slot_us), _)) => {
                 // The slot is ours already. If it is still ahead or only just passed, keep it;

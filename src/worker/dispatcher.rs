@@ -272,6 +272,9 @@ async fn fire(
             }
         }
     }
+    if !done.acks.is_empty() {
+        crate::fault::point("dispatched");
+    }
     if !again.is_empty() {
         let (tx, mut rx) = mpsc::unbounded_channel();
         shared.place(again, &mut done, &tx, stop).await;
