@@ -46,7 +46,10 @@ for i = 1, n do
       code, value = 0, g
     else
       local id_ms = tq / 1000
-      local prev = redis.call('SET', KEYS[2 + i], 'd' .. int(id_ms) .. string.sub(expect, string.find(expect, '|', 1, true)), 'XX', 'GET', 'KEEPTTL')
+      -- The owner part of expect, "|<owner>" (find's first result only: its second would
+      -- cut the owner off).
+      local owner_part = string.sub(expect, (string.find(expect, '|', 1, true)))
+      local prev = redis.call('SET', KEYS[2 + i], 'd' .. int(id_ms) .. owner_part, 'XX', 'GET', 'KEEPTTL')
       if prev ~= expect then
         if prev then
           redis.call('SET', KEYS[2 + i], prev, 'KEEPTTL')

@@ -124,20 +124,23 @@ impl Worker {
         ));
         let monitor = tokio::spawn(monitor(shared.clone(), hard_stop.clone()));
         let claimer = tokio::spawn(claim_loop(shared.clone(), tx.clone(), shutdown.clone()));
-        read_loop(&shared, self.reader_con, &tx, &shutdown).await;
-        let _ = claimer.await;
-        drop(tx);
-        // The dispatcher finishes what falls due within the drain; past it (say Redis is down),
-        // stop it so that the process still exits in bounded time.
-        let give_up = tokio::time::sleep(shared.cfg.worker.drain + Duration::from_millis(500));
-        let mut dispatcher = dispatcher;
+        let work = async {
+            read_loop(&shared, self.reader_con, &tx, &shutdown).await;
+            let _ = claimer.await;
+            drop(tx);
+            let _ = dispatcher.await;
+        };
+        // The dispatcher finishes what falls due within the drain. Whatever still runs when the
+        // drain is over (a call to a Redis that is down, say) is dropped where it stands: every
+        // step is idempotent and nothing unfinished was acknowledged, so another worker claims
+        // it. The process exits within `drain` of SIGTERM, Redis or not.
+        let deadline = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(shared.cfg.worker.drain).await;
+        };
         tokio::select! {
-            _ = &mut dispatcher => {}
-            _ = give_up => {
-                warn!("drain time is over; leaving the remaining events pending");
-                hard_stop.cancel();
-                let _ = dispatcher.await;
-            }
+            _ = work => {}
+            _ = deadline => warn!("drain time is over; leaving the remaining events pending"),
         }
         hard_stop.cancel();
         let _ = monitor.await;
@@ -206,9 +209,6 @@ async fn read_loop(
             .map(|_| permits.split(1).expect("one permit per entry read"))
             .collect();
         drop(permits);
-        if !entries.is_empty() {
-            fault::point("read");
-        }
         shared.handle_entries(entries, held, tx, shutdown).await;
     }
 }
@@ -403,6 +403,9 @@ impl Shared {
         tx: &mpsc::UnboundedSender<Sleeper>,
         stop: &CancellationToken,
     ) {
+        if !entries.is_empty() {
+            fault::point("read");
+        }
         let mut done = Finished::default();
         let mut placing = Vec::new();
         let mut poison = Vec::new();

@@ -209,8 +209,8 @@ fn a_decision_is_recorded_once_and_dispatch_happens_once() {
     // Two workers holding the same decision: the second dispatch finds it done.
     let second = settle(&mut rig, "e", &expect, slot);
     assert!(
-        matches!(&second, Dispatched::Superseded(v) if v.starts_with('d')),
-        "{second:?}"
+        matches!(&second, Dispatched::Superseded(v) if v.starts_with('d') && v.ends_with("|2-0@in")),
+        "{second:?}: the dispatched marker must keep its owner"
     );
     // A stale decision (another worker re-decided the event) cannot dispatch either.
     let stale = settle(&mut rig, "e", &format!("s{}|2-0@in", slot - 1), slot - 1);
@@ -243,4 +243,48 @@ fn shared_streams_are_written_once_per_input_entry() {
         .block_on(redis::cmd("XLEN").arg("pacer:rejected").query_async(con))
         .unwrap();
     assert_eq!(len, 1);
+}
+
+/// A poison entry's decisions are voided before it is dead-lettered: a sleeping worker can no
+/// longer dispatch it, while outcomes already final (dispatched, passed over, another entry's)
+/// are left as they are for the caller to honour.
+#[test]
+fn voiding_a_poison_event_stops_any_later_dispatch_and_keeps_final_outcomes() {
+    let mut rig = Rig::new("10/s", 1);
+    rig.schedule(&[("first", "1-0@in")], 5_000_000);
+    let (_, out) = rig.schedule(&[("sleeping", "2-0@in"), ("gone", "3-0@in")], 5_000_000);
+    let slot = slot_of(&out[0]);
+    let gone_slot = slot_of(&out[1]);
+    let (_, skipped) = rig.schedule(&[("skipped", "4-0@in")], 1);
+    assert!(matches!(skipped[0], Scheduled::TooLong { .. }));
+    let gone = format!("s{gone_slot}|3-0@in");
+    assert!(matches!(
+        settle(&mut rig, "gone", &gone, gone_slot),
+        Dispatched::Done { .. }
+    ));
+
+    let keys = rig.route.keys.clone();
+    let mut void = |id: &str, owner: &str| {
+        rig.rt
+            .block_on(rig.scripts.void(&mut rig.con, &keys, id, owner, 60_000))
+            .unwrap()
+    };
+    // A sleeping decision is voided; a second void sees the void and changes nothing.
+    assert_eq!(void("sleeping", "2-0@in"), format!("s{slot}|2-0@in"));
+    assert_eq!(void("sleeping", "2-0@in"), "v0|2-0@in");
+    // Final outcomes and another entry's decision stay.
+    assert!(void("gone", "3-0@in").starts_with('d'));
+    assert!(void("skipped", "4-0@in").starts_with('x'));
+    let other = void("gone", "9-0@in");
+    assert!(other.ends_with("|3-0@in"), "{other}");
+    // No decision yet: voided, so a late first decision finds it and takes no slot.
+    assert_eq!(void("never", "5-0@in"), "");
+    let (_, late) = rig.schedule(&[("never", "5-0@in")], 5_000_000);
+    assert_eq!(late[0], Scheduled::Decided("v0|5-0@in".into()));
+
+    // The worker that still sleeps on the voided decision cannot dispatch it.
+    let expect = format!("s{slot}|2-0@in");
+    let after = settle(&mut rig, "sleeping", &expect, slot);
+    assert_eq!(after, Dispatched::Superseded("v0|2-0@in".into()));
+    assert_eq!(rig.ready_len(), 2, "only first and gone were dispatched");
 }

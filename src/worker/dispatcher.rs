@@ -74,6 +74,8 @@ type Queue = BTreeMap<(Instant, u64), Sleeper>;
 
 /// Where the dispatch call should land: this far after the target, inside its millisecond.
 const AIM_AFTER_US: i64 = 250;
+/// Kept free at the end of the drain for the last dispatch calls to return.
+const DRAIN_MARGIN: Duration = Duration::from_millis(200);
 /// The most a wake-up is brought forward.
 const LEAD_MAX_US: i64 = 900;
 
@@ -143,7 +145,10 @@ pub(crate) async fn run(
     let mut alarm: Option<(Instant, tokio::sync::oneshot::Receiver<()>)> = None;
     loop {
         if drain_end.is_none() && shutdown.is_cancelled() {
-            drain_end = Some(Instant::now() + shared.cfg.worker.drain);
+            // What falls due within the drain, less a margin for the last calls to return
+            // before the worker stops at the drain's end.
+            let drain = shared.cfg.worker.drain;
+            drain_end = Some(Instant::now() + drain - (drain / 5).min(DRAIN_MARGIN));
         }
         if let Some(end) = drain_end {
             if !open && timers.next_wake().is_none_or(|w| w > end) {
