@@ -254,7 +254,9 @@ impl Scripts {
         marker_ttl_ms: u64,
     ) -> Result<String> {
         let mut call = self.void.prepare_invoke();
-        call.key(keys.marker(event_id)).arg(owner).arg(marker_ttl_ms);
+        call.key(keys.marker(event_id))
+            .arg(owner)
+            .arg(marker_ttl_ms);
         Ok(call.invoke_async(con).await?)
     }
 }

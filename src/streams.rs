@@ -164,13 +164,19 @@ pub async fn pending_idle<C: ConnectionLike>(
     let mut out = Vec::with_capacity(rows.len());
     for row in rows {
         let Value::Array(cols) = row else {
-            return Err(Error::reply("pending", "expected [id, consumer, idle, deliveries]"));
+            return Err(Error::reply(
+                "pending",
+                "expected [id, consumer, idle, deliveries]",
+            ));
         };
         let mut cols = cols.into_iter();
         let (Some(id), Some(_consumer), Some(_idle), Some(Value::Int(deliveries))) =
             (cols.next(), cols.next(), cols.next(), cols.next())
         else {
-            return Err(Error::reply("pending", "expected [id, consumer, idle, deliveries]"));
+            return Err(Error::reply(
+                "pending",
+                "expected [id, consumer, idle, deliveries]",
+            ));
         };
         let id = String::from_utf8_lossy(&bytes(id, "pending")?).into_owned();
         out.push((id, deliveries.max(0) as u64));

@@ -219,6 +219,7 @@ impl Pacer {
             .arg(format!("-{sig}"))
             .arg("--")
             .arg(format!("-{}", self.pid()))
+            .stderr(Stdio::null())
             .status();
     }
 

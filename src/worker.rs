@@ -468,7 +468,8 @@ impl Shared {
             let rest = olds.split_off(event.routes.len());
             let markers = std::mem::replace(&mut olds, rest);
             let parsed: Vec<_> = markers.iter().map(|m| event::parse_marker(m)).collect();
-            let ours = |m: &Option<(Marker, &str)>| m.as_ref().is_some_and(|(_, o)| *o == event.owner);
+            let ours =
+                |m: &Option<(Marker, &str)>| m.as_ref().is_some_and(|(_, o)| *o == event.owner);
             let dispatched = parsed
                 .iter()
                 .any(|m| ours(m) && matches!(m, Some((Marker::Dispatched(_), _))));
@@ -483,9 +484,11 @@ impl Shared {
             if dispatched {
                 done.acks
                     .push((event.entry.stream.clone(), event.entry.id.clone()));
-            } else if let Some(other) = markers.iter().zip(&parsed).find_map(|(m, p)| {
-                p.as_ref().filter(|(_, o)| *o != event.owner).map(|_| m)
-            }) {
+            } else if let Some(other) = markers
+                .iter()
+                .zip(&parsed)
+                .find_map(|(m, p)| p.as_ref().filter(|(_, o)| *o != event.owner).map(|_| m))
+            {
                 let detail = format!("event id {:?} was already taken: {other}", event.event_id);
                 done.dead.push((
                     event.entry,

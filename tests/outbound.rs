@@ -4,7 +4,7 @@ mod common;
 
 use common::*;
 use pacer::keys::hash_tag;
-use pacer::report::{max_in_window, quantile};
+use pacer::report::quantile;
 use pacer::testkit::{free_port, http_get, metric, wait_until, RedisServer, TempDir};
 use std::time::{Duration, Instant};
 
@@ -12,21 +12,6 @@ use std::time::{Duration, Instant};
 type RawEvent = Vec<(String, Vec<u8>)>;
 
 const WORKER: &str = "  batch: 32\n  drain: 1s\n  claim_idle: 30s";
-
-/// Checks the promise on one ready stream: no rolling window W holds more than rate × W + burst
-/// entries by entry-id time. Returns the entries' times.
-fn assert_rate(redis: &RedisServer, stream: &str, per_second: f64, burst: f64) -> Vec<i64> {
-    let times: Vec<i64> = read(redis, stream).iter().map(|e| e.ms).collect();
-    for w in [1, 5, 10, 20, 50, 100, 200, 250, 500, 1000, 2000, 5000] {
-        let limit = per_second * w as f64 / 1000.0 + burst;
-        let seen = max_in_window(&times, w);
-        assert!(
-            seen as f64 <= limit,
-            "{stream}: {seen} entries in a {w} ms window, limit {limit}"
-        );
-    }
-    times
-}
 
 #[test]
 fn three_workers_hold_the_rate_reroute_reject_and_place_every_entry_once() {

@@ -210,12 +210,14 @@ async fn fire(
             }
             Err(e) => {
                 shared.health.set_redis_ok(false);
+                // One line per route when its events first fail, not one per event.
+                let fresh = group.iter().filter(|s| s.failures == 0).count();
+                if fresh > 0 {
+                    warn!(error = %e, route = %group[0].route, events = fresh, "dispatch failed; retrying with backoff");
+                }
                 for mut s in group {
                     s.failures += 1;
                     let backoff = Duration::from_millis(50 << s.failures.min(6));
-                    if s.failures == 1 {
-                        warn!(error = %e, route = %s.route, "dispatch failed; retrying");
-                    }
                     s.wake = received + backoff;
                     timers.requeue(s);
                 }

@@ -1,7 +1,7 @@
 //! Helpers shared by the process-level tests: configs, pushing events, reading outputs.
 #![allow(dead_code)]
 
-use pacer::report::{read_all, OutputEntry};
+use pacer::report::{max_in_window, read_all, OutputEntry};
 use pacer::testkit::{http_get, wait_until, Pacer, RedisServer, TempDir};
 use redis::Commands;
 use std::collections::BTreeMap;
@@ -127,4 +127,45 @@ pub fn redis_time_ms(redis: &RedisServer) -> i64 {
 
 pub fn keys(redis: &RedisServer) -> Vec<String> {
     redis.con().keys("*").unwrap()
+}
+
+/// Checks the promise on one ready stream: no rolling window W holds more than rate × W + burst
+/// entries by entry-id time. Returns the entries' times.
+pub fn assert_rate(redis: &RedisServer, stream: &str, per_second: f64, burst: f64) -> Vec<i64> {
+    let times: Vec<i64> = read(redis, stream).iter().map(|e| e.ms).collect();
+    for w in [1, 5, 10, 20, 50, 100, 200, 250, 500, 1000, 2000, 5000] {
+        let limit = per_second * w as f64 / 1000.0 + burst;
+        let seen = max_in_window(&times, w);
+        assert!(
+            seen as f64 <= limit,
+            "{stream}: {seen} entries in a {w} ms window, limit {limit}"
+        );
+    }
+    times
+}
+
+/// Checks that every input entry in `ids` ended in exactly one of `outputs` and nothing is left
+/// pending; the placements, for further checks.
+pub fn assert_each_once(
+    redis: &RedisServer,
+    ids: &[String],
+    outputs: &[&str],
+    input: &str,
+) -> BTreeMap<String, Vec<String>> {
+    let at = placements(redis, outputs);
+    for id in ids {
+        assert_eq!(
+            at.get(id).map(Vec::len),
+            Some(1),
+            "entry {id} ended in {:?}",
+            at.get(id)
+        );
+    }
+    assert_eq!(
+        at.len(),
+        ids.len(),
+        "outputs hold entries that were never pushed"
+    );
+    assert_eq!(pending(redis, input, "pacer"), 0, "entries left pending");
+    at
 }

@@ -1,0 +1,493 @@
+//! Nothing lost, nothing doubled (guarantees 2 and 6): real pacer processes killed with
+//! `kill -9` or aborted at chosen moments, poison entries, Redis slow, killed and restarted with
+//! AOF on, SIGTERM during an outage, and Redis memory over a long run.
+
+mod common;
+
+use common::*;
+use pacer::testkit::{free_port, http_get, metric, wait_until, Pacer, RedisServer, TempDir};
+use std::time::{Duration, Instant};
+
+const OUTPUTS: [&str; 4] = [
+    "pacer:{a}:ready",
+    "pacer:{b}:ready",
+    "pacer:rejected",
+    "pacer:dead",
+];
+
+/// Routes a (fallback b) with room for hundreds of sleeping events.
+const TWO_ROUTES: &str = r#"outbound:
+  streams: ["in"]
+  routes:
+    a: {rate: 200/s, burst: 5, max_wait: 2s, fallbacks: [b]}
+    b: {rate: 100/s, burst: 1, max_wait: 2s}
+"#;
+
+fn events(prefix: &str, n: usize) -> Vec<Vec<(String, Vec<u8>)>> {
+    (0..n)
+        .map(|i| {
+            let route = if i % 5 == 4 { "b" } else { "a" };
+            event(&[("route", route), ("id", &format!("{prefix}-{i}"))])
+        })
+        .collect()
+}
+
+fn sleeping(port: u16) -> f64 {
+    http_get(port, "/metrics")
+        .map(|(_, text)| metric(&text, "pacer_sleeping_events"))
+        .unwrap_or(0.0)
+}
+
+fn claimed(port: u16) -> f64 {
+    http_get(port, "/metrics")
+        .map(|(_, text)| metric(&text, "pacer_claimed_total"))
+        .unwrap_or(0.0)
+}
+
+/// How far ahead of Redis's clock a route's plan runs (its queue), ms.
+fn queued_ms(redis: &RedisServer, route: &str) -> i64 {
+    let tat: Option<i64> = redis::cmd("HGET")
+        .arg(format!("pacer:{{{route}}}:bucket:{route}"))
+        .arg("tat")
+        .query(&mut redis.con())
+        .unwrap();
+    tat.map_or(0, |t| t / 1000 - redis_time_ms(redis))
+}
+
+fn not_ready(port: u16) -> bool {
+    matches!(http_get(port, "/readyz"), Some((503, _)))
+}
+
+/// A small deterministic generator for kill timings (the test must be repeatable).
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) % n
+    }
+}
+
+/// Guarantee 2 under `kill -9`: one of three workers is killed in every round, either aborted
+/// at a chosen moment (entries read but not decided; decisions recorded and sleeping; dispatched
+/// but not acknowledged) or killed from outside while it holds sleeping events. The survivors
+/// claim what it held. Every entry ends exactly once, the rate holds, nothing stays pending.
+#[test]
+fn kill_minus_nine_at_any_moment_loses_and_doubles_nothing() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("kill");
+    let worker = "  batch: 32\n  drain: 1s\n  claim_idle: 3500ms\n  max_deliveries: 20";
+    let mut survivors = Vec::new();
+    for i in 0..2 {
+        let port = free_port();
+        let cfg = config(
+            &dir,
+            &format!("s{i}.yaml"),
+            &redis,
+            port,
+            worker,
+            TWO_ROUTES,
+        );
+        survivors.push((start(&cfg, port), port));
+    }
+    // Crash points by name (`PACER_CRASH_AT`), or "kill" for kill -9 from outside.
+    let rounds = [
+        "read:1",
+        "kill",
+        "scheduled:1",
+        "kill",
+        "dispatched:5",
+        "kill",
+        "read:2",
+        "kill",
+        "scheduled:3",
+        "kill",
+        "dispatched:20",
+        "kill",
+    ];
+    let mut rng = Lcg(20261121);
+    let mut ids = Vec::new();
+    let mut held_at_kill = Vec::new();
+    let mut crashed = 0;
+    for (r, mode) in rounds.iter().enumerate() {
+        let port = free_port();
+        let cfg = config(
+            &dir,
+            &format!("v{r}.yaml"),
+            &redis,
+            port,
+            worker,
+            TWO_ROUTES,
+        );
+        let env: Vec<(&str, &str)> = match *mode {
+            "kill" => vec![],
+            point => vec![("PACER_CRASH_AT", point)],
+        };
+        let mut victim = start_wrapped(&[], &env, &cfg, port);
+        // Let the routes' queues empty first, so that this round's events sleep rather than
+        // being rejected at once.
+        wait_until(Duration::from_secs(5), || queued_ms(&redis, "a") < 100);
+        ids.extend(push(&redis, "in", &events(&format!("r{r}"), 600)));
+        if *mode == "kill" {
+            wait_until(Duration::from_secs(3), || sleeping(port) >= 100.0);
+            std::thread::sleep(Duration::from_millis(rng.below(400)));
+            held_at_kill.push(sleeping(port));
+            victim.kill();
+        } else {
+            let code = victim.wait_for(Duration::from_secs(10));
+            victim.kill();
+            assert!(
+                victim.log_text().contains("PACER_CRASH_AT reached"),
+                "round {r}: {mode} was never reached (exit {code:?}):\n{}",
+                victim.log_text()
+            );
+            crashed += 1;
+        }
+    }
+
+    let total = ids.len();
+    let settled = wait_until(Duration::from_secs(90), || {
+        placements(&redis, &OUTPUTS).len() == total && pending(&redis, "in", "pacer") == 0
+    });
+    assert!(
+        settled,
+        "{} of {total} placed, {} pending",
+        placements(&redis, &OUTPUTS).len(),
+        pending(&redis, "in", "pacer")
+    );
+    let at = assert_each_once(&redis, &ids, &OUTPUTS, "in");
+    assert_rate(&redis, "pacer:{a}:ready", 200.0, 5.0);
+    assert_rate(&redis, "pacer:{b}:ready", 100.0, 1.0);
+    // No entry was mistaken for a duplicate or a poison: each was redelivered at most a few
+    // times and its recorded decision was finished, not taken again.
+    let dead = read(&redis, "pacer:dead");
+    assert!(dead.is_empty(), "dead-lettered: {:?}", dead[0].fields);
+    let claims: f64 = survivors.iter().map(|(_, port)| claimed(*port)).sum();
+    assert!(claims > 0.0, "the survivors claimed nothing");
+    assert!(
+        held_at_kill.iter().any(|&n| n >= 100.0),
+        "no victim held 100 sleeping events when killed: {held_at_kill:?}"
+    );
+    let dispatched = at.values().filter(|v| v[0].ends_with(":ready")).count();
+    eprintln!(
+        "kill -9 test: {} kills from outside (sleeping events held: {held_at_kill:?}), {crashed} aborts at crash points, {total} entries: {dispatched} dispatched, {} rejected; {claims} claimed by survivors; none lost, none doubled",
+        held_at_kill.len(),
+        total - dispatched
+    );
+    for (mut p, _) in survivors {
+        assert!(
+            p.wait_for(Duration::from_millis(1)).is_none(),
+            "a survivor died"
+        );
+        p.kill();
+    }
+}
+
+/// An entry whose every delivery kills its worker ends in the dead-letter stream with reason
+/// too_many_deliveries and is acknowledged. Its sleeping decision is voided first; an entry of
+/// the same batch that was already dispatched is only acknowledged, not dead-lettered too.
+#[test]
+fn a_poison_entry_is_dead_lettered_after_max_deliveries_and_nothing_doubles() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("poison");
+    let worker = "  batch: 8\n  drain: 1s\n  claim_idle: 1600ms\n  max_deliveries: 2";
+    let body = r#"outbound:
+  streams: ["in"]
+  routes:
+    a: {rate: 10/s, burst: 1, max_wait: 500ms}
+"#;
+    let ids = push(
+        &redis,
+        "in",
+        &[
+            event(&[("route", "a"), ("id", "now")]),
+            event(&[("route", "a"), ("id", "later")]),
+            event(&[("id", "no-route")]),
+        ],
+    );
+    // Delivery 1 records the decisions ("now" dispatched at once, "later" sleeping) and dies
+    // before acknowledging; delivery 2 is claimed and dies before deciding anything.
+    for (i, point) in ["scheduled:1", "read:1"].iter().enumerate() {
+        let port = free_port();
+        let cfg = config(&dir, &format!("v{i}.yaml"), &redis, port, worker, body);
+        // Not waited ready for: the entries are there already, it may die at once.
+        let mut victim = Pacer::run(bin(), &cfg, &[("PACER_CRASH_AT", point)]);
+        assert!(
+            victim.wait_for(Duration::from_secs(10)).is_some(),
+            "{point} never reached:\n{}",
+            victim.log_text()
+        );
+        assert!(victim.log_text().contains("PACER_CRASH_AT reached"));
+    }
+    assert_eq!(read(&redis, "pacer:{a}:ready").len(), 1);
+    // Delivery 3 is one too many.
+    let port = free_port();
+    let cfg = config(&dir, "w.yaml", &redis, port, worker, body);
+    let mut pacer = start(&cfg, port);
+    assert!(
+        wait_until(Duration::from_secs(15), || pending(&redis, "in", "pacer")
+            == 0),
+        "still pending:\n{}",
+        pacer.log_text()
+    );
+    let at = assert_each_once(&redis, &ids, &OUTPUTS, "in");
+    assert_eq!(
+        at[&ids[0]],
+        vec!["pacer:{a}:ready"],
+        "dispatched once, kept"
+    );
+    let dead = read(&redis, "pacer:dead");
+    let reason = |id: &str| {
+        let e = dead
+            .iter()
+            .find(|e| e.field("pacer_source_id") == Some(id))
+            .expect("dead-lettered");
+        (
+            e.field("pacer_reason").unwrap().to_string(),
+            e.field("pacer_detail").unwrap().to_string(),
+        )
+    };
+    let (why, detail) = reason(&ids[1]);
+    assert_eq!(why, "too_many_deliveries");
+    assert!(detail.contains("delivered 3 times"), "{detail}");
+    // A malformed entry keeps its own reason, however often it came.
+    assert_eq!(reason(&ids[2]).0, "malformed");
+    // The sleeping decision was voided: nobody can dispatch "later" any more.
+    let marker: String = redis::cmd("GET")
+        .arg("pacer:{a}:ev:a:later")
+        .query(&mut redis.con())
+        .unwrap();
+    assert_eq!(marker, format!("v0|{}@in", ids[1]));
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(read(&redis, "pacer:{a}:ready").len(), 1);
+    pacer.kill();
+}
+
+/// Guarantee 6: Redis slow (DEBUG SLEEP past the command timeout), then killed and restarted
+/// with AOF on, in the middle of a run. Workers stay up, say not ready while Redis is gone, back
+/// off instead of spinning, reload their scripts, and finish every entry exactly once with the
+/// rate held across the outage (the buckets came back from the AOF).
+#[test]
+fn redis_slow_then_restarted_with_aof_loses_and_doubles_nothing() {
+    let mut redis = RedisServer::start_with(&[
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "always",
+        "--enable-debug-command",
+        "local",
+    ]);
+    let dir = TempDir::new("restart");
+    let worker = "  batch: 32\n  drain: 1s\n  claim_idle: 3500ms";
+    let mut workers = Vec::new();
+    for i in 0..2 {
+        let port = free_port();
+        let cfg = config(
+            &dir,
+            &format!("w{i}.yaml"),
+            &redis,
+            port,
+            worker,
+            TWO_ROUTES,
+        );
+        workers.push((start(&cfg, port), port));
+    }
+    let mut ids = push(&redis, "in", &events("before", 500));
+    std::thread::sleep(Duration::from_millis(500));
+
+    // Slow: Redis stalls for 1.5 s, three times the 500 ms command timeout.
+    let url = redis.url();
+    let stall = std::thread::spawn(move || {
+        let mut con = redis::Client::open(url).unwrap().get_connection().unwrap();
+        let _: () = redis::cmd("DEBUG")
+            .arg("SLEEP")
+            .arg(1.5)
+            .query(&mut con)
+            .unwrap();
+    });
+    let noticed_slow = wait_until(Duration::from_millis(1400), || {
+        workers.iter().all(|(_, port)| not_ready(*port))
+    });
+    stall.join().unwrap();
+    assert!(noticed_slow, "/readyz stayed 200 while Redis stalled");
+
+    // Gone: killed (SIGKILL) for 3 s, then restarted on its AOF.
+    std::thread::sleep(Duration::from_millis(300));
+    redis.kill();
+    let down_at = Instant::now();
+    assert!(wait_until(Duration::from_secs(5), || workers
+        .iter()
+        .all(|(_, port)| not_ready(*port))));
+    std::thread::sleep(Duration::from_secs(3).saturating_sub(down_at.elapsed()));
+    redis.restart();
+    ids.extend(push(&redis, "in", &events("after", 300)));
+
+    let total = ids.len();
+    let settled = wait_until(Duration::from_secs(60), || {
+        placements(&redis, &OUTPUTS).len() == total && pending(&redis, "in", "pacer") == 0
+    });
+    assert!(
+        settled,
+        "{} of {total} placed",
+        placements(&redis, &OUTPUTS).len()
+    );
+    assert_each_once(&redis, &ids, &OUTPUTS, "in");
+    assert_rate(&redis, "pacer:{a}:ready", 200.0, 5.0);
+    assert_rate(&redis, "pacer:{b}:ready", 100.0, 1.0);
+    assert!(read(&redis, "pacer:dead").is_empty());
+    for (pacer, port) in &mut workers {
+        assert!(
+            pacer.wait_for(Duration::from_millis(1)).is_none(),
+            "a worker exited"
+        );
+        assert!(wait_until(Duration::from_secs(10), || !not_ready(*port)));
+        // Backoff, not a tight loop: failed Redis calls and warnings stay few over the outage.
+        let (_, text) = http_get(*port, "/metrics").unwrap();
+        let errors = metric(&text, "pacer_redis_errors_total");
+        let warnings = pacer.log_text().matches("WARN").count();
+        eprintln!("outage of ~3.5 s: {errors} failed Redis calls, {warnings} warnings");
+        assert!(
+            errors < 200.0,
+            "{errors} failed Redis calls: retrying too fast"
+        );
+        assert!(warnings < 40, "{warnings} warnings:\n{}", pacer.log_text());
+    }
+}
+
+/// SIGTERM while Redis is down: the worker still exits within `drain`, and what it did not
+/// dispatch stays pending, unacknowledged, for another worker to finish once Redis is back.
+#[test]
+fn sigterm_during_an_outage_exits_within_drain_and_leaves_the_rest_pending() {
+    let mut redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    let dir = TempDir::new("outage");
+    let worker = "  batch: 32\n  drain: 1s\n  claim_idle: 3100ms";
+    let body = r#"outbound:
+  streams: ["in"]
+  routes:
+    a: {rate: 20/s, burst: 1, max_wait: 2s}
+"#;
+    let port = free_port();
+    let cfg = config(&dir, "a.yaml", &redis, port, worker, body);
+    let mut first = start(&cfg, port);
+    let ids = push(
+        &redis,
+        "in",
+        &(0..40)
+            .map(|i| event(&[("route", "a"), ("n", &i.to_string())]))
+            .collect::<Vec<_>>(),
+    );
+    std::thread::sleep(Duration::from_millis(400));
+    redis.kill();
+    std::thread::sleep(Duration::from_millis(100));
+    let term = Instant::now();
+    first.signal("TERM");
+    let code = first.wait_for(Duration::from_secs(5));
+    let took = term.elapsed();
+    assert_eq!(code, Some(0), "exit code; log:\n{}", first.log_text());
+    assert!(
+        took < Duration::from_millis(1000 + 150),
+        "took {took:?} to exit with a 1s drain"
+    );
+    eprintln!("SIGTERM during the outage: exited in {took:?} (drain 1s)");
+
+    redis.restart();
+    let placed = placements(&redis, &OUTPUTS).len();
+    assert!(
+        placed < ids.len(),
+        "everything was placed before the outage"
+    );
+    assert_eq!(
+        pending(&redis, "in", "pacer") as usize,
+        ids.len() - placed,
+        "every entry not placed is still pending, and no placed one is"
+    );
+    // Another worker claims what was left and finishes it.
+    let port = free_port();
+    let cfg = config(&dir, "b.yaml", &redis, port, worker, body);
+    let mut second = start(&cfg, port);
+    assert!(
+        wait_until(Duration::from_secs(20), || pending(&redis, "in", "pacer")
+            == 0),
+        "still pending:\n{}",
+        second.log_text()
+    );
+    assert_each_once(&redis, &ids, &OUTPUTS, "in");
+    assert_rate(&redis, "pacer:{a}:ready", 20.0, 1.0);
+    second.kill();
+}
+
+/// Bounded Redis memory over a long run: output streams stay near `max_len`, every marker
+/// expires, so the key count stays flat under steady traffic and falls back once it stops.
+#[test]
+fn redis_key_count_stays_flat_over_a_long_run() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("memory");
+    let worker = "  batch: 32\n  drain: 1s\n  claim_idle: 1200ms\n  max_deliveries: 1";
+    let body = r#"outbound:
+  streams: ["in"]
+  max_len: 100
+  dedupe_ttl: 2s
+  routes:
+    a: {rate: 100/s, burst: 1, max_wait: 100ms, fallbacks: [b]}
+    b: {rate: 50/s, burst: 1, max_wait: 100ms}
+"#;
+    let port = free_port();
+    let cfg = config(&dir, "m.yaml", &redis, port, worker, body);
+    let mut pacer = start(&cfg, port);
+    let dbsize = || -> i64 { redis::cmd("DBSIZE").query(&mut redis.con()).unwrap() };
+    // 200 events/s for 12 s (more than both routes take: some are rejected), sampling DBSIZE.
+    let start_at = Instant::now();
+    let mut samples = Vec::new();
+    let mut pushed = 0;
+    while start_at.elapsed() < Duration::from_secs(12) {
+        let batch: Vec<_> = (0..20)
+            .map(|i| event(&[("route", "a"), ("n", &(pushed + i).to_string())]))
+            .collect();
+        push(&redis, "in", &batch);
+        pushed += 20;
+        samples.push((start_at.elapsed(), dbsize()));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let max_between = |from: u64, to: u64| {
+        samples
+            .iter()
+            .filter(|(t, _)| *t >= Duration::from_secs(from) && *t < Duration::from_secs(to))
+            .map(|(_, n)| *n)
+            .max()
+            .unwrap()
+    };
+    let (early, late) = (max_between(3, 6), max_between(6, 12));
+    eprintln!("keys: max {early} in seconds 3-6, {late} in seconds 6-12, {pushed} events pushed");
+    assert!(
+        late as f64 <= early as f64 * 1.25 + 20.0,
+        "key count grows: {early} then {late}"
+    );
+    // One marker per event per route it tried, plus one per rejection, living 2 s.
+    assert!(late <= 200 * 3 * 3, "{late} keys");
+    for stream in ["pacer:{a}:ready", "pacer:{b}:ready", "pacer:rejected"] {
+        let len: i64 = redis::cmd("XLEN")
+            .arg(stream)
+            .query(&mut redis.con())
+            .unwrap();
+        assert!(len <= 300, "{stream} holds {len} entries, max_len is 100");
+    }
+    assert!(wait_until(Duration::from_secs(10), || pending(
+        &redis, "in", "pacer"
+    ) == 0));
+    // Traffic stopped: every marker expires; what remains is the streams and the buckets.
+    std::thread::sleep(Duration::from_millis(2500));
+    let left = keys(&redis);
+    assert!(
+        left.len() <= 6,
+        "keys left after the markers' time to live: {left:?}"
+    );
+    for key in &left {
+        let ttl: i64 = redis::cmd("PTTL").arg(key).query(&mut redis.con()).unwrap();
+        let kind: String = redis::cmd("TYPE").arg(key).query(&mut redis.con()).unwrap();
+        assert!(kind == "stream" || ttl > 0, "{key} ({kind}) never expires");
+    }
+    pacer.kill();
+}
