@@ -117,7 +117,7 @@ pub fn parse_outbound(
             let carried = entry
                 .fields
                 .iter()
-                .filter(|(name, _)| !PACER_FIELDS.iter().any(|p| p.as_bytes() == name.as_slice()))
+                .filter(|(name, _)| !is_pacer_field(name))
                 .cloned()
                 .collect();
             Ok(OutboundEvent {
@@ -234,9 +234,21 @@ pub fn rejected_fields(event: &OutboundEvent, reason: Reason, retry_after_ms: i6
     fields
 }
 
-/// The fields of a dead letter: every original field, untouched, then why.
+/// Whether a field is one pacer writes on its outputs (an input's own copy is not carried:
+/// a re-injected output would otherwise carry two `pacer_reason`s, say).
+fn is_pacer_field(name: &[u8]) -> bool {
+    PACER_FIELDS.iter().any(|p| p.as_bytes() == name)
+}
+
+/// The fields of a dead letter: every original field, untouched (but for pacer's own, which are
+/// written afresh), then why.
 pub fn dead_letter_fields(entry: &Entry, refused: &Refused) -> Fields {
-    let mut fields = entry.fields.clone();
+    let mut fields: Fields = entry
+        .fields
+        .iter()
+        .filter(|(name, _)| !is_pacer_field(name))
+        .cloned()
+        .collect();
     push(&mut fields, "pacer_reason", refused.reason.as_str());
     push(&mut fields, "pacer_detail", &refused.detail);
     push(&mut fields, "pacer_source_stream", &entry.stream);
