@@ -25,6 +25,7 @@ pub const SCHEDULE: &str = with_bucket_lib!("schedule.lua");
 pub const DISPATCH: &str = with_bucket_lib!("dispatch.lua");
 pub const EMIT: &str = with_bucket_lib!("emit.lua");
 pub const VOID: &str = include_str!("../scripts/void.lua");
+pub const REAP: &str = include_str!("../scripts/reap.lua");
 
 /// The scripts, hashed once per process.
 pub struct Scripts {
@@ -32,6 +33,7 @@ pub struct Scripts {
     dispatch: Script,
     emit: Script,
     void: Script,
+    reap: Script,
 }
 
 impl Default for Scripts {
@@ -41,6 +43,7 @@ impl Default for Scripts {
             dispatch: Script::new(DISPATCH),
             emit: Script::new(EMIT),
             void: Script::new(VOID),
+            reap: Script::new(REAP),
         }
     }
 }
@@ -120,7 +123,13 @@ pub struct EmitItem<'a> {
 impl Scripts {
     /// Loads every script into Redis's script cache (readiness means this has happened).
     pub async fn load<C: ConnectionLike>(&self, con: &mut C) -> Result<()> {
-        for script in [&self.schedule, &self.dispatch, &self.emit, &self.void] {
+        for script in [
+            &self.schedule,
+            &self.dispatch,
+            &self.emit,
+            &self.void,
+            &self.reap,
+        ] {
             script.prepare_invoke().load_async(con).await?;
         }
         Ok(())
@@ -257,6 +266,24 @@ impl Scripts {
         call.key(keys.marker(event_id))
             .arg(owner)
             .arg(marker_ttl_ms);
+        Ok(call.invoke_async(con).await?)
+    }
+
+    /// Deletes the group's consumers that hold nothing and have been idle `min_idle` or more,
+    /// except `me`; returns how many (see `scripts/reap.lua`).
+    pub async fn reap<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        stream: &str,
+        group: &str,
+        min_idle: std::time::Duration,
+        me: &str,
+    ) -> Result<i64> {
+        let mut call = self.reap.prepare_invoke();
+        call.key(stream)
+            .arg(group)
+            .arg(min_idle.as_millis() as u64)
+            .arg(me);
         Ok(call.invoke_async(con).await?)
     }
 }

@@ -217,6 +217,9 @@ async fn read_loop(
 /// keeps claiming first cannot hold this loop.
 const CLAIM_ROUNDS: usize = 100;
 
+/// Every how many claim ticks the group's departed consumers are deleted.
+const REAP_EVERY_TICKS: u64 = 10;
+
 /// Claims, every `claim_idle / 2`, the entries other consumers left pending longer than
 /// `claim_idle` (a killed or stuck worker, or one that drained), and finishes them: a recorded
 /// decision is carried on, not taken again (see `resume`).
@@ -229,10 +232,13 @@ async fn claim_loop(
     let every = (idle / 2).clamp(Duration::from_millis(50), Duration::from_secs(10));
     let batch = shared.cfg.worker.batch;
     let mut failures = 0u32;
-    loop {
+    for tick in 0u64.. {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
+        }
+        if tick % REAP_EVERY_TICKS == 0 {
+            shared.reap().await;
         }
         for stream in &shared.streams {
             for _ in 0..CLAIM_ROUNDS {
@@ -337,6 +343,33 @@ impl Shared {
         let entries =
             streams::claim(&mut con, stream, group, &self.consumer, idle, &listed).await?;
         Ok((listed.len(), entries))
+    }
+
+    /// Deletes consumers of departed workers (each run joins under a new name) once they hold
+    /// nothing and have been idle for twice `claim_idle`: without this the group's consumer list
+    /// would grow with every restart. Best effort; the next tick tries again.
+    async fn reap(&self) {
+        let min_idle = (self.cfg.worker.claim_idle * 2).max(Duration::from_secs(1));
+        for stream in &self.streams {
+            let mut con = self.con.clone();
+            let reaped = self
+                .scripts
+                .reap(
+                    &mut con,
+                    stream,
+                    &self.cfg.worker.group,
+                    min_idle,
+                    &self.consumer,
+                )
+                .await;
+            match reaped {
+                Ok(0) => {}
+                Ok(n) => {
+                    info!(%stream, consumers = n, "deleted departed consumers holding nothing")
+                }
+                Err(e) => debug!(%stream, error = %e, "deleting departed consumers failed"),
+            }
+        }
     }
 
     /// Creates the consumer groups and loads the scripts, retrying until Redis answers.

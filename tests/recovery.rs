@@ -165,6 +165,24 @@ fn kill_minus_nine_at_any_moment_loses_and_doubles_nothing() {
     // times and its recorded decision was finished, not taken again.
     let dead = read(&redis, "pacer:dead");
     assert!(dead.is_empty(), "dead-lettered: {:?}", dead[0].fields);
+    // The victims' consumers are deleted once idle and empty (a survivor's may go too, when it
+    // has nothing pending: reading recreates it).
+    let consumers = || -> usize {
+        let v: Vec<redis::Value> = redis::cmd("XINFO")
+            .arg("CONSUMERS")
+            .arg("in")
+            .arg("pacer")
+            .query(&mut redis.con())
+            .unwrap();
+        v.len()
+    };
+    let joined = consumers();
+    assert!(
+        wait_until(Duration::from_secs(30), || consumers() <= 2),
+        "{} consumers in the group, 2 workers alive",
+        consumers()
+    );
+    eprintln!("consumers: {joined} in the group once settled, at most 2 after reaping");
     let claims: f64 = survivors.iter().map(|(_, port)| claimed(*port)).sum();
     assert!(claims > 0.0, "the survivors claimed nothing");
     assert!(
