@@ -8,6 +8,7 @@
 //! Every Redis step is idempotent (markers), so any failed step is simply retried with backoff.
 
 mod dispatcher;
+mod inbound;
 mod waker;
 
 use crate::clock::RedisClock;
@@ -82,12 +83,7 @@ impl Worker {
             con,
             health,
             clock: RedisClock::default(),
-            streams: cfg
-                .outbound
-                .streams
-                .iter()
-                .map(|s| Arc::from(s.as_str()))
-                .collect(),
+            streams: inbound::input_streams(&cfg),
             rejected: OutputKeys::new(&cfg.outbound.rejected_stream),
             dead: OutputKeys::new(&cfg.outbound.dead_letter_stream),
             marker_ttl_ms: cfg.outbound.dedupe_ttl.as_millis() as u64,
@@ -198,6 +194,12 @@ async fn read_loop(
                 continue;
             }
         };
+        if entries.len() > batch {
+            // COUNT is per stream: several input streams can return more than one batch.
+            let more = (entries.len() - batch) as u32;
+            let extra = shared.permits.clone().acquire_many_owned(more).await;
+            permits.merge(extra.expect("never closed"));
+        }
         let held: Vec<OwnedSemaphorePermit> = entries
             .iter()
             .map(|_| permits.split(1).expect("one permit per entry read"))
@@ -318,6 +320,7 @@ impl Shared {
         tx: &mpsc::UnboundedSender<Sleeper>,
         stop: &CancellationToken,
     ) {
+        let (entries, permits) = self.admit_inbound(entries, permits, stop).await;
         let mut done = Finished::default();
         let mut placing = Vec::new();
         for (entry, permit) in entries.into_iter().zip(permits) {
