@@ -328,9 +328,7 @@ fn memory_is_bounded_every_key_expires_within_its_window_and_logs_stay_within_th
     let horizon_ms = |k: &str| -> i64 {
         if k.contains(":seen:") {
             600_000
-        } else if k.contains(":log:") && k.contains(":log:source") {
-            60_000
-        } else if k.contains(":fw:") {
+        } else if k.contains(":log:source") || k.contains(":fw:") {
             60_000
         } else {
             1_000
