@@ -109,9 +109,11 @@ fn run(bin: &Path, workers: u64, events: u64, sources: u64, algorithm: &str, lim
             p
         })
         .collect();
-    assert!(wait_until(Duration::from_secs(600), || xlen(&mut con, "fwd")
-        + xlen(&mut con, "rej")
-        >= events));
+    assert!(wait_until(Duration::from_secs(600), || xlen(
+        &mut con, "fwd"
+    ) + xlen(
+        &mut con, "rej"
+    ) >= events));
     let elapsed = start.elapsed().as_secs_f64();
     let cpu = cpu_seconds(&mut con) - cpu0;
     let calls = command_calls(&mut con);
@@ -121,10 +123,18 @@ fn run(bin: &Path, workers: u64, events: u64, sources: u64, algorithm: &str, lim
         .filter(|(k, _)| !bench_own.contains(&k.as_str()))
         .map(|(_, v)| v)
         .sum();
-    let trips: u64 = ["evalsha", "eval", "xreadgroup", "xack", "xinfo", "script", "xgroup"]
-        .iter()
-        .filter_map(|k| calls.get(*k))
-        .sum();
+    let trips: u64 = [
+        "evalsha",
+        "eval",
+        "xreadgroup",
+        "xack",
+        "xinfo",
+        "script",
+        "xgroup",
+    ]
+    .iter()
+    .filter_map(|k| calls.get(*k))
+    .sum();
     let accepted = xlen(&mut con, "fwd");
     let n = events as f64;
     println!(
