@@ -611,6 +611,9 @@ push_batch() { # push_batch N
         echo "XADD pacer:out * route nowhere n $b-unknown"
         echo "XADD pacer:out * route carrier-b id dup-$b n first"
         echo "XADD pacer:out * route carrier-b id dup-$b n second"
+        # Inbound: one source over its 10/s limit, and one event without its key field.
+        for i in $(seq 1 15); do echo "XADD pacer:in * source s1 n $b-$i"; done
+        echo "XADD pacer:in * n $b-no-source"
     } | redis-cli -p "$REDIS_PORT" >/dev/null
 }
 
@@ -648,6 +651,13 @@ outbound:
   routes:
     carrier-a: {rate: 20/s, burst: 1, max_wait: 500ms, fallbacks: [carrier-b]}
     carrier-b: {rate: 10/s, burst: 1, max_wait: 300ms}
+inbound:
+  streams: ["pacer:in"]
+  forward_stream: pacer:accepted
+  rejected_stream: pacer:in-rejected
+  rules:
+    - {name: per-source, key: [source], limits: [10/s]}
+    - {name: trial, key: [source], algorithm: gcra, limits: [5/s], mode: shadow}
 EOF
     if ! env -u PACER_REDIS_URL -u PACER_CONFIG "$PACER_BIN" check-config --config "$WORK/pacer.yaml" >"$WORK/check-config.log" 2>&1; then
         echo "pacer check-config rejects the test config:"

@@ -4,9 +4,11 @@
 //! which collects every problem with its path (`problems`) so that `pacer check-config` can print
 //! them all at once. Nothing here talks to Redis.
 
+mod inbound;
 mod problems;
 mod raw;
 
+pub use inbound::{FailPolicy, InboundConfig, InboundRule};
 pub use problems::{ConfigError, Problem};
 
 use crate::keys::{self, RouteKeys};
@@ -26,7 +28,10 @@ pub struct Config {
     pub redis: RedisConfig,
     pub worker: WorkerConfig,
     pub metrics: MetricsConfig,
+    /// Without an `outbound:` section this holds no streams and no routes (and defaults).
     pub outbound: OutboundConfig,
+    /// The `inbound:` section, when there is one.
+    pub inbound: Option<InboundConfig>,
 }
 
 #[derive(Debug, Clone)]
@@ -118,18 +123,32 @@ impl Config {
         p.unknown_keys(
             "",
             &raw.unknown,
-            &["redis", "worker", "metrics", "outbound"],
+            &["redis", "worker", "metrics", "outbound", "inbound"],
         );
+        if raw.outbound.is_none() && raw.inbound.is_none() {
+            p.push(
+                "(top level)",
+                "needs an outbound section, an inbound section, or both: pacer has nothing to do",
+            );
+        }
+        let has_outbound = raw.outbound.is_some();
         let redis = read_redis(&mut p, raw.redis, overrides);
         let worker = read_worker(&mut p, raw.worker);
         let metrics = read_metrics(&mut p, raw.metrics);
         let outbound = read_outbound(&mut p, raw.outbound);
         check_recovery(&mut p, &worker, &outbound);
+        let inbound = inbound::read_inbound(
+            &mut p,
+            raw.inbound,
+            &worker,
+            has_outbound.then_some(&outbound),
+        );
         p.into_result(|| Config {
             redis,
             worker,
             metrics,
             outbound,
+            inbound,
         })
     }
 }
@@ -244,13 +263,6 @@ fn read_metrics(p: &mut Problems, v: Option<Value>) -> MetricsConfig {
 }
 
 fn read_outbound(p: &mut Problems, v: Option<Value>) -> OutboundConfig {
-    if v.is_none() {
-        // One problem, not one per missing key below it.
-        p.push(
-            "outbound",
-            "is required: pacer has nothing to do without routes",
-        );
-    }
     let raw: RawOutbound = p.section("outbound", v.clone());
     let known = [
         "streams",
@@ -265,13 +277,15 @@ fn read_outbound(p: &mut Problems, v: Option<Value>) -> OutboundConfig {
 
     let streams = p.string_list("outbound.streams", &raw.streams);
     if v.is_none() {
+        // No outbound flow (an inbound-only config): nothing to read or pace; the defaults keep
+        // what is shared (the dead-letter writer, reports) working.
         return OutboundConfig {
             streams,
-            rejected_stream: String::new(),
-            dead_letter_stream: String::new(),
-            max_len: 0,
-            dedupe_ttl: Duration::ZERO,
-            max_event_bytes: 0,
+            rejected_stream: "pacer:rejected".into(),
+            dead_letter_stream: "pacer:dead".into(),
+            max_len: 1_000_000,
+            dedupe_ttl: Duration::from_secs(3600),
+            max_event_bytes: 65_536,
             routes: BTreeMap::new(),
         };
     }

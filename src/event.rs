@@ -5,6 +5,8 @@
 //! dead-lettered intact rather than mangled. Only the fields pacer reads (`route`, `id`, `cost`,
 //! `max_wait_ms`) must be text.
 
+pub mod inbound;
+
 use crate::config::OutboundConfig;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +24,9 @@ pub const PACER_FIELDS: &[&str] = &[
     "pacer_reason",
     "pacer_detail",
     "pacer_retry_after_ms",
+    "pacer_rule",
+    "pacer_limit",
+    "pacer_key",
 ];
 
 /// Longest `id` accepted: it becomes part of a key name.
@@ -57,6 +62,13 @@ pub enum Reason {
     TooManyDeliveries,
     /// No route could take the event within its wait.
     QueueFull,
+    /// Inbound: the event lacks a field its rule's `key` names (and the rule has no
+    /// `default_identity`).
+    MissingKey,
+    /// Inbound: over a rule's limit.
+    RateLimited,
+    /// Inbound: admission could not be decided (Redis errors) and `fail_policy` is fail_closed.
+    LimiterUnavailable,
 }
 
 impl Reason {
@@ -67,6 +79,9 @@ impl Reason {
             Reason::Duplicate => "duplicate",
             Reason::TooManyDeliveries => "too_many_deliveries",
             Reason::QueueFull => "queue_full",
+            Reason::MissingKey => "missing_key",
+            Reason::RateLimited => "rate_limited",
+            Reason::LimiterUnavailable => "limiter_unavailable",
         }
     }
 }
@@ -79,7 +94,7 @@ pub struct Refused {
 }
 
 impl Refused {
-    fn malformed(detail: impl Into<String>) -> Self {
+    pub(crate) fn malformed(detail: impl Into<String>) -> Self {
         Refused {
             reason: Reason::Malformed,
             detail: detail.into(),
@@ -193,7 +208,7 @@ fn check(entry: &Entry, cfg: &OutboundConfig) -> Result<Checked, Refused> {
 }
 
 /// The one value of a field pacer reads; a field given twice is ambiguous, and so malformed.
-fn text_field<'a>(entry: &'a Entry, name: &str) -> Result<Option<&'a str>, Refused> {
+pub(crate) fn text_field<'a>(entry: &'a Entry, name: &str) -> Result<Option<&'a str>, Refused> {
     let mut found = None;
     for (k, v) in &entry.fields {
         if k.as_slice() == name.as_bytes() {
@@ -210,7 +225,7 @@ fn text_field<'a>(entry: &'a Entry, name: &str) -> Result<Option<&'a str>, Refus
     Ok(found)
 }
 
-fn push(fields: &mut Fields, name: &str, value: impl ToString) {
+pub(crate) fn push(fields: &mut Fields, name: &str, value: impl ToString) {
     fields.push((name.as_bytes().to_vec(), value.to_string().into_bytes()));
 }
 

@@ -7,7 +7,10 @@
 //! - a route's keys (its bucket, its decision markers) take the tag of the route's ready stream,
 //!   `pacer:{carrier-a}:ready` by default, so the dispatch XADD and its marker are one atomic step;
 //! - a shared output stream (rejected, dead letters) gets companion marker keys `{<its tag>}:…`,
-//!   which land in the stream's own slot even when the stream's name carries no braces.
+//!   which land in the stream's own slot even when the stream's name carries no braces;
+//! - every inbound key (each identity's limiter state, each input entry's decision marker) takes
+//!   the tag of the inbound forward stream, so one admission call decides a whole batch, records
+//!   each decision and forwards the accepted entries atomically (`InboundKeys`).
 
 /// The part of `key` that Redis Cluster hashes.
 pub fn hash_tag(key: &str) -> &str {
@@ -87,6 +90,43 @@ impl OutputKeys {
     }
 }
 
+/// Keys of the inbound flow, all in the slot of the forward stream's hash tag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboundKeys {
+    pub forward: String,
+    prefix: String,
+}
+
+impl InboundKeys {
+    pub fn new(forward_stream: &str) -> Self {
+        InboundKeys {
+            forward: forward_stream.to_string(),
+            prefix: format!("pacer:in:{{{}}}:", hash_tag(forward_stream)),
+        }
+    }
+
+    /// The decision recorded for one input entry, so that a redelivery gets it back instead of
+    /// being charged again.
+    pub fn marker(&self, source_stream: &str, source_id: &str) -> String {
+        format!("{}seen:{source_stream}:{source_id}", self.prefix)
+    }
+
+    /// One identity's limiter state under one rule, like
+    /// `pacer:in:{pacer:accepted}:per-source:log:source=carrier-7`. The value is the event's
+    /// bytes, percent-encoded where they are not plain printable ASCII or would touch the tag.
+    pub fn identity(&self, rule: &str, algorithm: &str, field: &str, value: &[u8]) -> String {
+        let mut key = format!("{}{rule}:{algorithm}:{field}=", self.prefix);
+        for &b in value {
+            if b.is_ascii_graphic() && !matches!(b, b'{' | b'}' | b'%') {
+                key.push(b as char);
+            } else {
+                key.push_str(&format!("%{b:02X}"));
+            }
+        }
+        key
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -116,6 +156,20 @@ mod tests {
         assert_eq!(hash_tag(&keys.marker("pacer:out", "1-0")), "pacer:rejected");
         let tagged = OutputKeys::new("x:{dead}:y");
         assert_eq!(hash_tag(&tagged.marker("s", "1-0")), "dead");
+    }
+
+    #[test]
+    fn inbound_keys_share_the_forward_streams_tag_whatever_the_identity() {
+        let keys = InboundKeys::new("pacer:accepted");
+        let id = keys.identity("r", "log", "ip", b"a}{b c\xff%");
+        assert_eq!(id, "pacer:in:{pacer:accepted}:r:log:ip=a%7D%7Bb%20c%FF%25");
+        for key in [&id, &keys.marker("pacer:{in}", "1-0")] {
+            assert_eq!(hash_tag(key), "pacer:accepted", "{key}");
+        }
+        assert_eq!(
+            hash_tag(&InboundKeys::new("x:{out}").marker("in", "1-0")),
+            "out"
+        );
     }
 
     #[test]

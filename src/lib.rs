@@ -1,8 +1,10 @@
-//! pacer: paces outbound events to each route's rate, with its shared state in Redis so that any
-//! number of workers act as one limiter.
+//! pacer: paces outbound events to each route's rate and admits inbound events within each
+//! source's limits, with its shared state in Redis so that any number of workers act as one
+//! limiter.
 //!
 //! The binary (`src/main.rs`) only parses the command line and calls into this library.
 
+pub mod admission;
 pub mod clock;
 pub mod config;
 pub mod error;

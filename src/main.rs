@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 #[command(
     name = "pacer",
     version,
-    about = "Paces outbound events per route, with shared state in Redis"
+    about = "Paces outbound events per route and admits inbound events per source, with shared state in Redis"
 )]
 struct Cli {
     /// Log format (filter with RUST_LOG).
@@ -78,11 +78,13 @@ fn main() -> ExitCode {
         }
     };
     if let Command::CheckConfig(_) = cli.command {
+        let inbound = cfg.inbound.as_ref();
         println!(
-            "{}: ok ({} routes, {} input streams)",
+            "{}: ok ({} routes, {} inbound rules, {} input streams)",
             path.display(),
             cfg.outbound.routes.len(),
-            cfg.outbound.streams.len()
+            inbound.map_or(0, |i| i.rules.len()),
+            cfg.outbound.streams.len() + inbound.map_or(0, |i| i.streams.len())
         );
         return ExitCode::SUCCESS;
     }
@@ -111,6 +113,9 @@ async fn async_main(command: Command, cfg: Config) -> anyhow::Result<()> {
             } else {
                 routes
             };
+            if cfg.outbound.streams.is_empty() {
+                anyhow::bail!("the config has no outbound input stream to push demo events to");
+            }
             let mut con = connect(&cfg).await?;
             pacer::produce::produce(
                 &mut con,

@@ -41,6 +41,16 @@ impl Rate {
         self.per_us.get().div_ceil(self.count.get())
     }
 
+    /// The count of `count/unit`: events allowed per window.
+    pub fn count(&self) -> u64 {
+        self.count.get()
+    }
+
+    /// The window of `count/unit`, in microseconds.
+    pub fn per_us(&self) -> u64 {
+        self.per_us.get()
+    }
+
     /// Events per second, for display and for `rate × W` bounds.
     pub fn per_second(&self) -> f64 {
         self.count.get() as f64 * 1e6 / self.per_us.get() as f64

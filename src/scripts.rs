@@ -4,9 +4,10 @@
 //! shared maths of `scripts/bucket.lua` prepended at build time. They are called by EVALSHA;
 //! redis-rs loads a script again when Redis answers NOSCRIPT (after a restart or SCRIPT FLUSH).
 
+use crate::config::InboundRule;
 use crate::error::{Error, Result};
 use crate::event::Fields;
-use crate::keys::{OutputKeys, RouteKeys};
+use crate::keys::{InboundKeys, OutputKeys, RouteKeys};
 use crate::pacing::BucketParams;
 use redis::aio::ConnectionLike;
 use redis::{Script, ScriptInvocation, Value};
@@ -26,6 +27,7 @@ pub const DISPATCH: &str = with_bucket_lib!("dispatch.lua");
 pub const EMIT: &str = with_bucket_lib!("emit.lua");
 pub const VOID: &str = include_str!("../scripts/void.lua");
 pub const REAP: &str = include_str!("../scripts/reap.lua");
+pub const ADMIT: &str = with_bucket_lib!("admit.lua");
 
 /// The scripts, hashed once per process.
 pub struct Scripts {
@@ -34,6 +36,7 @@ pub struct Scripts {
     emit: Script,
     void: Script,
     reap: Script,
+    admit: Script,
 }
 
 impl Default for Scripts {
@@ -44,6 +47,7 @@ impl Default for Scripts {
             emit: Script::new(EMIT),
             void: Script::new(VOID),
             reap: Script::new(REAP),
+            admit: Script::new(ADMIT),
         }
     }
 }
@@ -129,6 +133,7 @@ impl Scripts {
             &self.emit,
             &self.void,
             &self.reap,
+            &self.admit,
         ] {
             script.prepare_invoke().load_async(con).await?;
         }
@@ -286,6 +291,109 @@ impl Scripts {
             .arg(me);
         Ok(call.invoke_async(con).await?)
     }
+}
+
+/// One inbound event offered to `admit`.
+pub struct AdmitItem<'a> {
+    /// `<entry id>@<input stream>`: the entry (a sliding log's member for it).
+    pub owner: &'a str,
+    /// Its decision marker key.
+    pub marker: &'a str,
+    /// Its identities: (rule index, key field, limiter key).
+    pub checks: Vec<(usize, &'a str, &'a str)>,
+    /// The forward entry's fields, written if it is accepted.
+    pub fields: &'a Fields,
+}
+
+/// What `admit` said about one event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admitted {
+    /// Decided by this call: the recorded decision (see `event::inbound::Decision`) and one
+    /// verdict per rule, true when the event passed it.
+    Now {
+        decision: String,
+        verdicts: Vec<bool>,
+    },
+    /// An earlier delivery decided it: what it recorded.
+    Earlier(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct AdmitReply {
+    /// Redis's clock, the time of every decision in the call.
+    pub now_us: i64,
+    pub items: Vec<Admitted>,
+}
+
+impl Scripts {
+    /// Decides, records and (if accepted) forwards a batch of inbound events in one call; see
+    /// `scripts/admit.lua`.
+    pub async fn admit<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        keys: &InboundKeys,
+        rules: &[InboundRule],
+        marker_ttl_ms: u64,
+        max_len: u64,
+        items: &[AdmitItem<'_>],
+    ) -> Result<AdmitReply> {
+        let mut call = self.admit.prepare_invoke();
+        call.key(&keys.forward);
+        call.arg(marker_ttl_ms).arg(max_len).arg(rules.len());
+        for r in rules {
+            let rule = &r.rule;
+            call.arg(&r.name)
+                .arg(rule.algorithm.as_str())
+                .arg(u8::from(r.shadow))
+                .arg(u8::from(rule.count_rejected))
+                .arg(rule.spacing_us)
+                .arg(spacing_label(rule.spacing_us))
+                .arg(rule.horizon_us())
+                .arg(rule.log_cap())
+                .arg(rule.limits.len());
+            for l in &rule.limits {
+                call.arg(l.window_us)
+                    .arg(l.count)
+                    .arg(l.interval_us)
+                    .arg(l.tolerance_us)
+                    .arg(&l.label);
+            }
+        }
+        call.arg(items.len());
+        for item in items {
+            call.key(item.marker);
+            call.arg(item.owner).arg(item.checks.len());
+            for (rule, field, key) in &item.checks {
+                call.key(*key);
+                call.arg(rule + 1).arg(*field);
+            }
+            push_fields(&mut call, item.fields);
+        }
+        let reply: Value = call.invoke_async(con).await?;
+        let mut values = Reply::new("admit", reply)?;
+        let now_us = values.int()?;
+        let mut out = Vec::with_capacity(items.len());
+        for _ in items {
+            let code = values.int()?;
+            let decision = values.text()?;
+            let verdicts = values.text()?;
+            out.push(match code {
+                1 => Admitted::Now {
+                    decision,
+                    verdicts: verdicts.bytes().map(|b| b == b'1').collect(),
+                },
+                2 => Admitted::Earlier(decision),
+                other => return Err(Error::reply("admit", format!("code {other}"))),
+            });
+        }
+        Ok(AdmitReply { now_us, items: out })
+    }
+}
+
+/// How a `min_spacing` limit reads in `pacer_limit`.
+pub fn spacing_label(spacing_us: i64) -> String {
+    let d = std::time::Duration::from_micros(spacing_us.max(0) as u64);
+    format!("min_spacing {}", humantime::format_duration(d))
 }
 
 fn push_fields(call: &mut ScriptInvocation<'_>, fields: &Fields) {

@@ -19,6 +19,8 @@ pub const REDIS_ERRORS_TOTAL: &str = "pacer_redis_errors_total";
 pub const STREAM_PENDING: &str = "pacer_stream_pending";
 pub const STREAM_LAG: &str = "pacer_stream_lag";
 pub const CLAIMED_TOTAL: &str = "pacer_claimed_total";
+pub const INBOUND_DECISIONS_TOTAL: &str = "pacer_inbound_decisions_total";
+pub const LIMITER_UNAVAILABLE_TOTAL: &str = "pacer_inbound_limiter_unavailable_total";
 pub const READY: &str = "pacer_ready";
 pub const BUILD_INFO: &str = "pacer_build_info";
 
@@ -48,6 +50,50 @@ impl Outcome {
 pub fn outbound_event(route: &str, outcome: Outcome) {
     counter!(EVENTS_TOTAL, "flow" => "outbound", "route" => route.to_string(), "outcome" => outcome.as_str())
         .increment(1);
+}
+
+/// How an inbound event ended, the `outcome` label of `pacer_events_total{flow="inbound"}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InboundOutcome {
+    Accepted,
+    Rejected,
+    DeadLettered,
+    /// Admission failed and fail_open accepted it unchecked.
+    FailedOpen,
+    /// Admission failed and fail_closed rejected it.
+    FailedClosed,
+}
+
+impl InboundOutcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            InboundOutcome::Accepted => "accepted",
+            InboundOutcome::Rejected => "rejected",
+            InboundOutcome::DeadLettered => "dead_lettered",
+            InboundOutcome::FailedOpen => "failed_open",
+            InboundOutcome::FailedClosed => "failed_closed",
+        }
+    }
+}
+
+/// Inbound events carry no route: `route` is `none`, like outbound dead letters.
+pub fn inbound_event(outcome: InboundOutcome) {
+    counter!(EVENTS_TOTAL, "flow" => "inbound", "route" => "none", "outcome" => outcome.as_str())
+        .increment(1);
+}
+
+/// One rule's verdict on one event: `outcome` accepted or rejected by this rule, `mode`
+/// enforce or shadow (a shadow rule's rejections are the ones it would have made).
+pub fn inbound_decision(rule: &str, passed: bool, shadow: bool) {
+    let outcome = if passed { "accepted" } else { "rejected" };
+    let mode = if shadow { "shadow" } else { "enforce" };
+    counter!(INBOUND_DECISIONS_TOTAL, "rule" => rule.to_string(), "outcome" => outcome, "mode" => mode)
+        .increment(1);
+}
+
+/// Events decided by `inbound.fail_policy` because admission failed.
+pub fn limiter_unavailable(policy: &'static str, n: usize) {
+    counter!(LIMITER_UNAVAILABLE_TOTAL, "policy" => policy).increment(n as u64);
 }
 
 pub fn scheduled_wait(route: &str, wait_us: i64) {

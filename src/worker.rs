@@ -8,6 +8,7 @@
 //! Every Redis step is idempotent (markers), so any failed step is simply retried with backoff.
 
 mod dispatcher;
+mod inbound;
 mod waker;
 
 use crate::clock::RedisClock;
@@ -83,12 +84,7 @@ impl Worker {
             con,
             health,
             clock: RedisClock::default(),
-            streams: cfg
-                .outbound
-                .streams
-                .iter()
-                .map(|s| Arc::from(s.as_str()))
-                .collect(),
+            streams: inbound::input_streams(&cfg),
             rejected: OutputKeys::new(&cfg.outbound.rejected_stream),
             dead: OutputKeys::new(&cfg.outbound.dead_letter_stream),
             marker_ttl_ms: cfg.outbound.dedupe_ttl.as_millis() as u64,
@@ -204,6 +200,12 @@ async fn read_loop(
                 continue;
             }
         };
+        if entries.len() > batch {
+            // COUNT is per stream: several input streams can return more than one batch.
+            let more = (entries.len() - batch) as u32;
+            let extra = shared.permits.clone().acquire_many_owned(more).await;
+            permits.merge(extra.expect("never closed"));
+        }
         let held: Vec<OwnedSemaphorePermit> = entries
             .iter()
             .map(|_| permits.split(1).expect("one permit per entry read"))
@@ -439,6 +441,7 @@ impl Shared {
         if !entries.is_empty() {
             fault::point("read");
         }
+        let (entries, permits) = self.admit_inbound(entries, permits, stop).await;
         let mut done = Finished::default();
         let mut placing = Vec::new();
         let mut poison = Vec::new();

@@ -139,6 +139,20 @@ impl Problems {
         }
     }
 
+    pub fn boolean(&mut self, path: &str, v: &Option<Value>, default: bool) -> bool {
+        match v {
+            None | Some(Value::Null) => default,
+            Some(Value::Bool(b)) => *b,
+            Some(other) => {
+                self.push(
+                    path,
+                    format!("expected true or false, got {}", show(&Some(other.clone()))),
+                );
+                default
+            }
+        }
+    }
+
     pub fn duration(&mut self, path: &str, v: &Option<Value>, default: Duration) -> Duration {
         match v {
             None | Some(Value::Null) => default,

@@ -16,6 +16,7 @@ pub struct RawConfig {
     pub worker: Leaf,
     pub metrics: Leaf,
     pub outbound: Leaf,
+    pub inbound: Leaf,
     #[serde(flatten)]
     pub unknown: Mapping,
 }
@@ -73,6 +74,39 @@ pub struct RawRoute {
     pub max_wait: Leaf,
     pub fallbacks: Leaf,
     pub ready_stream: Leaf,
+    #[serde(flatten)]
+    pub unknown: Mapping,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct RawInbound {
+    pub streams: Leaf,
+    pub forward_stream: Leaf,
+    pub rejected_stream: Leaf,
+    pub dead_letter_stream: Leaf,
+    pub max_len: Leaf,
+    pub dedupe_ttl: Leaf,
+    pub max_event_bytes: Leaf,
+    pub fail_policy: Leaf,
+    pub limiter_attempts: Leaf,
+    pub rules: Leaf,
+    #[serde(flatten)]
+    pub unknown: Mapping,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct RawRule {
+    pub name: Leaf,
+    pub key: Leaf,
+    pub algorithm: Leaf,
+    pub limits: Leaf,
+    pub burst: Leaf,
+    pub min_spacing: Leaf,
+    pub count_rejected: Leaf,
+    pub mode: Leaf,
+    pub default_identity: Leaf,
     #[serde(flatten)]
     pub unknown: Mapping,
 }

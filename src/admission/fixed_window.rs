@@ -1,0 +1,100 @@
+//! The fixed window: a counter per calendar window of each limit (`floor(now / window)`).
+//!
+//! The cheap option: one small hash per identity, a few integer operations per event. Its known
+//! weakness is the **boundary burst**: windows are aligned to the clock, not to the traffic, so an
+//! identity may spend a whole limit at the end of one window and another at the start of the
+//! next: up to `2 × count` events within one rolling `window`. Use `sliding_log` or `gcra` where
+//! that matters.
+
+use super::{spacing_check, Check, Rule};
+
+/// One identity's counters: per limit (window number, events counted in it), and the last
+/// charged event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct State {
+    pub windows: Vec<(i64, i64)>,
+    pub last: Option<i64>,
+}
+
+impl State {
+    pub fn empty(rule: &Rule) -> Self {
+        State {
+            windows: vec![(-1, 0); rule.limits.len()],
+            last: None,
+        }
+    }
+}
+
+pub fn check(s: &State, now_us: i64, rule: &Rule) -> Check {
+    let mut verdict = spacing_check(s.last, now_us, rule.spacing_us);
+    for (i, (limit, &(window, count))) in rule.limits.iter().zip(&s.windows).enumerate() {
+        let current = now_us.div_euclid(limit.window_us);
+        if window == current && count >= limit.count {
+            verdict = verdict.and(Check {
+                retry_us: (current + 1) * limit.window_us - now_us,
+                limit: i,
+            });
+        }
+    }
+    verdict
+}
+
+pub fn charge(s: &mut State, now_us: i64, rule: &Rule) {
+    for (limit, w) in rule.limits.iter().zip(s.windows.iter_mut()) {
+        let current = now_us.div_euclid(limit.window_us);
+        if w.0 != current {
+            *w = (current, 0);
+        }
+        w.1 += 1;
+    }
+    s.last = Some(now_us);
+}
+
+/// Milliseconds this state is worth keeping after `now`: until its current windows end and
+/// `min_spacing` has passed (at least 1 ms).
+pub fn ttl_ms(s: &State, now_us: i64, rule: &Rule) -> i64 {
+    let spacing_end = s.last.map_or(0, |l| l + rule.spacing_us);
+    let ends = rule
+        .limits
+        .iter()
+        .zip(&s.windows)
+        .map(|(l, &(w, _))| (w + 1) * l.window_us);
+    let until = ends.chain([spacing_end]).max().unwrap_or(0) - now_us;
+    ((until.max(0) + 999) / 1000).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Algorithm, Limit};
+    use super::*;
+
+    #[test]
+    fn the_boundary_burst_is_twice_the_limit_in_one_rolling_window() {
+        let r = Rule {
+            algorithm: Algorithm::FixedWindow,
+            limits: vec![Limit::new(10, 1_000_000, None, "l")],
+            spacing_us: 0,
+            count_rejected: false,
+        };
+        let mut s = State::empty(&r);
+        let mut accepted = Vec::new();
+        // 20 attempts in the last ms of one window and 20 in the first ms of the next.
+        for t in (0..20)
+            .map(|i| 1_999_000 + i)
+            .chain((0..20).map(|i| 2_000_000 + i))
+        {
+            let c = check(&s, t, &r);
+            if c.passed() {
+                charge(&mut s, t, &r);
+                accepted.push(t);
+            } else {
+                assert_eq!(
+                    t + c.retry_us,
+                    if t < 2_000_000 { 2_000_000 } else { 3_000_000 }
+                );
+            }
+        }
+        assert_eq!(accepted.len(), 20, "10 per window, 20 within 21 µs");
+        assert_eq!(ttl_ms(&s, 2_000_019, &r), 1_000);
+    }
+}

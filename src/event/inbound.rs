@@ -1,0 +1,307 @@
+//! Inbound events: the identities an entry is limited as, the fields pacer writes when it
+//! forwards or rejects it, and the decision recorded for it.
+//!
+//! An inbound event needs only the fields its rules name in `key`; each is one identity (raw
+//! bytes, so any value works). Everything else is carried through untouched.
+
+use super::{push, Entry, Fields, Reason, Refused, PACER_FIELDS};
+use crate::config::InboundConfig;
+
+/// Longest identity value accepted (it becomes part of a key name).
+pub const MAX_IDENTITY_BYTES: usize = 256;
+
+/// One identity an event is checked as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdentityCheck {
+    /// Index of the rule in `inbound.rules`.
+    pub rule: usize,
+    /// The event field it came from (the rule's `key`), for `pacer_key`.
+    pub field: String,
+    /// The identity's limiter key.
+    pub key: String,
+}
+
+/// A checked inbound event.
+#[derive(Debug, Clone)]
+pub struct InboundEvent {
+    pub entry: Entry,
+    /// Every identity of every rule, rule by rule.
+    pub checks: Vec<IdentityCheck>,
+    /// Every field but the ones pacer writes.
+    pub carried: Fields,
+}
+
+/// Finds the identities of an entry. Refused: an empty or oversized entry, a key field given
+/// twice or too long (`malformed`), a key field missing with no `default_identity`
+/// (`missing_key`).
+pub fn parse_inbound(entry: Entry, cfg: &InboundConfig) -> Result<InboundEvent, (Entry, Refused)> {
+    match identities(&entry, cfg) {
+        Ok(checks) => {
+            let carried = entry
+                .fields
+                .iter()
+                .filter(|(name, _)| !PACER_FIELDS.iter().any(|p| p.as_bytes() == name.as_slice()))
+                .cloned()
+                .collect();
+            Ok(InboundEvent {
+                entry,
+                checks,
+                carried,
+            })
+        }
+        Err(refused) => Err((entry, refused)),
+    }
+}
+
+fn identities(entry: &Entry, cfg: &InboundConfig) -> Result<Vec<IdentityCheck>, Refused> {
+    if entry.fields.is_empty() {
+        return Err(Refused::malformed("the entry has no fields"));
+    }
+    let size: usize = entry.fields.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if size > cfg.max_event_bytes {
+        return Err(Refused::malformed(format!(
+            "the event is {size} bytes, more than inbound.max_event_bytes ({})",
+            cfg.max_event_bytes
+        )));
+    }
+    let mut checks = Vec::new();
+    for (r, rule) in cfg.rules.iter().enumerate() {
+        for field in &rule.key {
+            let mut values = entry
+                .fields
+                .iter()
+                .filter(|(k, _)| k.as_slice() == field.as_bytes())
+                .map(|(_, v)| v.as_slice());
+            let value = values.next().filter(|v| !v.is_empty());
+            if values.next().is_some() {
+                return Err(Refused::malformed(format!(
+                    "the field {field} is given twice"
+                )));
+            }
+            let value = match (value, &rule.default_identity) {
+                (Some(v), _) => v,
+                (None, Some(default)) => default.as_bytes(),
+                (None, None) => {
+                    return Err(Refused {
+                        reason: Reason::MissingKey,
+                        detail: format!(
+                            "rule {} limits by the field {field}, which the event lacks or leaves empty",
+                            rule.name
+                        ),
+                    })
+                }
+            };
+            if value.len() > MAX_IDENTITY_BYTES {
+                return Err(Refused::malformed(format!(
+                    "the field {field} is {} bytes, more than {MAX_IDENTITY_BYTES} (it names an identity)",
+                    value.len()
+                )));
+            }
+            checks.push(IdentityCheck {
+                rule: r,
+                field: field.clone(),
+                key: cfg
+                    .keys
+                    .identity(&rule.name, rule.rule.algorithm.key_part(), field, value),
+            });
+        }
+    }
+    Ok(checks)
+}
+
+/// The fields of a forwarded entry (the admission script writes it).
+pub fn forward_fields(event: &InboundEvent) -> Fields {
+    let mut fields = event.carried.clone();
+    push(&mut fields, "pacer_source_stream", &event.entry.stream);
+    push(&mut fields, "pacer_source_id", &event.entry.id);
+    fields
+}
+
+/// The fields of a rejected inbound entry.
+pub fn rejected_fields(event: &InboundEvent, decision: &Decision) -> Fields {
+    let mut fields = event.carried.clone();
+    match decision {
+        Decision::Rejected {
+            retry_us,
+            rule,
+            limit,
+            key,
+        } => {
+            push(&mut fields, "pacer_reason", Reason::RateLimited.as_str());
+            push(&mut fields, "pacer_rule", rule);
+            push(&mut fields, "pacer_limit", limit);
+            push(&mut fields, "pacer_key", key);
+            push(
+                &mut fields,
+                "pacer_retry_after_ms",
+                (*retry_us.max(&0) as u64).div_ceil(1000),
+            );
+        }
+        _ => {
+            push(
+                &mut fields,
+                "pacer_reason",
+                Reason::LimiterUnavailable.as_str(),
+            );
+            push(
+                &mut fields,
+                "pacer_detail",
+                "admission could not be decided (Redis errors); inbound.fail_policy is fail_closed",
+            );
+            push(&mut fields, "pacer_retry_after_ms", FAIL_CLOSED_RETRY_MS);
+        }
+    }
+    push(&mut fields, "pacer_source_stream", &event.entry.stream);
+    push(&mut fields, "pacer_source_id", &event.entry.id);
+    fields
+}
+
+/// What a fail-closed rejection tells the producer to wait.
+pub const FAIL_CLOSED_RETRY_MS: u64 = 1000;
+
+/// The decision recorded for an input entry (its marker's value, see `scripts/admit.lua`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// `A`: accepted; the admission script wrote it to the forward stream in the same step.
+    Accepted,
+    /// `r<retry µs>|<rule>|<limit>|<key field>`: over a limit.
+    Rejected {
+        retry_us: i64,
+        rule: String,
+        limit: String,
+        key: String,
+    },
+    /// `o`: admission failed and fail_open let it through (to be written to the forward stream).
+    FailedOpen,
+    /// `c`: admission failed and fail_closed rejected it.
+    FailedClosed,
+    /// `v`: delivered more than `worker.max_deliveries` times before any decision: dead-lettered.
+    Voided,
+}
+
+impl Decision {
+    /// The marker value of a decision the worker records itself (the others are the script's).
+    pub fn marker(&self) -> &'static str {
+        match self {
+            Decision::FailedOpen => "o",
+            Decision::FailedClosed => "c",
+            Decision::Voided => "v",
+            Decision::Accepted => "A",
+            Decision::Rejected { .. } => "r",
+        }
+    }
+
+    pub fn parse(value: &str) -> Option<Decision> {
+        let (kind, rest) = value.split_at_checked(1)?;
+        match kind {
+            "A" => Some(Decision::Accepted),
+            "o" => Some(Decision::FailedOpen),
+            "c" => Some(Decision::FailedClosed),
+            "v" => Some(Decision::Voided),
+            "r" => {
+                let mut parts = rest.splitn(4, '|');
+                let retry_us = parts.next()?.parse().ok()?;
+                Some(Decision::Rejected {
+                    retry_us,
+                    rule: parts.next()?.to_string(),
+                    limit: parts.next()?.to_string(),
+                    key: parts.next()?.to_string(),
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Config, Overrides};
+
+    fn cfg() -> InboundConfig {
+        let yaml = r#"
+inbound:
+  streams: [in]
+  max_event_bytes: 400
+  rules:
+    - {name: per-ip-user, key: [ip, user], limits: [10/s]}
+    - {name: per-tenant, key: [tenant], algorithm: gcra, limits: [100/s], default_identity: anonymous}
+"#;
+        Config::parse(yaml, &Overrides::default())
+            .unwrap()
+            .inbound
+            .unwrap()
+    }
+
+    fn entry(fields: &[(&[u8], &[u8])]) -> Entry {
+        Entry {
+            stream: "in".into(),
+            id: "1-0".into(),
+            fields: fields
+                .iter()
+                .map(|(k, v)| (k.to_vec(), v.to_vec()))
+                .collect(),
+            deliveries: 1,
+        }
+    }
+
+    #[test]
+    fn every_key_field_of_every_rule_is_an_identity() {
+        let e = parse_inbound(
+            entry(&[
+                (b"ip", b"10.0.0.1"),
+                (b"user", b"u\xff"),
+                (b"pacer_rule", b"x"),
+            ]),
+            &cfg(),
+        )
+        .unwrap();
+        let keys: Vec<&str> = e.checks.iter().map(|c| c.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            vec![
+                "pacer:in:{pacer:accepted}:per-ip-user:log:ip=10.0.0.1",
+                "pacer:in:{pacer:accepted}:per-ip-user:log:user=u%FF",
+                "pacer:in:{pacer:accepted}:per-tenant:gcra:tenant=anonymous",
+            ]
+        );
+        assert_eq!(e.carried.len(), 2, "pacer_ fields are pacer's own");
+    }
+
+    #[test]
+    fn a_missing_key_is_refused_with_the_field_or_takes_the_default() {
+        let (_, r) = parse_inbound(entry(&[(b"ip", b"1")]), &cfg()).unwrap_err();
+        assert_eq!(r.reason, Reason::MissingKey);
+        assert!(r.detail.contains("user"), "{}", r.detail);
+        let (_, r) = parse_inbound(entry(&[(b"ip", b"1"), (b"user", b"")]), &cfg()).unwrap_err();
+        assert_eq!(r.reason, Reason::MissingKey);
+        let (_, r) = parse_inbound(
+            entry(&[(b"ip", b"1"), (b"ip", b"2"), (b"user", b"u")]),
+            &cfg(),
+        )
+        .unwrap_err();
+        assert!(r.detail.contains("twice"));
+        let (_, r) =
+            parse_inbound(entry(&[(b"ip", &[b'x'; 300]), (b"user", b"u")]), &cfg()).unwrap_err();
+        assert_eq!(r.reason, Reason::Malformed);
+        let (_, r) = parse_inbound(entry(&[]), &cfg()).unwrap_err();
+        assert_eq!(r.reason, Reason::Malformed);
+    }
+
+    #[test]
+    fn decisions_read_back_as_written() {
+        assert_eq!(
+            Decision::parse("r1500|per-source|10/s|source"),
+            Some(Decision::Rejected {
+                retry_us: 1500,
+                rule: "per-source".into(),
+                limit: "10/s".into(),
+                key: "source".into()
+            })
+        );
+        assert_eq!(Decision::parse("A"), Some(Decision::Accepted));
+        assert_eq!(Decision::parse("c"), Some(Decision::FailedClosed));
+        assert_eq!(Decision::parse("r12"), None);
+        assert_eq!(Decision::parse(""), None);
+    }
+}

@@ -1,0 +1,359 @@
+//! The inbound flow: entries of the inbound streams, read by the same reader and consumer group
+//! as the outbound ones (so claiming covers them too), are decided at once.
+//!
+//! One `admit.lua` call per batch decides every event, records each decision in a marker and
+//! writes the accepted ones to the forward stream, atomically (every key shares the forward
+//! stream's slot). Then rejections and dead letters are written once each (write-once `emit`)
+//! and the entries acknowledged. A redelivered entry finds its marker: the recorded decision is
+//! carried out again, idempotently, and nothing is charged twice.
+//!
+//! When admission itself fails `limiter_attempts` times in a row, `fail_policy` decides; that
+//! decision is recorded in the same marker (set only if none exists), so a late-running or
+//! repeated admission can never decide the entry a second way. Writing outputs and acks still
+//! retries with backoff until it succeeds.
+
+use super::{Shared, BACKOFF_MAX, BACKOFF_MIN};
+use crate::config::{FailPolicy, InboundConfig};
+use crate::error::Result;
+use crate::event::inbound::{self as ev, Decision, InboundEvent};
+use crate::event::{self, Entry, Fields, Reason, Refused};
+use crate::keys::OutputKeys;
+use crate::scripts::{AdmitItem, AdmitReply, Admitted, EmitItem};
+use crate::telemetry::{self, InboundOutcome};
+use std::sync::Arc;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+impl Shared {
+    /// Takes the entries of inbound streams out of a batch and finishes them; returns the rest
+    /// (outbound entries, with their permits) untouched.
+    pub(super) async fn admit_inbound(
+        self: &Arc<Self>,
+        entries: Vec<Entry>,
+        permits: Vec<OwnedSemaphorePermit>,
+        stop: &CancellationToken,
+    ) -> (Vec<Entry>, Vec<OwnedSemaphorePermit>) {
+        let Some(cfg) = &self.cfg.inbound else {
+            return (entries, permits);
+        };
+        let (inbound, rest): (Vec<_>, Vec<_>) = entries
+            .into_iter()
+            .zip(permits)
+            .partition(|(e, _)| cfg.streams.iter().any(|s| *s == *e.stream));
+        if !inbound.is_empty() {
+            // The permits are held until the entries are finished (or left pending).
+            let (entries, _held): (Vec<Entry>, Vec<OwnedSemaphorePermit>) =
+                inbound.into_iter().unzip();
+            self.handle_inbound(cfg, entries, stop).await;
+        }
+        rest.into_iter().unzip()
+    }
+
+    async fn handle_inbound(
+        &self,
+        cfg: &InboundConfig,
+        entries: Vec<Entry>,
+        stop: &CancellationToken,
+    ) {
+        let max = self.cfg.worker.max_deliveries;
+        let mut dead: Vec<(Entry, Refused)> = Vec::new();
+        let mut fresh: Vec<InboundEvent> = Vec::new();
+        let mut over: Vec<InboundEvent> = Vec::new();
+        for entry in entries {
+            match ev::parse_inbound(entry, cfg) {
+                Ok(e) if e.entry.deliveries > max => over.push(e),
+                Ok(e) => fresh.push(e),
+                // An entry that cannot be decided is dead-lettered for that, however often it came.
+                Err((entry, refused)) => dead.push((entry, refused)),
+            }
+        }
+        let mut decided: Vec<(InboundEvent, Decision)> = Vec::new();
+
+        // Delivered too often (each delivery's worker died on it): void it unless a decision
+        // was recorded, in which case that decision is carried out.
+        if !over.is_empty() {
+            let Some(prev) = self.record(cfg, &over, Decision::Voided, stop).await else {
+                return;
+            };
+            for (e, prev) in over.into_iter().zip(prev) {
+                warn!(entry = %e.entry.id, stream = %e.entry.stream, deliveries = e.entry.deliveries, "poison inbound entry");
+                decided.push((e, prev.unwrap_or(Decision::Voided)));
+            }
+        }
+
+        if !fresh.is_empty() {
+            let fields: Vec<Fields> = fresh.iter().map(ev::forward_fields).collect();
+            match self.admit_batch(cfg, &fresh, &fields, stop).await {
+                None => return,
+                Some(Ok(reply)) => {
+                    for (e, item) in fresh.into_iter().zip(reply.items) {
+                        let (value, fresh_verdicts) = match item {
+                            Admitted::Now { decision, verdicts } => (decision, Some(verdicts)),
+                            Admitted::Earlier(decision) => (decision, None),
+                        };
+                        if let Some(verdicts) = fresh_verdicts {
+                            for (rule, passed) in cfg.rules.iter().zip(verdicts) {
+                                telemetry::inbound_decision(&rule.name, passed, rule.shadow);
+                            }
+                        }
+                        match Decision::parse(&value) {
+                            Some(d) => decided.push((e, d)),
+                            None => {
+                                warn!(entry = %e.entry.id, marker = %value, "unreadable inbound decision");
+                                let detail = format!("unreadable recorded decision {value:?}");
+                                dead.push((
+                                    e.entry,
+                                    Refused {
+                                        reason: Reason::Malformed,
+                                        detail,
+                                    },
+                                ));
+                            }
+                        }
+                    }
+                }
+                Some(Err(e)) => {
+                    let policy = cfg.fail_policy;
+                    warn!(error = %e, policy = policy.as_str(), events = fresh.len(), "admission failed; applying inbound.fail_policy");
+                    telemetry::limiter_unavailable(policy.as_str(), fresh.len());
+                    let decision = match policy {
+                        FailPolicy::FailOpen => Decision::FailedOpen,
+                        FailPolicy::FailClosed => Decision::FailedClosed,
+                    };
+                    let Some(prev) = self.record(cfg, &fresh, decision.clone(), stop).await else {
+                        return;
+                    };
+                    for (e, prev) in fresh.into_iter().zip(prev) {
+                        // A decision already there: the admission did run (its reply was lost).
+                        decided.push((e, prev.unwrap_or_else(|| decision.clone())));
+                    }
+                }
+            }
+        }
+        self.finish_inbound(cfg, decided, dead, stop).await;
+    }
+
+    /// One admission call for the batch, tried up to `limiter_attempts` times with backoff.
+    /// `None` if shutdown came first; `Some(Err)` when every attempt failed.
+    async fn admit_batch(
+        &self,
+        cfg: &InboundConfig,
+        events: &[InboundEvent],
+        fields: &[Fields],
+        stop: &CancellationToken,
+    ) -> Option<Result<AdmitReply>> {
+        let owners: Vec<String> = events.iter().map(|e| e.entry.owner()).collect();
+        let markers: Vec<String> = events
+            .iter()
+            .map(|e| cfg.keys.marker(&e.entry.stream, &e.entry.id))
+            .collect();
+        let items: Vec<AdmitItem<'_>> = events
+            .iter()
+            .zip(&owners)
+            .zip(&markers)
+            .zip(fields)
+            .map(|(((e, owner), marker), fields)| AdmitItem {
+                owner,
+                marker,
+                checks: e
+                    .checks
+                    .iter()
+                    .map(|c| (c.rule, c.field.as_str(), c.key.as_str()))
+                    .collect(),
+                fields,
+            })
+            .collect();
+        let ttl_ms = cfg.dedupe_ttl.as_millis() as u64;
+        let mut backoff = BACKOFF_MIN;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let mut con = self.con.clone();
+            let call =
+                self.scripts
+                    .admit(&mut con, &cfg.keys, &cfg.rules, ttl_ms, cfg.max_len, &items);
+            match telemetry::timed("admit", call).await {
+                Ok(reply) => {
+                    self.health.set_redis_ok(true);
+                    return Some(Ok(reply));
+                }
+                Err(e) => {
+                    self.health.set_redis_ok(false);
+                    if attempt >= cfg.limiter_attempts {
+                        return Some(Err(e));
+                    }
+                    debug!(error = %e, attempt, "admission call failed; retrying");
+                }
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return None,
+                _ = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(BACKOFF_MAX);
+        }
+    }
+
+    /// Records `decision` for each event unless one is recorded already; returns what was
+    /// there before (`None` where `decision` now stands). Retried until it succeeds; `None` if
+    /// shutdown came first.
+    async fn record(
+        &self,
+        cfg: &InboundConfig,
+        events: &[InboundEvent],
+        decision: Decision,
+        stop: &CancellationToken,
+    ) -> Option<Vec<Option<Decision>>> {
+        let markers: Vec<String> = events
+            .iter()
+            .map(|e| cfg.keys.marker(&e.entry.stream, &e.entry.id))
+            .collect();
+        let ttl_ms = cfg.dedupe_ttl.as_millis() as u64;
+        let value = decision.marker();
+        let prev: Vec<Option<String>> = self
+            .retry("record", stop, || {
+                let mut con = self.con.clone();
+                let markers = &markers;
+                async move {
+                    let mut pipe = redis::pipe();
+                    for m in markers {
+                        pipe.cmd("SET")
+                            .arg(m)
+                            .arg(value)
+                            .arg("NX")
+                            .arg("GET")
+                            .arg("PX")
+                            .arg(ttl_ms);
+                    }
+                    Ok(pipe.query_async(&mut con).await?)
+                }
+            })
+            .await?;
+        Some(
+            prev.into_iter()
+                .map(|p| p.map(|v| Decision::parse(&v).unwrap_or(Decision::Voided)))
+                .collect(),
+        )
+    }
+
+    /// Carries out each decision: writes (once each) what the admission script did not, counts,
+    /// then acknowledges.
+    async fn finish_inbound(
+        &self,
+        cfg: &InboundConfig,
+        decided: Vec<(InboundEvent, Decision)>,
+        mut dead: Vec<(Entry, Refused)>,
+        stop: &CancellationToken,
+    ) {
+        let mut acks: Vec<(Arc<str>, String)> = Vec::new();
+        let mut forward: Vec<(&Entry, Fields)> = Vec::new();
+        let mut rejected: Vec<(&Entry, Fields)> = Vec::new();
+        let mut counts: Vec<InboundOutcome> = Vec::new();
+        let max = self.cfg.worker.max_deliveries;
+        for (e, d) in &decided {
+            match d {
+                Decision::Accepted => {
+                    acks.push((e.entry.stream.clone(), e.entry.id.clone()));
+                    counts.push(InboundOutcome::Accepted);
+                }
+                Decision::FailedOpen => {
+                    forward.push((&e.entry, ev::forward_fields(e)));
+                    counts.push(InboundOutcome::FailedOpen);
+                }
+                Decision::Rejected { .. } => {
+                    rejected.push((&e.entry, ev::rejected_fields(e, d)));
+                    counts.push(InboundOutcome::Rejected);
+                }
+                Decision::FailedClosed => {
+                    rejected.push((&e.entry, ev::rejected_fields(e, d)));
+                    counts.push(InboundOutcome::FailedClosed);
+                }
+                Decision::Voided => {
+                    let detail = format!(
+                        "delivered {} times, more than worker.max_deliveries ({max}), before any decision",
+                        e.entry.deliveries
+                    );
+                    dead.push((
+                        e.entry.clone(),
+                        Refused {
+                            reason: Reason::TooManyDeliveries,
+                            detail,
+                        },
+                    ));
+                }
+            }
+        }
+        let dead_fields: Vec<(&Entry, Fields)> = dead
+            .iter()
+            .map(|(e, r)| (e, event::dead_letter_fields(e, r)))
+            .collect();
+        let writes = [
+            ("forward", &cfg.forward_stream, &forward),
+            ("reject", &cfg.rejected_stream, &rejected),
+            ("deadletter", &cfg.dead_letter_stream, &dead_fields),
+        ];
+        for (op, stream, items) in writes {
+            if !self
+                .emit_once(cfg, op, &OutputKeys::new(stream), items, stop)
+                .await
+            {
+                return;
+            }
+            acks.extend(items.iter().map(|(e, _)| (e.stream.clone(), e.id.clone())));
+        }
+        for outcome in counts {
+            telemetry::inbound_event(outcome);
+        }
+        for (entry, refused) in &dead {
+            debug!(entry = %entry.id, reason = refused.reason.as_str(), detail = %refused.detail, "inbound entry dead-lettered");
+            telemetry::inbound_event(InboundOutcome::DeadLettered);
+        }
+        self.ack(acks, stop).await;
+    }
+
+    /// Writes each entry's fields to `keys.stream` once, however often it is delivered; true
+    /// when done, false if shutdown came first.
+    async fn emit_once(
+        &self,
+        cfg: &InboundConfig,
+        op: &'static str,
+        keys: &OutputKeys,
+        entries: &[(&Entry, Fields)],
+        stop: &CancellationToken,
+    ) -> bool {
+        if entries.is_empty() {
+            return true;
+        }
+        let items: Vec<EmitItem<'_>> = entries
+            .iter()
+            .map(|(e, fields)| EmitItem {
+                source_stream: &e.stream,
+                source_id: &e.id,
+                fields,
+            })
+            .collect();
+        let ttl_ms = cfg.dedupe_ttl.as_millis() as u64;
+        self.retry(op, stop, || {
+            let mut con = self.con.clone();
+            let items = &items;
+            async move {
+                self.scripts
+                    .emit(&mut con, keys, ttl_ms, cfg.max_len, items)
+                    .await
+            }
+        })
+        .await
+        .is_some()
+    }
+}
+
+/// Every input stream a worker reads: the outbound ones, then the inbound ones.
+pub(super) fn input_streams(cfg: &crate::config::Config) -> Vec<Arc<str>> {
+    let inbound = cfg.inbound.iter().flat_map(|i| i.streams.iter());
+    cfg.outbound
+        .streams
+        .iter()
+        .chain(inbound)
+        .map(|s| Arc::from(s.as_str()))
+        .collect()
+}

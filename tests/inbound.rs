@@ -1,0 +1,774 @@
+//! Inbound admission against a real redis-server: the admission script called directly (exact
+//! counts, retry times, memory), and real `pacer run` processes end to end (forwarding,
+//! rejections, dead letters, shadow mode, fail policy, Redis Cluster).
+
+mod common;
+
+use common::*;
+use pacer::config::{Config, InboundConfig, Overrides};
+use pacer::event::inbound::{forward_fields, parse_inbound, Decision, InboundEvent};
+use pacer::event::{Entry, Fields};
+use pacer::scripts::{AdmitItem, AdmitReply, Admitted, Scripts};
+use pacer::testkit::{free_port, http_get, metric, wait_until, RedisServer, TempDir};
+use std::time::Duration;
+
+// ------------------------------------------------------------------- the script, called directly
+
+struct Rig {
+    redis: RedisServer,
+    con: redis::aio::MultiplexedConnection,
+    scripts: Scripts,
+    cfg: InboundConfig,
+    rt: tokio::runtime::Runtime,
+    next: u64,
+}
+
+impl Rig {
+    /// `rules` is the YAML list under `inbound.rules`.
+    fn new(rules: &str) -> Self {
+        let yaml = format!(
+            "inbound:\n  streams: [in]\n  forward_stream: fwd\n  dedupe_ttl: 10m\n  rules:\n{rules}"
+        );
+        let cfg = Config::parse(&yaml, &Overrides::default())
+            .unwrap_or_else(|e| panic!("{e}"))
+            .inbound
+            .unwrap();
+        let redis = RedisServer::start();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let con = rt
+            .block_on(redis.client().get_multiplexed_async_connection())
+            .unwrap();
+        Rig {
+            redis,
+            con,
+            scripts: Scripts::default(),
+            cfg,
+            rt,
+            next: 0,
+        }
+    }
+
+    fn event(&mut self, pairs: &[(&str, &str)]) -> InboundEvent {
+        self.next += 1;
+        let entry = Entry {
+            stream: "in".into(),
+            id: format!("{}-0", self.next),
+            fields: pairs
+                .iter()
+                .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
+                .collect(),
+            deliveries: 1,
+        };
+        parse_inbound(entry, &self.cfg).unwrap()
+    }
+
+    /// One admission call for `events`.
+    fn admit(&mut self, events: &[InboundEvent]) -> AdmitReply {
+        let owners: Vec<String> = events.iter().map(|e| e.entry.owner()).collect();
+        let markers: Vec<String> = events
+            .iter()
+            .map(|e| self.cfg.keys.marker(&e.entry.stream, &e.entry.id))
+            .collect();
+        let fields: Vec<Fields> = events.iter().map(forward_fields).collect();
+        let items: Vec<AdmitItem<'_>> = events
+            .iter()
+            .enumerate()
+            .map(|(i, e)| AdmitItem {
+                owner: &owners[i],
+                marker: &markers[i],
+                checks: e
+                    .checks
+                    .iter()
+                    .map(|c| (c.rule, c.field.as_str(), c.key.as_str()))
+                    .collect(),
+                fields: &fields[i],
+            })
+            .collect();
+        self.rt
+            .block_on(self.scripts.admit(
+                &mut self.con,
+                &self.cfg.keys,
+                &self.cfg.rules,
+                600_000,
+                100_000,
+                &items,
+            ))
+            .expect("admit")
+    }
+
+    /// Admits `n` events with these fields, in one call; their decisions.
+    fn burst(&mut self, n: usize, pairs: &[(&str, &str)]) -> (i64, Vec<Decision>) {
+        let events: Vec<InboundEvent> = (0..n).map(|_| self.event(pairs)).collect();
+        let reply = self.admit(&events);
+        (reply.now_us, decisions(&reply))
+    }
+
+    fn sync(&self) -> redis::Connection {
+        self.redis.con()
+    }
+
+    fn redis_now_us(&self) -> i64 {
+        let (s, us): (i64, i64) = redis::cmd("TIME").query(&mut self.sync()).unwrap();
+        s * 1_000_000 + us
+    }
+}
+
+fn decisions(reply: &AdmitReply) -> Vec<Decision> {
+    reply
+        .items
+        .iter()
+        .map(|i| match i {
+            Admitted::Now { decision, .. } | Admitted::Earlier(decision) => {
+                Decision::parse(decision).expect("a readable decision")
+            }
+        })
+        .collect()
+}
+
+fn accepted(d: &[Decision]) -> usize {
+    d.iter().filter(|d| **d == Decision::Accepted).count()
+}
+
+fn retry_ms(d: &Decision) -> i64 {
+    match d {
+        Decision::Rejected { retry_us, .. } => (retry_us + 999) / 1000,
+        other => panic!("not a rejection: {other:?}"),
+    }
+}
+
+fn sleep_until_redis_us(rig: &Rig, at_us: i64) {
+    let now = rig.redis_now_us();
+    if at_us > now {
+        std::thread::sleep(Duration::from_micros((at_us - now) as u64));
+    }
+}
+
+#[test]
+fn several_limits_all_hold_at_once() {
+    let mut rig = Rig::new("    - {name: src, key: [source], limits: [5/s, 8/min]}\n");
+    let (t0, first) = rig.burst(20, &[("source", "a")]);
+    assert_eq!(accepted(&first), 5, "5/s binds first");
+    match &first[5] {
+        Decision::Rejected { limit, rule, .. } => {
+            assert_eq!((rule.as_str(), limit.as_str()), ("src", "5/s"))
+        }
+        other => panic!("{other:?}"),
+    }
+    // One second later the 5/s window is empty again, but 8/min has room for only 3 more.
+    sleep_until_redis_us(&rig, t0 + 1_000_000);
+    let (t1, second) = rig.burst(20, &[("source", "a")]);
+    assert_eq!(accepted(&second), 3, "8/min binds now");
+    match &second[3] {
+        Decision::Rejected {
+            limit, retry_us, ..
+        } => {
+            assert_eq!(limit, "8/min");
+            // It frees up when the oldest of the 8 leaves the minute: exactly 60 s after t0.
+            assert_eq!(*retry_us, t0 + 60_000_000 - t1);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Another source is not affected.
+    assert_eq!(accepted(&rig.burst(20, &[("source", "b")]).1), 5);
+}
+
+#[test]
+fn several_identities_an_event_passes_only_if_every_identity_has_room_and_a_rejected_one_charges_none(
+) {
+    let mut rig = Rig::new("    - {name: ipuser, key: [ip, user], limits: [2/min]}\n");
+    let ev = |rig: &mut Rig, ip: &str, user: &str| {
+        let e = rig.event(&[("ip", ip), ("user", user)]);
+        decisions(&rig.admit(&[e])).remove(0)
+    };
+    assert_eq!(ev(&mut rig, "1.1.1.1", "u"), Decision::Accepted);
+    assert_eq!(ev(&mut rig, "1.1.1.1", "u"), Decision::Accepted);
+    // ip and user both full.
+    assert!(
+        matches!(ev(&mut rig, "1.1.1.1", "v"), Decision::Rejected { ref key, .. } if key == "ip")
+    );
+    assert!(
+        matches!(ev(&mut rig, "2.2.2.2", "u"), Decision::Rejected { ref key, .. } if key == "user")
+    );
+    // The rejected events charged neither their other identity: v and 2.2.2.2 still have 2 each.
+    assert_eq!(ev(&mut rig, "2.2.2.2", "v"), Decision::Accepted);
+    assert_eq!(ev(&mut rig, "2.2.2.2", "v"), Decision::Accepted);
+    assert!(matches!(
+        ev(&mut rig, "2.2.2.2", "v"),
+        Decision::Rejected { .. }
+    ));
+    let card = |key: &str| -> i64 {
+        redis::cmd("ZCARD")
+            .arg(format!("pacer:in:{{fwd}}:ipuser:log:{key}"))
+            .query(&mut rig.sync())
+            .unwrap()
+    };
+    assert_eq!(
+        (
+            card("ip=1.1.1.1"),
+            card("user=u"),
+            card("ip=2.2.2.2"),
+            card("user=v")
+        ),
+        (2, 2, 2, 2)
+    );
+    // Several rules: all must pass; the one freeing up last is named.
+    let mut rig = Rig::new(
+        "    - {name: fast, key: [ip], limits: [3/min]}\n    - {name: slow, key: [user], algorithm: gcra, limits: [1/h]}\n",
+    );
+    let (_, d) = rig.burst(2, &[("ip", "x"), ("user", "y")]);
+    assert_eq!(d[0], Decision::Accepted);
+    assert!(matches!(&d[1], Decision::Rejected { rule, .. } if rule == "slow"));
+    let (_, d) = rig.burst(1, &[("ip", "x"), ("user", "z")]);
+    assert_eq!(d[0], Decision::Accepted, "ip x was charged once, not twice");
+}
+
+#[test]
+fn gcra_holds_rate_and_burst_exactly_with_retry_after_in_milliseconds_and_one_key_per_identity() {
+    let mut rig =
+        Rig::new("    - {name: g, key: [source], algorithm: gcra, limits: [7/s], burst: 3}\n");
+    let (t0, d) = rig.burst(10, &[("source", "a")]);
+    assert_eq!(accepted(&d), 3, "the burst, at once");
+    // 7/s is one every 142 858 µs: after 3 at t0 the next is due at t0 + 142.858 ms.
+    assert_eq!(
+        retry_ms(&d[3]),
+        143,
+        "to the millisecond, not whole seconds"
+    );
+    match &d[3] {
+        Decision::Rejected { retry_us, .. } => assert_eq!(*retry_us, 142_858),
+        other => panic!("{other:?}"),
+    }
+    // Exactly when it said: not before, then one.
+    sleep_until_redis_us(&rig, t0 + 142_858 - 20_000);
+    assert_eq!(accepted(&rig.burst(1, &[("source", "a")]).1), 0);
+    sleep_until_redis_us(&rig, t0 + 142_858);
+    let (_, d) = rig.burst(3, &[("source", "a")]);
+    assert_eq!(accepted(&d), 1, "then one per interval");
+    // O(1): one hash per identity with one field per limit (and last), after many events.
+    for _ in 0..20 {
+        rig.burst(50, &[("source", "a")]);
+    }
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("pacer:in:{fwd}:g:*")
+        .query(&mut rig.sync())
+        .unwrap();
+    assert_eq!(keys, vec!["pacer:in:{fwd}:g:gcra:source=a".to_string()]);
+    let len: i64 = redis::cmd("HLEN")
+        .arg(&keys[0])
+        .query(&mut rig.sync())
+        .unwrap();
+    assert_eq!(len, 2);
+}
+
+#[test]
+fn fixed_window_is_cheap_and_its_boundary_burst_is_twice_the_limit() {
+    let mut rig =
+        Rig::new("    - {name: fw, key: [source], algorithm: fixed_window, limits: [10/s]}\n");
+    // Just before a second boundary of Redis's clock, then just after it.
+    let now = rig.redis_now_us();
+    let boundary = (now / 1_000_000 + 2) * 1_000_000;
+    sleep_until_redis_us(&rig, boundary - 60_000);
+    let (t1, before) = rig.burst(15, &[("source", "a")]);
+    sleep_until_redis_us(&rig, boundary + 20_000);
+    let (t2, after) = rig.burst(15, &[("source", "a")]);
+    assert!(t1 < boundary && t2 >= boundary, "{t1} {t2} {boundary}");
+    assert_eq!(accepted(&before), 10);
+    assert_eq!(accepted(&after), 10);
+    assert!(t2 - t1 < 1_000_000, "20 accepted within one rolling second");
+    // A rejection waits for the window's end.
+    assert_eq!(
+        retry_ms(&after[10]),
+        (boundary + 1_000_000 - t2 + 999) / 1000
+    );
+}
+
+#[test]
+fn min_spacing_separates_accepted_events_of_an_identity() {
+    let mut rig = Rig::new("    - {name: sp, key: [source], limits: [100/s], min_spacing: 50ms}\n");
+    let mut accepted_at = Vec::new();
+    let start = std::time::Instant::now();
+    while start.elapsed() < Duration::from_millis(600) {
+        let (now, d) = rig.burst(1, &[("source", "a")]);
+        match &d[0] {
+            Decision::Accepted => accepted_at.push(now),
+            Decision::Rejected {
+                limit, retry_us, ..
+            } => {
+                assert_eq!(limit, "min_spacing 50ms");
+                assert!(*retry_us <= 50_000);
+            }
+            other => panic!("{other:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(7));
+    }
+    assert!(accepted_at.len() >= 8, "{accepted_at:?}");
+    for w in accepted_at.windows(2) {
+        assert!(w[1] - w[0] >= 50_000, "{} µs apart", w[1] - w[0]);
+    }
+}
+
+#[test]
+fn memory_is_bounded_every_key_expires_within_its_window_and_logs_stay_within_the_limit() {
+    let mut rig = Rig::new(
+        "    - {name: log, key: [source], limits: [5/s, 20/min]}\n    - {name: hammer, key: [ip], limits: [3/s], count_rejected: true}\n    - {name: g, key: [ip], algorithm: gcra, limits: [10/s]}\n    - {name: fw, key: [ip], algorithm: fixed_window, limits: [10/s, 50/min]}\n",
+    );
+    for round in 0..30 {
+        let source = format!("s{}", round % 3);
+        rig.burst(40, &[("source", &source), ("ip", "9.9.9.9")]);
+    }
+    let mut con = rig.sync();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("pacer:in:*")
+        .query(&mut con)
+        .unwrap();
+    assert!(keys.len() > 1200, "{} keys", keys.len());
+    let horizon_ms = |k: &str| -> i64 {
+        if k.contains(":seen:") {
+            600_000
+        } else if k.contains(":log:source") || k.contains(":fw:") {
+            60_000
+        } else {
+            1_000
+        }
+    };
+    for k in &keys {
+        let pttl: i64 = redis::cmd("PTTL").arg(k).query(&mut con).unwrap();
+        assert!(pttl > 0 && pttl <= horizon_ms(k), "{k}: ttl {pttl} ms");
+        if k.contains(":log:") {
+            let card: i64 = redis::cmd("ZCARD").arg(k).query(&mut con).unwrap();
+            let limit = if k.contains("hammer") { 3 } else { 20 };
+            assert!(card <= limit, "{k}: {card} entries");
+        }
+    }
+    // The hammered log kept exactly its limit (rejected attempts charged, then trimmed).
+    let card: i64 = redis::cmd("ZCARD")
+        .arg("pacer:in:{fwd}:hammer:log:ip=9.9.9.9")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(card, 3);
+}
+
+#[test]
+fn count_rejected_keeps_a_hammering_identity_limited_until_it_slows_down() {
+    let mut rig = Rig::new("    - {name: c, key: [source], limits: [2/s], count_rejected: true}\n");
+    let (t0, d) = rig.burst(5, &[("source", "a")]);
+    assert_eq!(accepted(&d), 2);
+    // Attempts keep coming every 300 ms: each is logged, so the window never frees up.
+    for i in 1..5 {
+        sleep_until_redis_us(&rig, t0 + i * 300_000);
+        assert_eq!(
+            accepted(&rig.burst(1, &[("source", "a")]).1),
+            0,
+            "attempt {i}"
+        );
+    }
+    // A full quiet second later it passes again.
+    sleep_until_redis_us(&rig, t0 + 4 * 300_000 + 1_000_000 + 20_000);
+    assert_eq!(accepted(&rig.burst(1, &[("source", "a")]).1), 1);
+}
+
+#[test]
+fn a_redelivered_entry_gets_its_recorded_decision_and_is_not_charged_again() {
+    let mut rig = Rig::new("    - {name: r, key: [source], limits: [2/min]}\n");
+    let events: Vec<InboundEvent> = (0..3).map(|_| rig.event(&[("source", "a")])).collect();
+    let first = rig.admit(&events);
+    assert!(first
+        .items
+        .iter()
+        .all(|i| matches!(i, Admitted::Now { .. })));
+    // The same entries again (a worker died before acknowledging them): same decisions back.
+    let again = rig.admit(&events);
+    assert_eq!(decisions(&again), decisions(&first));
+    assert!(again
+        .items
+        .iter()
+        .all(|i| matches!(i, Admitted::Earlier(_))));
+    let mut con = rig.sync();
+    let card: i64 = redis::cmd("ZCARD")
+        .arg("pacer:in:{fwd}:r:log:source=a")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(card, 2, "charged once per entry");
+    let forwarded: i64 = redis::cmd("XLEN").arg("fwd").query(&mut con).unwrap();
+    assert_eq!(forwarded, 2, "forwarded once per entry");
+    // The marker expires with the dedupe TTL.
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(rig.cfg.keys.marker("in", &events[0].entry.id))
+        .query(&mut con)
+        .unwrap();
+    assert!(pttl > 590_000 && pttl <= 600_000, "{pttl}");
+}
+
+// ------------------------------------------------------------------------ real pacer processes
+
+const WORKER: &str = "  batch: 32\n  drain: 1s\n  claim_idle: 30s";
+
+fn source_events(n: usize, source: &str) -> Vec<Vec<(String, Vec<u8>)>> {
+    (0..n)
+        .map(|i| event(&[("source", source), ("call", &format!("{source}-{i}"))]))
+        .collect()
+}
+
+#[test]
+fn sliding_log_takes_exactly_the_limit_of_fifty_at_once_then_exactly_that_many_after_the_window_slides(
+) {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("in-exact");
+    let port = free_port();
+    let body = r#"inbound:
+  streams: ["pacer:in"]
+  forward_stream: "pacer:accepted"
+  rejected_stream: "pacer:in-rejected"
+  rules:
+    - {name: per-source, key: [source], algorithm: sliding_log, limits: [10/s]}
+"#;
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let pacer = start(&cfg, port);
+    let settled = |n: usize| {
+        wait_until(Duration::from_secs(15), || {
+            read(&redis, "pacer:accepted").len() + read(&redis, "pacer:in-rejected").len() == n
+                && pending(&redis, "pacer:in", "pacer") == 0
+        })
+    };
+    push(&redis, "pacer:in", &source_events(50, "carrier-7"));
+    assert!(settled(50), "log:\n{}", pacer.log_text());
+    assert_eq!(read(&redis, "pacer:accepted").len(), 10);
+    let first_done = redis_time_ms(&redis);
+    for r in read(&redis, "pacer:in-rejected") {
+        assert_eq!(r.field("pacer_reason"), Some("rate_limited"));
+        assert_eq!(r.field("pacer_rule"), Some("per-source"));
+        assert_eq!(r.field("pacer_limit"), Some("10/s"));
+        assert_eq!(r.field("pacer_key"), Some("source"));
+        assert_eq!(
+            r.field("source"),
+            Some("carrier-7"),
+            "original fields carried"
+        );
+        let retry: i64 = r.field("pacer_retry_after_ms").unwrap().parse().unwrap();
+        assert!((1..=1000).contains(&retry), "retry {retry}");
+    }
+    // After the window slides: exactly 10 more.
+    std::thread::sleep(Duration::from_millis(1100));
+    assert!(redis_time_ms(&redis) - first_done >= 1000);
+    push(&redis, "pacer:in", &source_events(50, "carrier-7"));
+    assert!(settled(100), "log:\n{}", pacer.log_text());
+    let accepted = read(&redis, "pacer:accepted");
+    assert_eq!(accepted.len(), 20);
+    for a in &accepted {
+        assert!(a.field("pacer_source_id").is_some());
+        assert_eq!(a.field("source"), Some("carrier-7"));
+    }
+}
+
+#[test]
+fn end_to_end_two_workers_forward_reject_and_dead_letter_each_entry_once_and_feed_outbound() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("in-e2e");
+    // Accepted inbound events go straight to the outbound input, which paces them on a route.
+    let body = r#"outbound:
+  streams: ["pacer:out"]
+  routes:
+    r: {rate: 1000/s, burst: 1000}
+inbound:
+  streams: ["pacer:in"]
+  forward_stream: "pacer:out"
+  rejected_stream: "pacer:in-rejected"
+  dead_letter_stream: "pacer:in-dead"
+  rules:
+    - {name: per-source, key: [source], limits: [10/s, 15/min]}
+    - {name: per-tenant, key: [tenant], algorithm: gcra, limits: [25/min], burst: 25, default_identity: anonymous}
+"#;
+    let mut workers = Vec::new();
+    for i in 0..2 {
+        let port = free_port();
+        let cfg = config(&dir, &format!("w{i}.yaml"), &redis, port, WORKER, body);
+        workers.push((start(&cfg, port), port));
+    }
+    let mut events = Vec::new();
+    for s in 0..4 {
+        for i in 0..20 {
+            let source = format!("s{s}");
+            let call = format!("{s}-{i}");
+            let mut fields = vec![
+                ("source", source.as_str()),
+                ("route", "r"),
+                ("call", call.as_str()),
+            ];
+            if s < 2 {
+                fields.push(("tenant", "t1"));
+            }
+            events.push(event(&fields));
+        }
+    }
+    events.push(event(&[("route", "r"), ("tenant", "t1")])); // no source: dead letter
+    events.push(event(&[("source", "s9"), ("source", "s8"), ("route", "r")])); // ambiguous
+    let ids = push(&redis, "pacer:in", &events);
+    let outputs = [
+        "pacer:{r}:ready",
+        "pacer:in-rejected",
+        "pacer:in-dead",
+        "pacer:rejected",
+        "pacer:dead",
+    ];
+    let n = events.len();
+    let done = wait_until(Duration::from_secs(20), || {
+        // Ready entries carry the outbound source id; map them back through the inbound one.
+        let mut count = 0;
+        for s in &outputs[1..] {
+            count += read(&redis, s).len();
+        }
+        count += read(&redis, "pacer:{r}:ready").len();
+        count == n
+            && pending(&redis, "pacer:in", "pacer") == 0
+            && pending(&redis, "pacer:out", "pacer") == 0
+    });
+    assert!(done, "log:\n{}", workers[0].0.log_text());
+    // Each inbound entry exactly once: forwarded (then dispatched), rejected or dead-lettered.
+    let forwarded = read(&redis, "pacer:out");
+    let mut at: std::collections::BTreeMap<String, usize> = Default::default();
+    for e in forwarded
+        .iter()
+        .chain(&read(&redis, "pacer:in-rejected"))
+        .chain(&read(&redis, "pacer:in-dead"))
+    {
+        *at.entry(e.field("pacer_source_id").unwrap().to_string())
+            .or_default() += 1;
+    }
+    for id in &ids {
+        assert_eq!(at.get(id), Some(&1), "entry {id}");
+    }
+    assert_eq!(read(&redis, "pacer:{r}:ready").len(), forwarded.len());
+    // 10/s binds every source first. s0 and s1 share tenant t1, s2 and s3 have no tenant and
+    // share the default identity; each tenant's 20 fit its gcra burst of 25.
+    let per_source = |s: &str| {
+        forwarded
+            .iter()
+            .filter(|e| e.field("source") == Some(s))
+            .count()
+    };
+    assert_eq!(
+        (
+            per_source("s0"),
+            per_source("s1"),
+            per_source("s2"),
+            per_source("s3")
+        ),
+        (10, 10, 10, 10)
+    );
+    let dead = read(&redis, "pacer:in-dead");
+    assert_eq!(dead.len(), 2);
+    let reasons: Vec<&str> = dead
+        .iter()
+        .map(|d| d.field("pacer_reason").unwrap())
+        .collect();
+    assert!(reasons.contains(&"missing_key"), "{reasons:?}");
+    assert!(reasons.contains(&"malformed"), "{reasons:?}");
+    let missing = dead
+        .iter()
+        .find(|d| d.field("pacer_reason") == Some("missing_key"))
+        .unwrap();
+    assert!(missing.field("pacer_detail").unwrap().contains("source"));
+    // Metrics, summed over both workers: events per outcome, decisions per rule.
+    assert_eq!(total_accepted(&workers), 40);
+    let rejected_by_rule: f64 = workers
+        .iter()
+        .map(|(_, port)| {
+            let text = http_get(*port, "/metrics").unwrap().1;
+            let labels = [
+                r#"mode="enforce""#,
+                r#"outcome="rejected""#,
+                r#"rule="per-source""#,
+            ];
+            sum_metric(&text, "pacer_inbound_decisions_total", &labels)
+        })
+        .sum();
+    assert_eq!(rejected_by_rule, 40.0);
+}
+
+/// The sum of the samples of metric `name` whose labels include every one of `labels`.
+fn sum_metric(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && labels.iter().all(|x| l.contains(x)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// `pacer_events_total{flow="inbound", outcome="accepted"}` summed over workers.
+fn total_accepted(workers: &[(pacer::testkit::Pacer, u16)]) -> usize {
+    workers
+        .iter()
+        .map(|(_, port)| {
+            let text = http_get(*port, "/metrics").unwrap().1;
+            let labels = [r#"flow="inbound""#, r#"outcome="accepted""#];
+            sum_metric(&text, "pacer_events_total", &labels) as usize
+        })
+        .sum()
+}
+
+#[test]
+fn shadow_mode_forwards_everything_and_counts_would_be_rejections() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("in-shadow");
+    let port = free_port();
+    let body = r#"inbound:
+  streams: ["pacer:in"]
+  rules:
+    - {name: trial, key: [source], algorithm: gcra, limits: [3/min], mode: shadow}
+"#;
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let pacer = start(&cfg, port);
+    push(&redis, "pacer:in", &source_events(10, "a"));
+    assert!(
+        wait_until(Duration::from_secs(10), || read(&redis, "pacer:accepted")
+            .len()
+            == 10),
+        "log:\n{}",
+        pacer.log_text()
+    );
+    assert!(read(&redis, "pacer:in-rejected").is_empty());
+    let text = http_get(port, "/metrics").unwrap().1;
+    let count = |outcome: &str| {
+        let outcome = format!(r#"outcome="{outcome}""#);
+        let labels = [r#"mode="shadow""#, outcome.as_str(), r#"rule="trial""#];
+        sum_metric(&text, "pacer_inbound_decisions_total", &labels)
+    };
+    assert_eq!((count("accepted"), count("rejected")), (3.0, 7.0), "{text}");
+}
+
+/// Admission fails for real: with maxmemory 1 and noeviction, Redis refuses every script that
+/// writes (OOM) while reads still work. pacer is stopped (SIGSTOP) while the events are pushed
+/// and memory runs out, then continued: its admission calls fail, the policy decides, and once
+/// memory is back the decisions are recorded and written.
+fn fail_policy_run(policy: &str) -> (RedisServer, String) {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("in-fail");
+    let port = free_port();
+    let body = format!(
+        "inbound:\n  streams: [\"pacer:in\"]\n  fail_policy: {policy}\n  limiter_attempts: 2\n  rules:\n    - {{name: r, key: [source], limits: [2/s]}}\n"
+    );
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, &body);
+    let pacer = start(&cfg, port);
+    let mut con = redis.con();
+    let set = |con: &mut redis::Connection, k: &str, v: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(k)
+            .arg(v)
+            .query(con)
+            .unwrap();
+    };
+    pacer.signal("STOP");
+    // In one transaction, so that pacer's blocked read gets all six at once.
+    let mut tx = redis::pipe();
+    tx.atomic();
+    for e in source_events(6, "a") {
+        let cmd = tx.cmd("XADD").arg("pacer:in").arg("*");
+        for (k, v) in e {
+            cmd.arg(k).arg(v);
+        }
+    }
+    let _: () = tx.query(&mut con).unwrap();
+    set(&mut con, "maxmemory-policy", "noeviction");
+    set(&mut con, "maxmemory", "1");
+    pacer.signal("CONT");
+    let failed = wait_until(Duration::from_secs(15), || {
+        http_get(port, "/metrics")
+            .is_some_and(|(_, t)| metric(&t, "pacer_inbound_limiter_unavailable_total") >= 6.0)
+    });
+    set(&mut con, "maxmemory", "0");
+    assert!(failed, "admission never failed:\n{}", pacer.log_text());
+    assert!(
+        wait_until(Duration::from_secs(15), || pending(
+            &redis, "pacer:in", "pacer"
+        ) == 0
+            && read(&redis, "pacer:accepted").len()
+                + read(&redis, "pacer:in-rejected").len()
+                == 6),
+        "log:\n{}",
+        pacer.log_text()
+    );
+    let text = http_get(port, "/metrics").unwrap().1;
+    drop(pacer);
+    (redis, text)
+}
+
+#[test]
+fn fail_closed_rejects_with_limiter_unavailable_when_redis_refuses_admission() {
+    let (redis, metrics) = fail_policy_run("fail_closed");
+    assert!(read(&redis, "pacer:accepted").is_empty());
+    let rejected = read(&redis, "pacer:in-rejected");
+    assert_eq!(rejected.len(), 6);
+    for r in &rejected {
+        assert_eq!(r.field("pacer_reason"), Some("limiter_unavailable"));
+        assert!(r.field("pacer_retry_after_ms").is_some());
+    }
+    assert_eq!(metric(&metrics, r#"policy="fail_closed""#), 6.0);
+    assert_eq!(metric(&metrics, r#"outcome="failed_closed""#), 6.0);
+}
+
+#[test]
+fn fail_open_forwards_when_redis_refuses_admission() {
+    let (redis, metrics) = fail_policy_run("fail_open");
+    assert!(read(&redis, "pacer:in-rejected").is_empty());
+    // All 6 went through although the limit is 2/s: that is what fail_open trades.
+    assert_eq!(read(&redis, "pacer:accepted").len(), 6);
+    assert_eq!(metric(&metrics, r#"policy="fail_open""#), 6.0);
+    assert_eq!(metric(&metrics, r#"outcome="failed_open""#), 6.0);
+}
+
+/// Guarantee 5 for inbound: every admission call touches one slot (the forward stream's), so it
+/// runs on Redis Cluster, which refuses any call that does not (CROSSSLOT).
+#[test]
+fn inbound_runs_on_redis_cluster_every_call_in_one_slot() {
+    let redis = RedisServer::start_with(&[
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+    ]);
+    let _: () = redis::cmd("CLUSTER")
+        .arg("ADDSLOTSRANGE")
+        .arg(0)
+        .arg(16383)
+        .query(&mut redis.con())
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || {
+        let info: String = redis::cmd("CLUSTER")
+            .arg("INFO")
+            .query(&mut redis.con())
+            .unwrap();
+        info.contains("cluster_state:ok")
+    }));
+    let dir = TempDir::new("in-cluster");
+    let port = free_port();
+    let body = r#"inbound:
+  streams: ["pacer:{in}"]
+  forward_stream: "pacer:{fwd}:accepted"
+  rules:
+    - {name: ipuser, key: [ip, user], limits: [3/s]}
+    - {name: g, key: [ip], algorithm: gcra, limits: [100/s]}
+"#;
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let pacer = start(&cfg, port);
+    let mut events: Vec<_> = (0..30)
+        .map(|i| event(&[("ip", &format!("10.0.0.{}", i % 3)), ("user", "u")]))
+        .collect();
+    events.push(event(&[("ip", "1")]));
+    push(&redis, "pacer:{in}", &events);
+    let outputs = ["pacer:{fwd}:accepted", "pacer:in-rejected", "pacer:dead"];
+    assert!(
+        wait_until(Duration::from_secs(15), || placements(&redis, &outputs)
+            .len()
+            == events.len()),
+        "log:\n{}",
+        pacer.log_text()
+    );
+    for stream in outputs {
+        assert!(!read(&redis, stream).is_empty(), "{stream} is empty");
+    }
+    assert_eq!(read(&redis, "pacer:{fwd}:accepted").len(), 3, "user u: 3/s");
+    assert!(!pacer.log_text().contains("CROSSSLOT"));
+}
