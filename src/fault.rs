@@ -4,7 +4,9 @@
 //!
 //! - `read`: entries are read (pending to this consumer), no decision recorded yet;
 //! - `scheduled`: decisions are recorded, the events sleep in this process;
-//! - `dispatched`: an event is in its ready stream, its input entry not yet acknowledged.
+//! - `dispatched`: an event is in its ready stream, its input entry not yet acknowledged;
+//! - `admitted`: inbound events are decided and charged (accepted ones forwarded), their
+//!   rejections not yet written, their entries not acknowledged.
 //!
 //! Unset, a point costs one atomic load.
 

@@ -509,3 +509,69 @@ fn redis_key_count_stays_flat_over_a_long_run() {
     }
     pacer.kill();
 }
+
+/// A claimed inbound entry is not charged twice: a worker decides and charges a batch (the
+/// accepted ones forwarded in the same script), then dies before writing its rejections and
+/// acknowledging. The worker that claims the batch carries out the recorded decisions.
+#[test]
+fn a_claimed_inbound_entry_is_decided_once_and_charged_once() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("in-kill");
+    let worker = "  batch: 32\n  drain: 1s\n  claim_idle: 1500ms";
+    let body = r#"inbound:
+  streams: ["pacer:in"]
+  forward_stream: "pacer:accepted"
+  rejected_stream: "pacer:in-rejected"
+  rules:
+    - {name: per-source, key: [source], algorithm: gcra, limits: [10/min]}
+"#;
+    let calls = |n: usize, from: usize| -> Vec<_> {
+        (from..from + n)
+            .map(|i| event(&[("source", "s1"), ("call", &i.to_string())]))
+            .collect()
+    };
+    // 14 attempts against a burst of 10: exactly 10 accepted, 4 rejected, once.
+    let mut ids = push(&redis, "pacer:in", &calls(14, 0));
+    let port = free_port();
+    let cfg = config(&dir, "v.yaml", &redis, port, worker, body);
+    let mut victim = Pacer::run(bin(), &cfg, &[("PACER_CRASH_AT", "admitted:1")]);
+    assert!(victim.wait_for(Duration::from_secs(10)).is_some());
+    assert!(victim
+        .log_text()
+        .contains("PACER_CRASH_AT reached admitted"));
+    assert_eq!(read(&redis, "pacer:accepted").len(), 10);
+    assert!(read(&redis, "pacer:in-rejected").is_empty());
+    assert_eq!(pending(&redis, "pacer:in", "pacer"), 14);
+
+    let port = free_port();
+    let cfg = config(&dir, "w.yaml", &redis, port, worker, body);
+    let survivor = start(&cfg, port);
+    let outputs = ["pacer:accepted", "pacer:in-rejected", "pacer:dead"];
+    assert!(
+        wait_until(Duration::from_secs(15), || pending(
+            &redis, "pacer:in", "pacer"
+        ) == 0),
+        "{}",
+        survivor.log_text()
+    );
+    assert_each_once(&redis, &ids, &outputs, "pacer:in");
+    assert_eq!(read(&redis, "pacer:accepted").len(), 10);
+    assert_eq!(read(&redis, "pacer:in-rejected").len(), 4);
+    // Charged once: had the claim charged the 10 again, the bucket would be 10 in debt.
+    // Instead it holds what 10 charges left: a 6 s interval at 10/min, so one more call
+    // is rejected with at most 6 s to wait, not a minute.
+    ids.extend(push(&redis, "pacer:in", &calls(1, 14)));
+    assert!(wait_until(Duration::from_secs(10), || pending(
+        &redis, "pacer:in", "pacer"
+    ) == 0));
+    let rejected = read(&redis, "pacer:in-rejected");
+    let retry: i64 = rejected
+        .last()
+        .unwrap()
+        .field("pacer_retry_after_ms")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(retry <= 6_000, "retry after {retry} ms: charged twice");
+    assert_each_once(&redis, &ids, &outputs, "pacer:in");
+}

@@ -131,6 +131,9 @@ impl Shared {
                 }
             }
         }
+        if !decided.is_empty() {
+            crate::fault::point("admitted");
+        }
         self.finish_inbound(cfg, decided, dead, stop).await;
     }
 
