@@ -146,26 +146,40 @@ function log.save(st, key, rule)
   redis.call('PEXPIRE', key, int(math.ceil(rule.horizon / 1000)))
 end
 
--- gcra: a hash of t<i> (the theoretical arrival time of limit i, µs) and last.
-local gcra = {}
-
-local function hash_fields(rule, prefixes)
-  local names = {}
-  for i = 1, #rule.limits do
-    for _, p in ipairs(prefixes) do
-      names[#names + 1] = p .. i
+-- gcra and fixed_window keep their state in one string of numbers joined by ':' (read with
+-- GET, written with SET PX: two commands per identity, where a hash takes three with its
+-- PEXPIRE). A missing or unreadable value reads as all-absent.
+local function load_numbers(key, n)
+  local v = redis.call('GET', key)
+  local nums = {}
+  if v then
+    for part in string.gmatch(v, '[^:]+') do
+      nums[#nums + 1] = tonumber(part)
     end
   end
-  names[#names + 1] = 'last'
-  return names
+  if #nums ~= n then
+    nums = {}
+  end
+  return nums
 end
 
+local function save_numbers(key, nums, until_t)
+  local text = {}
+  for i, v in ipairs(nums) do
+    text[i] = int(v)
+  end
+  redis.call('SET', key, table.concat(text, ':'), 'PX', int(ms_until(until_t)))
+end
+
+-- gcra: t<i> (the theoretical arrival time of limit i, µs) for each limit, then last.
+local gcra = {}
+
 function gcra.load(key, rule)
-  local names = hash_fields(rule, { 't' })
-  local v = redis.call('HMGET', key, unpack(names))
-  local st = { tats = {}, last = tonumber(v[#names]) }
-  for i = 1, #rule.limits do
-    st.tats[i] = tonumber(v[i]) or 0
+  local n = #rule.limits
+  local v = load_numbers(key, n + 1)
+  local st = { tats = {}, last = v[n + 1] }
+  for i = 1, n do
+    st.tats[i] = v[i] or 0
   end
   return st
 end
@@ -197,29 +211,26 @@ function gcra.save(st, key, rule)
   if not st.dirty then
     return
   end
-  local args = { 'HSET', key }
+  local nums = {}
   local until_t = st.last + rule.spacing
   for i, tat in ipairs(st.tats) do
-    args[#args + 1] = 't' .. i
-    args[#args + 1] = int(tat)
+    nums[i] = tat
     until_t = math.max(until_t, tat)
   end
-  args[#args + 1] = 'last'
-  args[#args + 1] = int(st.last)
-  redis.call(unpack(args))
-  redis.call('PEXPIRE', key, int(ms_until(until_t)))
+  nums[#nums + 1] = st.last
+  save_numbers(key, nums, until_t)
 end
 
--- fixed_window: a hash of w<i> (window number of limit i), c<i> (its count) and last.
+-- fixed_window: w<i> (window number of limit i) and c<i> (its count) for each limit, then last.
 local fixed = {}
 
 function fixed.load(key, rule)
-  local names = hash_fields(rule, { 'w', 'c' })
-  local v = redis.call('HMGET', key, unpack(names))
-  local st = { w = {}, c = {}, last = tonumber(v[#names]) }
-  for i = 1, #rule.limits do
-    st.w[i] = tonumber(v[2 * i - 1]) or -1
-    st.c[i] = tonumber(v[2 * i]) or 0
+  local n = #rule.limits
+  local v = load_numbers(key, 2 * n + 1)
+  local st = { w = {}, c = {}, last = v[2 * n + 1] }
+  for i = 1, n do
+    st.w[i] = v[2 * i - 1] or -1
+    st.c[i] = v[2 * i] or 0
   end
   return st
 end
@@ -250,19 +261,15 @@ function fixed.save(st, key, rule)
   if not st.dirty then
     return
   end
-  local args = { 'HSET', key }
+  local nums = {}
   local until_t = st.last + rule.spacing
   for i, l in ipairs(rule.limits) do
-    args[#args + 1] = 'w' .. i
-    args[#args + 1] = int(st.w[i])
-    args[#args + 1] = 'c' .. i
-    args[#args + 1] = int(st.c[i])
+    nums[2 * i - 1] = st.w[i]
+    nums[2 * i] = st.c[i]
     until_t = math.max(until_t, (st.w[i] + 1) * l.window)
   end
-  args[#args + 1] = 'last'
-  args[#args + 1] = int(st.last)
-  redis.call(unpack(args))
-  redis.call('PEXPIRE', key, int(ms_until(until_t)))
+  nums[2 * #rule.limits + 1] = st.last
+  save_numbers(key, nums, until_t)
 end
 
 local algorithms = { sliding_log = log, gcra = gcra, fixed_window = fixed }

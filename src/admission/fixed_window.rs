@@ -1,6 +1,6 @@
 //! The fixed window: a counter per calendar window of each limit (`floor(now / window)`).
 //!
-//! The cheap option: one small hash per identity, a few integer operations per event. Its known
+//! The cheap option: one small string per identity (`w1:c1:…:last`), a few integer operations per event. Its known
 //! weakness is the **boundary burst**: windows are aligned to the clock, not to the traffic, so an
 //! identity may spend a whole limit at the end of one window and another at the start of the
 //! next: up to `2 × count` events within one rolling `window`. Use `sliding_log` or `gcra` where

@@ -9,8 +9,8 @@
 //! true: rate and burst hold exactly, to the microsecond. A rejected event learns exactly when it
 //! would pass: `tat − tolerance − now`.
 //!
-//! One hash per identity in Redis (`t<i>` per limit, `last` for `min_spacing`), whatever the
-//! traffic: O(1) memory. It expires when it would read as an empty bucket anyway.
+//! One string per identity in Redis (`t1:…:tn:last`, the tat per limit and the last accepted
+//! time for `min_spacing`), whatever the traffic: O(1) memory. It expires when it would read as an empty bucket anyway.
 
 use super::{spacing_check, Check, Rule};
 
