@@ -251,7 +251,7 @@ pub fn rejected_fields(event: &OutboundEvent, reason: Reason, retry_after_ms: i6
 
 /// Whether a field is one pacer writes on its outputs (an input's own copy is not carried:
 /// a re-injected output would otherwise carry two `pacer_reason`s, say).
-fn is_pacer_field(name: &[u8]) -> bool {
+pub(crate) fn is_pacer_field(name: &[u8]) -> bool {
     PACER_FIELDS.iter().any(|p| p.as_bytes() == name)
 }
 

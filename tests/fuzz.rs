@@ -1,4 +1,4 @@
-//! Fuzzing (proptest) of what pacer reads from outside: event fields from producers, config
+//! Fuzzing (proptest) of what pacer reads from outside: outbound and inbound event fields, config
 //! files from operators, marker values and raw Redis replies. Nothing may panic or hang; a bad
 //! event is refused with a reason and handed back whole (so it can be dead-lettered with every
 //! field), a bad config is refused with at least one problem and its path.
@@ -22,6 +22,13 @@ fn cases(short: u32) -> u32 {
         .unwrap_or(short)
 }
 
+fn inbound() -> pacer::config::InboundConfig {
+    Config::parse(CONFIG, &Overrides::default())
+        .expect("config.yaml is valid")
+        .inbound
+        .expect("config.yaml has an inbound section")
+}
+
 fn outbound() -> pacer::config::OutboundConfig {
     Config::parse(CONFIG, &Overrides::default())
         .expect("config.yaml is valid")
@@ -35,6 +42,8 @@ fn field_name() -> impl Strategy<Value = Vec<u8>> {
         Just(b"id".to_vec()),
         Just(b"cost".to_vec()),
         Just(b"max_wait_ms".to_vec()),
+        Just(b"source".to_vec()),
+        Just(b"tenant".to_vec()),
         Just(b"pacer_reason".to_vec()),
         Just(b"pacer_route".to_vec()),
         proptest::collection::vec(any::<u8>(), 0..12),
@@ -160,8 +169,32 @@ proptest! {
     }
 
     #[test]
-    fn any_marker_value_parses_or_is_refused(text in "\\PC{0,30}|[sdxv][0-9-]{0,20}\\|\\PC{0,10}") {
+    fn any_inbound_event_is_parsed_or_refused_whole(fields in fields(), deliveries in 0u64..10) {
+        let cfg = inbound();
+        let entry = Entry {
+            stream: Arc::from("pacer:in"),
+            id: "1700000000000-0".into(),
+            fields: fields.clone(),
+            deliveries,
+        };
+        match event::inbound::parse_inbound(entry, &cfg) {
+            Ok(ev) => {
+                prop_assert_eq!(&ev.entry.fields, &fields);
+                prop_assert!(!ev.checks.is_empty());
+                event::inbound::forward_fields(&ev);
+            }
+            Err((entry, refused)) => {
+                prop_assert_eq!(&entry.fields, &fields);
+                prop_assert!(!refused.detail.is_empty());
+                dead_letter_fields(&entry, &refused);
+            }
+        }
+    }
+
+    #[test]
+    fn any_marker_value_parses_or_is_refused(text in "\\PC{0,30}|[sdxvAr][0-9-]{0,20}\\|\\PC{0,10}(\\|\\PC{0,6}){0,3}") {
         parse_marker(&text);
+        event::inbound::Decision::parse(&text);
     }
 
     #[test]

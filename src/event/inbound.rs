@@ -4,7 +4,7 @@
 //! An inbound event needs only the fields its rules name in `key`; each is one identity (raw
 //! bytes, so any value works). Everything else is carried through untouched.
 
-use super::{push, Entry, Fields, Reason, Refused, PACER_FIELDS};
+use super::{push, Entry, Fields, Reason, Refused};
 use crate::config::InboundConfig;
 
 /// Longest identity value accepted (it becomes part of a key name).
@@ -40,7 +40,7 @@ pub fn parse_inbound(entry: Entry, cfg: &InboundConfig) -> Result<InboundEvent, 
             let carried = entry
                 .fields
                 .iter()
-                .filter(|(name, _)| !PACER_FIELDS.iter().any(|p| p.as_bytes() == name.as_slice()))
+                .filter(|(name, _)| !super::is_pacer_field(name))
                 .cloned()
                 .collect();
             Ok(InboundEvent {
