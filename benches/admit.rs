@@ -9,47 +9,12 @@
 //!
 //! `cargo bench --bench admit -- [--workers 3] [--events 100000] [--sources 1000]`
 
+mod common;
+
+use common::{arg, command_calls, cpu_seconds};
 use pacer::testkit::{free_port, http_get, wait_until, Pacer, RedisServer, TempDir};
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
-
-fn arg(name: &str, default: u64) -> u64 {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn info(con: &mut redis::Connection, section: &str) -> BTreeMap<String, String> {
-    let text: String = redis::cmd("INFO").arg(section).query(con).unwrap();
-    text.lines()
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.to_string(), v.trim().to_string()))
-        .collect()
-}
-
-fn cpu_seconds(con: &mut redis::Connection) -> f64 {
-    let i = info(con, "cpu");
-    i["used_cpu_sys"].parse::<f64>().unwrap() + i["used_cpu_user"].parse::<f64>().unwrap()
-}
-
-fn command_calls(con: &mut redis::Connection) -> BTreeMap<String, u64> {
-    info(con, "commandstats")
-        .into_iter()
-        .filter_map(|(k, v)| {
-            let name = k.strip_prefix("cmdstat_")?.to_string();
-            let calls = v
-                .split(',')
-                .find_map(|f| f.strip_prefix("calls="))?
-                .parse()
-                .ok()?;
-            Some((name, calls))
-        })
-        .collect()
-}
 
 fn xlen(con: &mut redis::Connection, stream: &str) -> u64 {
     redis::cmd("XLEN").arg(stream).query(con).unwrap()

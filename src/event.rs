@@ -313,7 +313,8 @@ mod tests {
         .outbound
     }
 
-    fn entry(fields: &[(&[u8], &[u8])]) -> Entry {
+    /// An entry of stream `in` with these fields, delivered once (also for `event::inbound`).
+    pub(crate) fn entry(fields: &[(&[u8], &[u8])]) -> Entry {
         Entry {
             stream: "in".into(),
             id: "1-0".into(),

@@ -777,7 +777,11 @@ impl Shared {
             .iter()
             .map(|(e, r)| (e, event::dead_letter_fields(e, r)))
             .collect();
-        if self.emit("deadletter", &self.dead, &dead, stop).await {
+        let limits = (self.marker_ttl_ms, self.cfg.outbound.max_len);
+        if self
+            .emit("deadletter", &self.dead, limits, &dead, stop)
+            .await
+        {
             for (entry, refused) in &done.dead {
                 let outcome = match refused.reason {
                     Reason::Duplicate => Outcome::Duplicate,
@@ -798,7 +802,10 @@ impl Shared {
                 )
             })
             .collect();
-        if self.emit("reject", &self.rejected, &rejected, stop).await {
+        if self
+            .emit("reject", &self.rejected, limits, &rejected, stop)
+            .await
+        {
             for (event, _) in &done.rejected {
                 telemetry::outbound_event(&event.routes[0], Outcome::Rejected);
                 done.acks
@@ -808,12 +815,14 @@ impl Shared {
         self.ack(done.acks, stop).await;
     }
 
-    /// Writes each entry's fields to a shared output stream once; true when done (also when
-    /// there was nothing to write), false if shutdown came first.
+    /// Writes each entry's fields to a shared output stream once (its write-once markers live
+    /// `ttl_ms`, the stream is trimmed to about `max_len`); true when done (also when there was
+    /// nothing to write), false if shutdown came first.
     async fn emit(
         &self,
         op: &'static str,
         keys: &OutputKeys,
+        (ttl_ms, max_len): (u64, u64),
         entries: &[(&Entry, Fields)],
         stop: &CancellationToken,
     ) -> bool {
@@ -833,13 +842,7 @@ impl Shared {
             let items = &items;
             async move {
                 self.scripts
-                    .emit(
-                        &mut con,
-                        keys,
-                        self.marker_ttl_ms,
-                        self.cfg.outbound.max_len,
-                        items,
-                    )
+                    .emit(&mut con, keys, ttl_ms, max_len, items)
                     .await
             }
         })

@@ -233,17 +233,7 @@ inbound:
             .unwrap()
     }
 
-    fn entry(fields: &[(&[u8], &[u8])]) -> Entry {
-        Entry {
-            stream: "in".into(),
-            id: "1-0".into(),
-            fields: fields
-                .iter()
-                .map(|(k, v)| (k.to_vec(), v.to_vec()))
-                .collect(),
-            deliveries: 1,
-        }
-    }
+    use crate::event::tests::entry;
 
     #[test]
     fn every_key_field_of_every_rule_is_an_identity() {

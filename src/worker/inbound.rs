@@ -18,7 +18,7 @@ use crate::error::Result;
 use crate::event::inbound::{self as ev, Decision, InboundEvent};
 use crate::event::{self, Entry, Fields, Reason, Refused};
 use crate::keys::OutputKeys;
-use crate::scripts::{AdmitItem, AdmitReply, Admitted, EmitItem};
+use crate::scripts::{AdmitItem, AdmitReply, Admitted};
 use crate::telemetry::{self, InboundOutcome};
 use std::sync::Arc;
 use tokio::sync::OwnedSemaphorePermit;
@@ -297,7 +297,13 @@ impl Shared {
         ];
         for (op, stream, items) in writes {
             if !self
-                .emit_once(cfg, op, &OutputKeys::new(stream), items, stop)
+                .emit(
+                    op,
+                    &OutputKeys::new(stream),
+                    (cfg.dedupe_ttl.as_millis() as u64, cfg.max_len),
+                    items,
+                    stop,
+                )
                 .await
             {
                 return;
@@ -312,41 +318,6 @@ impl Shared {
             telemetry::inbound_event(InboundOutcome::DeadLettered);
         }
         self.ack(acks, stop).await;
-    }
-
-    /// Writes each entry's fields to `keys.stream` once, however often it is delivered; true
-    /// when done, false if shutdown came first.
-    async fn emit_once(
-        &self,
-        cfg: &InboundConfig,
-        op: &'static str,
-        keys: &OutputKeys,
-        entries: &[(&Entry, Fields)],
-        stop: &CancellationToken,
-    ) -> bool {
-        if entries.is_empty() {
-            return true;
-        }
-        let items: Vec<EmitItem<'_>> = entries
-            .iter()
-            .map(|(e, fields)| EmitItem {
-                source_stream: &e.stream,
-                source_id: &e.id,
-                fields,
-            })
-            .collect();
-        let ttl_ms = cfg.dedupe_ttl.as_millis() as u64;
-        self.retry(op, stop, || {
-            let mut con = self.con.clone();
-            let items = &items;
-            async move {
-                self.scripts
-                    .emit(&mut con, keys, ttl_ms, cfg.max_len, items)
-                    .await
-            }
-        })
-        .await
-        .is_some()
     }
 }
 

@@ -1,0 +1,44 @@
+//! What both benchmarks read from the command line and from Redis's INFO.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+
+/// The value after `name` on the command line, or `default`.
+pub fn arg(name: &str, default: u64) -> u64 {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+pub fn info(con: &mut redis::Connection, section: &str) -> BTreeMap<String, String> {
+    let text: String = redis::cmd("INFO").arg(section).query(con).unwrap();
+    text.lines()
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.to_string(), v.trim().to_string()))
+        .collect()
+}
+
+/// Redis CPU time used so far (user + system), seconds.
+pub fn cpu_seconds(con: &mut redis::Connection) -> f64 {
+    let i = info(con, "cpu");
+    i["used_cpu_sys"].parse::<f64>().unwrap() + i["used_cpu_user"].parse::<f64>().unwrap()
+}
+
+/// Calls per command from `INFO commandstats`.
+pub fn command_calls(con: &mut redis::Connection) -> BTreeMap<String, u64> {
+    info(con, "commandstats")
+        .into_iter()
+        .filter_map(|(k, v)| {
+            let name = k.strip_prefix("cmdstat_")?.to_string();
+            let calls = v
+                .split(',')
+                .find_map(|f| f.strip_prefix("calls="))?
+                .parse()
+                .ok()?;
+            Some((name, calls))
+        })
+        .collect()
+}
