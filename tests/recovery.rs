@@ -575,3 +575,77 @@ fn a_claimed_inbound_entry_is_decided_once_and_charged_once() {
     assert!(retry <= 6_000, "retry after {retry} ms: charged twice");
     assert_each_once(&redis, &ids, &outputs, "pacer:in");
 }
+
+/// An inbound entry whose workers die before deciding it, again and again, is dead-lettered
+/// with too_many_deliveries once it comes more than max_deliveries times, and a void decision is
+/// recorded for it, so no late admission can still forward it. A batch-mate that was decided
+/// before the first crash keeps its decision.
+#[test]
+fn a_poison_inbound_entry_is_dead_lettered_and_voided() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("in-poison");
+    let worker = "  batch: 8\n  drain: 1s\n  claim_idle: 1200ms\n  max_deliveries: 2";
+    let body = r#"inbound:
+  streams: ["pacer:in"]
+  forward_stream: "pacer:accepted"
+  rejected_stream: "pacer:in-rejected"
+  rules:
+    - {name: per-source, key: [source], algorithm: gcra, limits: [10/min]}
+"#;
+    let decided = push(&redis, "pacer:in", &[event(&[("source", "s1")])]);
+    // Decided and forwarded by a worker that then dies before acknowledging.
+    let cfg = config(&dir, "v0.yaml", &redis, free_port(), worker, body);
+    let mut victim = Pacer::run(bin(), &cfg, &[("PACER_CRASH_AT", "admitted:1")]);
+    assert!(victim.wait_for(Duration::from_secs(10)).is_some());
+    let poison = push(&redis, "pacer:in", &[event(&[("source", "s2")])]);
+    // Two deliveries of the poison die before any decision (the first also claims the other).
+    for i in 1..=2 {
+        let cfg = config(
+            &dir,
+            &format!("v{i}.yaml"),
+            &redis,
+            free_port(),
+            worker,
+            body,
+        );
+        let mut victim = Pacer::run(bin(), &cfg, &[("PACER_CRASH_AT", "read:1")]);
+        assert!(
+            victim.wait_for(Duration::from_secs(10)).is_some(),
+            "{}",
+            victim.log_text()
+        );
+    }
+    let port = free_port();
+    let cfg = config(&dir, "w.yaml", &redis, port, worker, body);
+    let survivor = start(&cfg, port);
+    assert!(
+        wait_until(Duration::from_secs(15), || pending(
+            &redis, "pacer:in", "pacer"
+        ) == 0),
+        "{}",
+        survivor.log_text()
+    );
+    let ids = [decided[0].clone(), poison[0].clone()];
+    let at = assert_each_once(
+        &redis,
+        &ids,
+        &["pacer:accepted", "pacer:in-rejected", "pacer:dead"],
+        "pacer:in",
+    );
+    assert_eq!(at[&ids[0]], vec!["pacer:accepted"]);
+    assert_eq!(at[&ids[1]], vec!["pacer:dead"]);
+    let dead = read(&redis, "pacer:dead");
+    assert_eq!(dead[0].field("pacer_reason"), Some("too_many_deliveries"));
+    // The poison's recorded decision is the void: a late admission finds it and forwards nothing.
+    let seen: Vec<String> = redis::cmd("KEYS")
+        .arg("pacer:in:*seen*")
+        .query(&mut redis.con())
+        .unwrap();
+    let values: Vec<String> = seen
+        .iter()
+        .map(|k| redis::cmd("GET").arg(k).query(&mut redis.con()).unwrap())
+        .collect();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert!(values.iter().any(|v| v.starts_with('A')), "{values:?}");
+    assert!(values.iter().any(|v| v.starts_with('v')), "{values:?}");
+}
