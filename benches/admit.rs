@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{arg, command_calls, cpu_seconds};
+use common::{arg, command_calls, cpu_seconds, pacer_commands, BENCH_OWN};
 use pacer::testkit::{free_port, http_get, wait_until, Pacer, RedisServer, TempDir};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -82,24 +82,7 @@ fn run(bin: &Path, workers: u64, events: u64, sources: u64, algorithm: &str, lim
     let elapsed = start.elapsed().as_secs_f64();
     let cpu = cpu_seconds(&mut con) - cpu0;
     let calls = command_calls(&mut con);
-    let bench_own = ["info", "config", "xlen", "ping", "client", "hello"];
-    let all: u64 = calls
-        .iter()
-        .filter(|(k, _)| !bench_own.contains(&k.as_str()))
-        .map(|(_, v)| v)
-        .sum();
-    let trips: u64 = [
-        "evalsha",
-        "eval",
-        "xreadgroup",
-        "xack",
-        "xinfo",
-        "script",
-        "xgroup",
-    ]
-    .iter()
-    .filter_map(|k| calls.get(*k))
-    .sum();
+    let (all, trips) = pacer_commands(&calls);
     let accepted = xlen(&mut con, "fwd");
     let n = events as f64;
     println!(
@@ -111,7 +94,7 @@ fn run(bin: &Path, workers: u64, events: u64, sources: u64, algorithm: &str, lim
     );
     let detail: Vec<String> = calls
         .iter()
-        .filter(|(k, _)| !bench_own.contains(&k.as_str()))
+        .filter(|(k, _)| !BENCH_OWN.contains(&k.as_str()))
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
     println!("    commandstats: {}", detail.join(" "));

@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{arg, command_calls, cpu_seconds};
+use common::{arg, command_calls, cpu_seconds, pacer_commands, BENCH_OWN};
 use pacer::report::{quantile, read_all};
 use pacer::testkit::{free_port, http_get, wait_until, Pacer, RedisServer, TempDir};
 use std::collections::BTreeMap;
@@ -113,24 +113,7 @@ fn throughput(bin: &Path, workers: u64, events: u64) {
     let elapsed = start.elapsed().as_secs_f64();
     let cpu = cpu_seconds(&mut con) - cpu0;
     let calls = command_calls(&mut con);
-    let bench_own = ["info", "config", "xlen", "ping", "client", "hello"];
-    let all: u64 = calls
-        .iter()
-        .filter(|(k, _)| !bench_own.contains(&k.as_str()))
-        .map(|(_, v)| v)
-        .sum();
-    let top: u64 = [
-        "evalsha",
-        "eval",
-        "xreadgroup",
-        "xack",
-        "xinfo",
-        "script",
-        "xgroup",
-    ]
-    .iter()
-    .filter_map(|k| calls.get(*k))
-    .sum();
+    let (all, top) = pacer_commands(&calls);
     println!("throughput: {workers} workers, {events} events, 10 routes whose rate does not bind");
     println!("  events/s end to end        {:>10.0}  ({events} in {elapsed:.2} s, worker start included)", events as f64 / elapsed);
     println!(
@@ -147,7 +130,7 @@ fn throughput(bin: &Path, workers: u64, events: u64) {
     );
     let detail: Vec<String> = calls
         .iter()
-        .filter(|(k, _)| !bench_own.contains(&k.as_str()))
+        .filter(|(k, _)| !BENCH_OWN.contains(&k.as_str()))
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
     println!("  commandstats: {}", detail.join(" "));

@@ -163,12 +163,23 @@ local function load_numbers(key, n)
   return nums
 end
 
-local function save_numbers(key, nums, until_t)
-  local text = {}
-  for i, v in ipairs(nums) do
-    text[i] = int(v)
+-- The save of a string-state algorithm, from its `numbers(st, rule)`: the state's numbers and
+-- the time until which it matters. `last` is appended, and the key lives until that time or
+-- until min_spacing after `last`, whichever is later.
+local function numbers_save(numbers)
+  return function(st, key, rule)
+    if not st.dirty then
+      return
+    end
+    local nums, until_t = numbers(st, rule)
+    nums[#nums + 1] = st.last
+    until_t = math.max(until_t, st.last + rule.spacing)
+    local text = {}
+    for i, v in ipairs(nums) do
+      text[i] = int(v)
+    end
+    redis.call('SET', key, table.concat(text, ':'), 'PX', int(ms_until(until_t)))
   end
-  redis.call('SET', key, table.concat(text, ':'), 'PX', int(ms_until(until_t)))
 end
 
 -- gcra: t<i> (the theoretical arrival time of limit i, µs) for each limit, then last.
@@ -207,19 +218,15 @@ function gcra.charge(st, rule, passed, owner)
   st.last, st.dirty = now, true
 end
 
-function gcra.save(st, key, rule)
-  if not st.dirty then
-    return
-  end
-  local nums = {}
-  local until_t = st.last + rule.spacing
+-- The tats; the state matters until the latest of them (an empty bucket after).
+gcra.save = numbers_save(function(st, rule)
+  local nums, until_t = {}, 0
   for i, tat in ipairs(st.tats) do
     nums[i] = tat
     until_t = math.max(until_t, tat)
   end
-  nums[#nums + 1] = st.last
-  save_numbers(key, nums, until_t)
-end
+  return nums, until_t
+end)
 
 -- fixed_window: w<i> (window number of limit i) and c<i> (its count) for each limit, then last.
 local fixed = {}
@@ -257,20 +264,16 @@ function fixed.charge(st, rule, passed, owner)
   st.last, st.dirty = now, true
 end
 
-function fixed.save(st, key, rule)
-  if not st.dirty then
-    return
-  end
-  local nums = {}
-  local until_t = st.last + rule.spacing
+-- Window number and count per limit; the state matters until the latest window ends.
+fixed.save = numbers_save(function(st, rule)
+  local nums, until_t = {}, 0
   for i, l in ipairs(rule.limits) do
     nums[2 * i - 1] = st.w[i]
     nums[2 * i] = st.c[i]
     until_t = math.max(until_t, (st.w[i] + 1) * l.window)
   end
-  nums[2 * #rule.limits + 1] = st.last
-  save_numbers(key, nums, until_t)
-end
+  return nums, until_t
+end)
 
 local algorithms = { sliding_log = log, gcra = gcra, fixed_window = fixed }
 

@@ -302,7 +302,8 @@ impl Engine {
 mod tests {
     use super::*;
 
-    fn rule(algorithm: Algorithm, limits: &[(u64, u64)], spacing_us: i64) -> Rule {
+    /// A rule of `(count, window_us)` limits (also for the algorithms' own tests).
+    pub(crate) fn rule(algorithm: Algorithm, limits: &[(u64, u64)], spacing_us: i64) -> Rule {
         Rule {
             algorithm,
             limits: limits

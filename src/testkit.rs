@@ -97,12 +97,50 @@ impl RedisServer {
         server
     }
 
+    /// A single-node Redis Cluster owning every slot: it refuses, like any cluster, a script
+    /// call whose keys span slots (CROSSSLOT).
+    pub fn start_cluster() -> Self {
+        let redis = Self::start_with(&[
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+        ]);
+        let _: () = redis::cmd("CLUSTER")
+            .arg("ADDSLOTSRANGE")
+            .arg(0)
+            .arg(16383)
+            .query(&mut redis.con())
+            .expect("assigning every slot");
+        let ok = wait_until(Duration::from_secs(10), || {
+            redis::cmd("CLUSTER")
+                .arg("INFO")
+                .query::<String>(&mut redis.con())
+                .is_ok_and(|info| info.contains("cluster_state:ok"))
+        });
+        assert!(ok, "the cluster never reached cluster_state:ok");
+        redis
+    }
+
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
     pub fn client(&self) -> redis::Client {
         redis::Client::open(self.url()).expect("a redis client")
+    }
+
+    /// A current-thread runtime and an async connection on it, for calling pacer's async
+    /// functions (the scripts) from a plain test.
+    pub fn async_con(&self) -> (tokio::runtime::Runtime, redis::aio::MultiplexedConnection) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a tokio runtime");
+        let con = rt
+            .block_on(self.client().get_multiplexed_async_connection())
+            .expect("connecting to the test Redis");
+        (rt, con)
     }
 
     /// A blocking connection, for simple checks.

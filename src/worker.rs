@@ -1,4 +1,5 @@
-//! The outbound worker: reads input streams with a consumer group, places each event on a route
+//! The worker: reads input streams with a consumer group (inbound entries go to `inbound`),
+//! claims what dead or stuck consumers left pending, places each outbound event on a route
 //! (its own or a fallback), hands the ones that must wait to the dispatcher, and acknowledges an
 //! input entry only once it has ended in exactly one place (a ready stream, the rejected stream
 //! or the dead-letter stream).
@@ -106,7 +107,8 @@ impl Worker {
     /// for Redis trouble: it waits, retries and reports not-ready instead.
     pub async fn run(self, shutdown: CancellationToken) {
         let shared = self.shared;
-        info!(consumer = %shared.consumer, routes = shared.cfg.outbound.routes.len(), "outbound worker starting");
+        let rules = shared.cfg.inbound.as_ref().map_or(0, |i| i.rules.len());
+        info!(consumer = %shared.consumer, routes = shared.cfg.outbound.routes.len(), inbound_rules = rules, "worker starting");
         if !shared.prepare(&shutdown).await {
             return;
         }
@@ -140,7 +142,7 @@ impl Worker {
         }
         hard_stop.cancel();
         let _ = monitor.await;
-        info!("outbound worker stopped");
+        info!("worker stopped");
     }
 }
 

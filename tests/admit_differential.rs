@@ -249,14 +249,8 @@ fn run_case(
 #[test]
 fn lua_and_rust_decide_alike_on_redis_time() {
     let redis = RedisServer::start();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let con = RefCell::new(
-        rt.block_on(redis.client().get_multiplexed_async_connection())
-            .unwrap(),
-    );
+    let (rt, con) = redis.async_con();
+    let con = RefCell::new(con);
     let sync = RefCell::new(redis.con());
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(120));
     runner

@@ -34,13 +34,7 @@ impl Rig {
             .inbound
             .unwrap();
         let redis = RedisServer::start();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let con = rt
-            .block_on(redis.client().get_multiplexed_async_connection())
-            .unwrap();
+        let (rt, con) = redis.async_con();
         Rig {
             redis,
             con,
@@ -723,25 +717,7 @@ fn fail_open_forwards_when_redis_refuses_admission() {
 /// runs on Redis Cluster, which refuses any call that does not (CROSSSLOT).
 #[test]
 fn inbound_runs_on_redis_cluster_every_call_in_one_slot() {
-    let redis = RedisServer::start_with(&[
-        "--cluster-enabled",
-        "yes",
-        "--cluster-config-file",
-        "nodes.conf",
-    ]);
-    let _: () = redis::cmd("CLUSTER")
-        .arg("ADDSLOTSRANGE")
-        .arg(0)
-        .arg(16383)
-        .query(&mut redis.con())
-        .unwrap();
-    assert!(wait_until(Duration::from_secs(10), || {
-        let info: String = redis::cmd("CLUSTER")
-            .arg("INFO")
-            .query(&mut redis.con())
-            .unwrap();
-        info.contains("cluster_state:ok")
-    }));
+    let redis = RedisServer::start_cluster();
     let dir = TempDir::new("in-cluster");
     let port = free_port();
     let body = r#"inbound:

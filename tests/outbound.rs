@@ -406,25 +406,7 @@ fn readyz_follows_redis_and_the_worker_recovers_after_a_restart() {
 /// the call (CROSSSLOT). A single-node cluster owning every slot enforces exactly that check.
 #[test]
 fn runs_on_redis_cluster_every_script_call_in_one_slot() {
-    let redis = RedisServer::start_with(&[
-        "--cluster-enabled",
-        "yes",
-        "--cluster-config-file",
-        "nodes.conf",
-    ]);
-    let _: () = redis::cmd("CLUSTER")
-        .arg("ADDSLOTSRANGE")
-        .arg(0)
-        .arg(16383)
-        .query(&mut redis.con())
-        .unwrap();
-    assert!(wait_until(Duration::from_secs(10), || {
-        let info: String = redis::cmd("CLUSTER")
-            .arg("INFO")
-            .query(&mut redis.con())
-            .unwrap();
-        info.contains("cluster_state:ok")
-    }));
+    let redis = RedisServer::start_cluster();
     let dir = TempDir::new("cluster");
     let port = free_port();
     let body = r#"outbound:

@@ -58,6 +58,21 @@ fn not_ready(port: u16) -> bool {
     matches!(http_get(port, "/readyz"), Some((503, _)))
 }
 
+/// Runs a worker that aborts at crash `point` (`PACER_CRASH_AT`, see `src/fault.rs`) and waits
+/// until it has. Not waited ready for: the entries may be there already and it may die at once.
+fn crash_at(cfg: &std::path::Path, point: &str) {
+    let mut victim = Pacer::run(bin(), cfg, &[("PACER_CRASH_AT", point)]);
+    let name = point.split(':').next().unwrap_or(point);
+    assert!(
+        victim.wait_for(Duration::from_secs(10)).is_some()
+            && victim
+                .log_text()
+                .contains(&format!("PACER_CRASH_AT reached {name}")),
+        "{point} never reached:\n{}",
+        victim.log_text()
+    );
+}
+
 /// A small deterministic generator for kill timings (the test must be repeatable).
 struct Lcg(u64);
 
@@ -229,16 +244,15 @@ fn a_poison_entry_is_dead_lettered_after_max_deliveries_and_nothing_doubles() {
     // Delivery 1 records the decisions ("now" dispatched at once, "later" sleeping) and dies
     // before acknowledging; delivery 2 is claimed and dies before deciding anything.
     for (i, point) in ["scheduled:1", "read:1"].iter().enumerate() {
-        let port = free_port();
-        let cfg = config(&dir, &format!("v{i}.yaml"), &redis, port, worker, body);
-        // Not waited ready for: the entries are there already, it may die at once.
-        let mut victim = Pacer::run(bin(), &cfg, &[("PACER_CRASH_AT", point)]);
-        assert!(
-            victim.wait_for(Duration::from_secs(10)).is_some(),
-            "{point} never reached:\n{}",
-            victim.log_text()
+        let cfg = config(
+            &dir,
+            &format!("v{i}.yaml"),
+            &redis,
+            free_port(),
+            worker,
+            body,
         );
-        assert!(victim.log_text().contains("PACER_CRASH_AT reached"));
+        crash_at(&cfg, point);
     }
     assert_eq!(read(&redis, "pacer:{a}:ready").len(), 1);
     // Delivery 3 is one too many.
@@ -532,13 +546,8 @@ fn a_claimed_inbound_entry_is_decided_once_and_charged_once() {
     };
     // 14 attempts against a burst of 10: exactly 10 accepted, 4 rejected, once.
     let mut ids = push(&redis, "pacer:in", &calls(14, 0));
-    let port = free_port();
-    let cfg = config(&dir, "v.yaml", &redis, port, worker, body);
-    let mut victim = Pacer::run(bin(), &cfg, &[("PACER_CRASH_AT", "admitted:1")]);
-    assert!(victim.wait_for(Duration::from_secs(10)).is_some());
-    assert!(victim
-        .log_text()
-        .contains("PACER_CRASH_AT reached admitted"));
+    let cfg = config(&dir, "v.yaml", &redis, free_port(), worker, body);
+    crash_at(&cfg, "admitted:1");
     assert_eq!(read(&redis, "pacer:accepted").len(), 10);
     assert!(read(&redis, "pacer:in-rejected").is_empty());
     assert_eq!(pending(&redis, "pacer:in", "pacer"), 14);
@@ -595,8 +604,7 @@ fn a_poison_inbound_entry_is_dead_lettered_and_voided() {
     let decided = push(&redis, "pacer:in", &[event(&[("source", "s1")])]);
     // Decided and forwarded by a worker that then dies before acknowledging.
     let cfg = config(&dir, "v0.yaml", &redis, free_port(), worker, body);
-    let mut victim = Pacer::run(bin(), &cfg, &[("PACER_CRASH_AT", "admitted:1")]);
-    assert!(victim.wait_for(Duration::from_secs(10)).is_some());
+    crash_at(&cfg, "admitted:1");
     let poison = push(&redis, "pacer:in", &[event(&[("source", "s2")])]);
     // Two deliveries of the poison die before any decision (the first also claims the other).
     for i in 1..=2 {
@@ -608,12 +616,7 @@ fn a_poison_inbound_entry_is_dead_lettered_and_voided() {
             worker,
             body,
         );
-        let mut victim = Pacer::run(bin(), &cfg, &[("PACER_CRASH_AT", "read:1")]);
-        assert!(
-            victim.wait_for(Duration::from_secs(10)).is_some(),
-            "{}",
-            victim.log_text()
-        );
+        crash_at(&cfg, "read:1");
     }
     let port = free_port();
     let cfg = config(&dir, "w.yaml", &redis, port, worker, body);

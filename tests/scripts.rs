@@ -32,13 +32,7 @@ struct Rig {
 impl Rig {
     fn new(rate: &str, burst: u32) -> Self {
         let redis = RedisServer::start();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let con = rt
-            .block_on(redis.client().get_multiplexed_async_connection())
-            .unwrap();
+        let (rt, con) = redis.async_con();
         Rig {
             _redis: redis,
             con,

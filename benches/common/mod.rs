@@ -42,3 +42,31 @@ pub fn command_calls(con: &mut redis::Connection) -> BTreeMap<String, u64> {
         })
         .collect()
 }
+
+/// Commands the benchmark itself sends, not counted as pacer's.
+pub const BENCH_OWN: [&str; 6] = ["info", "config", "xlen", "ping", "client", "hello"];
+
+/// From `command_calls`: every command pacer caused (the benchmark's own left out), and the
+/// client round trips among them (calls inside scripts are not round trips).
+pub fn pacer_commands(calls: &BTreeMap<String, u64>) -> (u64, u64) {
+    let all = calls
+        .iter()
+        .filter(|(k, _)| !BENCH_OWN.contains(&k.as_str()))
+        .map(|(_, v)| v)
+        .sum();
+    let trips = [
+        "evalsha",
+        "eval",
+        "xreadgroup",
+        "xack",
+        "xinfo",
+        "xpending",
+        "xclaim",
+        "script",
+        "xgroup",
+    ]
+    .iter()
+    .filter_map(|k| calls.get(*k))
+    .sum();
+    (all, trips)
+}

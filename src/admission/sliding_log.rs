@@ -52,19 +52,11 @@ pub fn charge(log: &mut Vec<i64>, now_us: i64, rule: &Rule) {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{Algorithm, Limit, SPACING};
+    use super::super::{Algorithm, SPACING};
     use super::*;
 
     fn rule(limits: &[(u64, u64)], spacing_us: i64) -> Rule {
-        Rule {
-            algorithm: Algorithm::SlidingLog,
-            limits: limits
-                .iter()
-                .map(|&(n, w)| Limit::new(n, w, None, "l"))
-                .collect(),
-            spacing_us,
-            count_rejected: false,
-        }
+        super::super::tests::rule(Algorithm::SlidingLog, limits, spacing_us)
     }
 
     fn run(rule: &Rule, times: &[i64]) -> Vec<Check> {

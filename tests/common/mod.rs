@@ -75,18 +75,8 @@ pub fn event(pairs: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
 
 /// Every entry of `stream`.
 pub fn read(redis: &RedisServer, stream: &str) -> Vec<OutputEntry> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let mut con = redis
-            .client()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap();
-        read_all(&mut con, stream).await.unwrap()
-    })
+    let (rt, mut con) = redis.async_con();
+    rt.block_on(read_all(&mut con, stream)).unwrap()
 }
 
 /// Entries of the group still pending on `stream`.
