@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{arg, command_calls, cpu_seconds, pacer_commands, BENCH_OWN};
+use common::{arg, command_calls, cpu_seconds, pacer_commands, preload, BENCH_OWN};
 use pacer::testkit::{free_port, http_get, wait_until, Pacer, RedisServer, TempDir};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -32,28 +32,12 @@ fn run(bin: &Path, workers: u64, events: u64, sources: u64, algorithm: &str, lim
         .arg("MKSTREAM")
         .query(&mut con)
         .unwrap();
-    let mut pipe = redis::pipe();
-    for i in 0..events {
-        pipe.cmd("XADD")
-            .arg("in")
-            .arg("*")
-            .arg("source")
-            .arg(format!("s{}", i % sources))
-            .arg("call")
-            .arg(i)
-            .ignore();
-        if pipe.len() == 1000 {
-            pipe.query::<()>(&mut con).unwrap();
-            pipe = redis::pipe();
-        }
-    }
-    if !pipe.is_empty() {
-        pipe.query::<()>(&mut con).unwrap();
-    }
-    let _: () = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query(&mut con)
-        .unwrap();
+    preload(&mut con, events, |i| {
+        [
+            ("source", format!("s{}", i % sources)),
+            ("call", i.to_string()),
+        ]
+    });
     let cpu0 = cpu_seconds(&mut con);
     let start = Instant::now();
     let _workers: Vec<Pacer> = (0..workers)

@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{arg, command_calls, cpu_seconds, pacer_commands, BENCH_OWN};
+use common::{arg, command_calls, cpu_seconds, pacer_commands, preload, BENCH_OWN};
 use pacer::report::{quantile, read_all};
 use pacer::testkit::{free_port, http_get, wait_until, Pacer, RedisServer, TempDir};
 use std::collections::BTreeMap;
@@ -82,28 +82,9 @@ fn throughput(bin: &Path, workers: u64, events: u64) {
         .arg("MKSTREAM")
         .query(&mut con)
         .unwrap();
-    let mut pipe = redis::pipe();
-    for i in 0..events {
-        pipe.cmd("XADD")
-            .arg("in")
-            .arg("*")
-            .arg("route")
-            .arg(format!("r{}", i % 10))
-            .arg("to")
-            .arg(i)
-            .ignore();
-        if pipe.len() == 1000 {
-            pipe.query::<()>(&mut con).unwrap();
-            pipe = redis::pipe();
-        }
-    }
-    if !pipe.is_empty() {
-        pipe.query::<()>(&mut con).unwrap();
-    }
-    let _: () = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query(&mut con)
-        .unwrap();
+    preload(&mut con, events, |i| {
+        [("route", format!("r{}", i % 10)), ("to", i.to_string())]
+    });
     let cpu0 = cpu_seconds(&mut con);
     let start = Instant::now();
     let _workers = start_workers(bin, &dir, &redis, workers, &routes);
