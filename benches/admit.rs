@@ -11,7 +11,10 @@
 
 mod common;
 
-use common::{arg, command_calls, cpu_seconds, pacer_commands, preload, BENCH_OWN};
+use common::{
+    arg, command_calls, commandstats_line, cpu_seconds, pacer_commands, preload,
+    process_cpu_seconds,
+};
 use pacer::testkit::{free_port, http_get, wait_until, Pacer, RedisServer, TempDir};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -40,7 +43,7 @@ fn run(bin: &Path, workers: u64, events: u64, sources: u64, algorithm: &str, lim
     });
     let cpu0 = cpu_seconds(&mut con);
     let start = Instant::now();
-    let _workers: Vec<Pacer> = (0..workers)
+    let running: Vec<Pacer> = (0..workers)
         .map(|i| {
             let port = free_port();
             let cfg = dir.write(
@@ -65,23 +68,20 @@ fn run(bin: &Path, workers: u64, events: u64, sources: u64, algorithm: &str, lim
     ) >= events));
     let elapsed = start.elapsed().as_secs_f64();
     let cpu = cpu_seconds(&mut con) - cpu0;
+    let worker_cpu = process_cpu_seconds(running.iter().map(Pacer::pid));
     let calls = command_calls(&mut con);
     let (all, trips) = pacer_commands(&calls);
     let accepted = xlen(&mut con, "fwd");
     let n = events as f64;
     println!(
-        "{algorithm:<12} limit {limit:<9} {:>9.0} decisions/s  {:>5.2} commands  {:>6.3} round trips  {:>6.2} µs Redis CPU  per decision  ({accepted} accepted of {events} in {elapsed:.2} s)",
+        "{algorithm:<12} limit {limit:<9} {:>9.0} decisions/s  {:>5.2} commands  {:>6.3} round trips  {:>6.2} µs Redis CPU  {:>6.2} µs worker CPU  per decision  ({accepted} accepted of {events} in {elapsed:.2} s)",
         n / elapsed,
         all as f64 / n,
         trips as f64 / n,
         cpu * 1e6 / n,
+        worker_cpu * 1e6 / n,
     );
-    let detail: Vec<String> = calls
-        .iter()
-        .filter(|(k, _)| !BENCH_OWN.contains(&k.as_str()))
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect();
-    println!("    commandstats: {}", detail.join(" "));
+    println!("    commandstats: {}", commandstats_line(&calls, events));
 }
 
 fn main() {

@@ -11,7 +11,10 @@
 
 mod common;
 
-use common::{arg, command_calls, cpu_seconds, pacer_commands, preload, BENCH_OWN};
+use common::{
+    arg, command_calls, commandstats_line, cpu_seconds, pacer_commands, preload,
+    process_cpu_seconds,
+};
 use pacer::report::{quantile, read_all};
 use pacer::testkit::{free_port, http_get, wait_until, Pacer, RedisServer, TempDir};
 use std::collections::BTreeMap;
@@ -87,12 +90,13 @@ fn throughput(bin: &Path, workers: u64, events: u64) {
     });
     let cpu0 = cpu_seconds(&mut con);
     let start = Instant::now();
-    let _workers = start_workers(bin, &dir, &redis, workers, &routes);
+    let running = start_workers(bin, &dir, &redis, workers, &routes);
     assert!(wait_until(Duration::from_secs(600), || ready_total(
         &mut con, 10
     ) >= events));
     let elapsed = start.elapsed().as_secs_f64();
     let cpu = cpu_seconds(&mut con) - cpu0;
+    let worker_cpu = process_cpu_seconds(running.iter().map(Pacer::pid));
     let calls = command_calls(&mut con);
     let (all, top) = pacer_commands(&calls);
     println!("throughput: {workers} workers, {events} events, 10 routes whose rate does not bind");
@@ -109,12 +113,11 @@ fn throughput(bin: &Path, workers: u64, events: u64) {
         "  Redis CPU µs per event     {:>10.2}",
         cpu * 1e6 / events as f64
     );
-    let detail: Vec<String> = calls
-        .iter()
-        .filter(|(k, _)| !BENCH_OWN.contains(&k.as_str()))
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect();
-    println!("  commandstats: {}", detail.join(" "));
+    println!(
+        "  worker CPU µs per event    {:>10.2}  (all workers, start included)",
+        worker_cpu * 1e6 / events as f64
+    );
+    println!("  commandstats: {}", commandstats_line(&calls, events));
 }
 
 fn lateness(bin: &Path, workers: u64, seconds: u64) {

@@ -4,18 +4,20 @@
 -- Every key is in the forward stream's hash slot (src/keys.rs, InboundKeys).
 --
 -- KEYS[1]      the forward stream
--- KEYS[2..]    per event, in order: its decision marker, then one limiter key per check
--- ARGV[1]      marker time to live, ms
+-- KEYS[2..]    per event, in order: the hash its decision is recorded in (field: its owner),
+--              then its identities' limiter keys, one per check: every key field of every
+--              rule, rule by rule, in the order the rules list them
+-- ARGV[1]      decision time to live, ms (each decision hash lives that long after a write)
 -- ARGV[2]      approximate MAXLEN of the forward stream
 -- ARGV[3]      r, the number of rules; then per rule:
 --                name, algorithm (sliding_log | gcra | fixed_window), shadow (0/1),
 --                count_rejected (0/1), spacing_us (0: none), spacing label, horizon_us,
---                log cap (most entries a sliding log keeps), nlimits, then per limit:
---                window_us, count, interval_us, tolerance_us (gcra), label
+--                log cap (most entries a sliding log keeps), nkeys, the key field names,
+--                nlimits, then per limit: window_us, count, interval_us, tolerance_us (gcra),
+--                label
 -- then         n, the number of events; then per event:
---                owner ("<stream>:<entry id>": a sliding log's member), nchecks, then per check:
---                rule index (1-based), key field name; then the forward entry's fields:
---                nfields, name1, value1, ...
+--                owner ("<entry id>@<stream>": its decision's field, a sliding log's member),
+--                then the forward entry's fields: nfields, name1, value1, ...
 -- Returns { now_us, then per event: code, decision, verdicts }:
 --   code 1   decided now: decision "A" (accepted, and written to the forward stream) or
 --            "r<retry_us>|<rule>|<limit>|<key field>" (rejected: the enforcing check that frees up
@@ -26,6 +28,13 @@
 -- Checking comes before charging: every limit of every identity of every rule is checked, and
 -- only then is anything charged, so a rejected event uses up nothing (a rule with count_rejected
 -- charges every attempt). Redis's clock, read once, is the time of every event of the batch.
+--
+-- The inbound flow's speed rests on this script, and its cost is mostly per command and per
+-- value, so it spends few of either per event: the decisions of a batch are read (HMGET) and
+-- written (HSET) a hash at a time, the states of its identities read in one MGET and each
+-- written once, with numbers packed in binary (struct) rather than printed and parsed; the
+-- checks are implied by the rules instead of spelled out per event; an accepted event's fields
+-- go from ARGV to XADD without a copy; and an event an earlier delivery decided is not checked.
 
 local now = redis_now_us()
 local ttl, maxlen = ARGV[1], ARGV[2]
@@ -39,10 +48,16 @@ for r = 1, nrules do
     name = ARGV[at], alg = ARGV[at + 1], shadow = ARGV[at + 2] == '1',
     count_rejected = ARGV[at + 3] == '1', spacing = tonumber(ARGV[at + 4]),
     spacing_label = ARGV[at + 5], horizon = tonumber(ARGV[at + 6]), cap = tonumber(ARGV[at + 7]),
-    limits = {},
+    fields = {}, limits = {},
   }
-  local nl = tonumber(ARGV[at + 8])
-  at = at + 9
+  at = at + 8
+  for f = 1, tonumber(ARGV[at]) do
+    rule.fields[f] = ARGV[at + f]
+  end
+  at = at + tonumber(ARGV[at]) + 1
+  local nl = tonumber(ARGV[at])
+  rule.nlimits = nl
+  at = at + 1
   for l = 1, nl do
     rule.limits[l] = {
       window = tonumber(ARGV[at]), count = tonumber(ARGV[at + 1]),
@@ -52,6 +67,16 @@ for r = 1, nrules do
   end
   rules[r] = rule
 end
+
+-- The checks every event makes, in order: (rule index, key field) for each key of each rule.
+local check_rule, check_field = {}, {}
+for r, rule in ipairs(rules) do
+  for _, field in ipairs(rule.fields) do
+    check_rule[#check_rule + 1] = r
+    check_field[#check_field + 1] = field
+  end
+end
+local nchecks = #check_rule
 
 -- A verdict is (retry, limit): retry 0 passes, else the µs until it would pass; limit is the
 -- index of the binding limit, 0 for min_spacing. The later one binds; a tie keeps the first.
@@ -79,41 +104,91 @@ local function window_of(window)
   return (now - math.fmod(now, window)) / window
 end
 
--- sliding_log: a sorted set of charged events scored by µs. Checks read it with ZCOUNT and,
--- when a window is full, the entry that frees it; the batch's own charges (all at `now`) are
--- kept in `added` and written at the end.
+-- Every algorithm keeps an identity's state in one string of numbers packed as little-endian
+-- doubles (struct.pack '<dd…'; µs and counts are integers below 2^53, exact as doubles). Read
+-- for the whole batch with one MGET, written with PSETEX: one command per identity, where a
+-- hash takes two with its PEXPIRE; packed, not printed and parsed, because formatting and
+-- splitting text cost more per identity than the SET. A missing or unreadable value reads as
+-- all-absent.
+local formats = {}
+local function packing(n)
+  local f = formats[n]
+  if not f then
+    f = '<' .. string.rep('d', n)
+    formats[n] = f
+  end
+  return f
+end
+
+local function unpack_numbers(v, n)
+  if v and #v == 8 * n then
+    local nums = { struct.unpack(packing(n), v) }
+    nums[n + 1] = nil -- struct.unpack also returns the position after the last value
+    return nums
+  end
+  return {}
+end
+
+-- sliding_log: the times (µs) of the charged events, oldest first, packed as little-endian
+-- doubles in one string (see `packing` above), like src/admission/sliding_log.rs's Vec: at most
+-- `cap` of them (keeping the newest cap is exact, see there), none older than the horizon once
+-- saved. Sorted, so a window's count and its count-th newest entry are binary searches that
+-- unpack a few entries, not the log; and one string per identity costs a GET and a SET like the
+-- other algorithms, where a sorted set took four or five commands and ~60 bytes per entry. The
+-- batch's own charges (all at `now`) are counted in `added` and appended when it is saved.
 local log = {}
 
-function log.load(key, rule)
-  return { counts = {}, added = {} }
+function log.load(text, rule)
+  local st = { text = '', len = 0, added = 0, counts = {} }
+  if text and #text % 8 == 0 then
+    st.text, st.len = text, #text / 8
+  end
+  return st
+end
+
+-- The p-th entry of the saved log, oldest first.
+local function entry(st, p)
+  return (struct.unpack('<d', st.text, 8 * p - 7))
+end
+
+-- How many saved entries are at or before `t` (Vec::partition_point).
+local function count_upto(st, t)
+  local lo, hi = 0, st.len
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if entry(st, mid) <= t then
+      lo = mid
+    else
+      hi = mid - 1
+    end
+  end
+  return lo
 end
 
 function log.check(st, key, rule)
-  local n = #st.added
+  local n = st.added
   local retry, lim = 0, 0
   if rule.spacing > 0 then
     local last
     if n > 0 then
       last = now
-    else
-      if st.newest == nil then
-        local r = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-        st.newest = r[2] and tonumber(r[2]) or false
-      end
-      last = st.newest or nil
+    elseif st.len > 0 then
+      last = entry(st, st.len)
     end
     retry = spacing_check(last, rule)
   end
-  for i, l in ipairs(rule.limits) do
-    if st.counts[i] == nil then
-      st.counts[i] = redis.call('ZCOUNT', key, '(' .. int(now - l.window), '+inf')
+  for i = 1, rule.nlimits do
+    local l = rule.limits[i]
+    local c = st.counts[i]
+    if c == nil then
+      c = st.len - count_upto(st, now - l.window)
+      st.counts[i] = c
     end
-    if st.counts[i] + n >= l.count then
+    if c + n >= l.count then
       -- The window frees up when its count-th newest entry leaves it.
       local nth = now
       if l.count > n then
-        local r = redis.call('ZRANGE', key, n - l.count, n - l.count, 'WITHSCORES')
-        nth = tonumber(r[2])
+        nth = entry(st, st.len + n - l.count + 1)
       end
       retry, lim = worse(retry, lim, nth + l.window - now, i)
     end
@@ -122,45 +197,20 @@ function log.check(st, key, rule)
 end
 
 function log.charge(st, rule, passed, owner)
-  st.added[#st.added + 1] = owner
+  st.added = st.added + 1
 end
 
 function log.save(st, key, rule)
-  if #st.added == 0 then
+  if st.added == 0 then
     return
   end
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', int(now - rule.horizon))
-  local args = { 'ZADD', key }
-  for i, member in ipairs(st.added) do
-    args[#args + 1] = int(now)
-    args[#args + 1] = member
-    if #args >= 2000 or i == #st.added then
-      redis.call(unpack(args))
-      args = { 'ZADD', key }
-    end
+  local old = count_upto(st, now - rule.horizon)
+  local text = string.sub(st.text, 8 * old + 1) .. string.rep(struct.pack('<d', now), st.added)
+  local len = #text / 8
+  if len > rule.cap then
+    text = string.sub(text, 8 * (len - rule.cap) + 1)
   end
-  if rule.count_rejected then
-    -- Rejected attempts are logged too: keep the newest `cap`, which decide every limit exactly.
-    redis.call('ZREMRANGEBYRANK', key, 0, -(rule.cap + 1))
-  end
-  redis.call('PEXPIRE', key, int(math.ceil(rule.horizon / 1000)))
-end
-
--- gcra and fixed_window keep their state in one string of numbers joined by ':' (read with
--- GET, written with SET PX: two commands per identity, where a hash takes three with its
--- PEXPIRE). A missing or unreadable value reads as all-absent.
-local function load_numbers(key, n)
-  local v = redis.call('GET', key)
-  local nums = {}
-  if v then
-    for part in string.gmatch(v, '[^:]+') do
-      nums[#nums + 1] = tonumber(part)
-    end
-  end
-  if #nums ~= n then
-    nums = {}
-  end
-  return nums
+  redis.call('PSETEX', key, ms_until(now + rule.horizon), text)
 end
 
 -- The save of a string-state algorithm, from its `numbers(st, rule)`: the state's numbers and
@@ -174,20 +224,16 @@ local function numbers_save(numbers)
     local nums, until_t = numbers(st, rule)
     nums[#nums + 1] = st.last
     until_t = math.max(until_t, st.last + rule.spacing)
-    local text = {}
-    for i, v in ipairs(nums) do
-      text[i] = int(v)
-    end
-    redis.call('SET', key, table.concat(text, ':'), 'PX', int(ms_until(until_t)))
+    redis.call('PSETEX', key, ms_until(until_t), struct.pack(packing(#nums), unpack(nums)))
   end
 end
 
 -- gcra: t<i> (the theoretical arrival time of limit i, µs) for each limit, then last.
 local gcra = {}
 
-function gcra.load(key, rule)
+function gcra.load(text, rule)
   local n = #rule.limits
-  local v = load_numbers(key, n + 1)
+  local v = unpack_numbers(text, n + 1)
   local st = { tats = {}, last = v[n + 1] }
   for i = 1, n do
     st.tats[i] = v[i] or 0
@@ -197,7 +243,8 @@ end
 
 function gcra.check(st, key, rule)
   local retry, lim = spacing_check(st.last, rule), 0
-  for i, l in ipairs(rule.limits) do
+  for i = 1, rule.nlimits do
+    local l = rule.limits[i]
     local earliest = st.tats[i] - l.tol
     if now < earliest then
       retry, lim = worse(retry, lim, earliest - now, i)
@@ -207,7 +254,8 @@ function gcra.check(st, key, rule)
 end
 
 function gcra.charge(st, rule, passed, owner)
-  for i, l in ipairs(rule.limits) do
+  for i = 1, rule.nlimits do
+    local l = rule.limits[i]
     local nxt = math.max(st.tats[i], now) + l.interval
     if not passed then
       -- A rejected attempt's debt stops at one full bucket.
@@ -231,9 +279,9 @@ end)
 -- fixed_window: w<i> (window number of limit i) and c<i> (its count) for each limit, then last.
 local fixed = {}
 
-function fixed.load(key, rule)
+function fixed.load(text, rule)
   local n = #rule.limits
-  local v = load_numbers(key, 2 * n + 1)
+  local v = unpack_numbers(text, 2 * n + 1)
   local st = { w = {}, c = {}, last = v[2 * n + 1] }
   for i = 1, n do
     st.w[i] = v[2 * i - 1] or -1
@@ -244,7 +292,8 @@ end
 
 function fixed.check(st, key, rule)
   local retry, lim = spacing_check(st.last, rule), 0
-  for i, l in ipairs(rule.limits) do
+  for i = 1, rule.nlimits do
+    local l = rule.limits[i]
     local current = window_of(l.window)
     if st.w[i] == current and st.c[i] >= l.count then
       retry, lim = worse(retry, lim, (current + 1) * l.window - now, i)
@@ -254,7 +303,8 @@ function fixed.check(st, key, rule)
 end
 
 function fixed.charge(st, rule, passed, owner)
-  for i, l in ipairs(rule.limits) do
+  for i = 1, rule.nlimits do
+    local l = rule.limits[i]
     local current = window_of(l.window)
     if st.w[i] ~= current then
       st.w[i], st.c[i] = current, 0
@@ -267,7 +317,8 @@ end
 -- Window number and count per limit; the state matters until the latest window ends.
 fixed.save = numbers_save(function(st, rule)
   local nums, until_t = {}, 0
-  for i, l in ipairs(rule.limits) do
+  for i = 1, rule.nlimits do
+    local l = rule.limits[i]
     nums[2 * i - 1] = st.w[i]
     nums[2 * i] = st.c[i]
     until_t = math.max(until_t, (st.w[i] + 1) * l.window)
@@ -277,13 +328,89 @@ end)
 
 local algorithms = { sliding_log = log, gcra = gcra, fixed_window = fixed }
 
--- Each identity's state is read once per call and written once at its end.
+-- Runs `cmd` (on `key`, if not nil) with `args` appended, at most 1000 at a time (unpack has a
+-- stack limit that a big batch's argument list could pass); returns the replies, concatenated.
+local function chunked(cmd, key, args)
+  local out = {}
+  for from = 1, #args, 1000 do
+    local part = { cmd }
+    if key then
+      part[2] = key
+    end
+    for j = from, math.min(from + 999, #args) do
+      part[#part + 1] = args[j]
+    end
+    local r = redis.call(unpack(part))
+    if type(r) == 'table' then
+      for _, v in ipairs(r) do
+        out[#out + 1] = v
+      end
+    end
+  end
+  return out
+end
+
+-- The events: owner, decision hash and where its fields start, in flat arrays (a table per
+-- event would cost more than its use); event i's check x uses KEYS[key_at[i] + x].
+local n = tonumber(ARGV[at])
+at = at + 1
+local owner, hash, key_at, fields_at = {}, {}, {}, {}
+local hashes, in_hash = {}, {}
+local k = 2
+for i = 1, n do
+  owner[i] = ARGV[at]
+  fields_at[i] = at + 1
+  at = fields_end(at + 1)
+  local h = KEYS[k]
+  hash[i], key_at[i] = h, k
+  k = k + 1 + nchecks
+  local members = in_hash[h]
+  if not members then
+    members = {}
+    in_hash[h] = members
+    hashes[#hashes + 1] = h
+  end
+  members[#members + 1] = i
+end
+
+-- Decisions earlier deliveries recorded: those stand, and nothing is charged for them. Read on
+-- every call, not only for redeliveries: a call that timed out on the client may still run
+-- after a retry or a fail_policy decision, and must then find the decision made.
+local prev = {}
+for _, h in ipairs(hashes) do
+  local fields = {}
+  for j, i in ipairs(in_hash[h]) do
+    fields[j] = owner[i]
+  end
+  local got = chunked('HMGET', h, fields)
+  for j, i in ipairs(in_hash[h]) do
+    prev[i] = got[j]
+  end
+end
+
+-- Each identity's state is read once per call (all of them in one MGET) and written once at
+-- its end.
 local states, order = {}, {}
+local loading, texts = {}, {}
+for i = 1, n do
+  if not prev[i] then
+    for x = 1, nchecks do
+      local key = KEYS[key_at[i] + x]
+      if texts[key] == nil then
+        texts[key] = false
+        loading[#loading + 1] = key
+      end
+    end
+  end
+end
+for j, v in ipairs(chunked('MGET', nil, loading)) do
+  texts[loading[j]] = v
+end
 local function state(key, rule)
   local st = states[key]
   if not st then
     local alg = algorithms[rule.alg]
-    st = alg.load(key, rule)
+    st = alg.load(texts[key], rule)
     st.alg, st.key, st.rule = alg, key, rule
     states[key] = st
     order[#order + 1] = st
@@ -291,73 +418,80 @@ local function state(key, rule)
   return st
 end
 
-local n = tonumber(ARGV[at])
-at = at + 1
-local out = { now }
-local k = 2
-for _ = 1, n do
-  local owner, nchecks = ARGV[at], tonumber(ARGV[at + 1])
-  at = at + 2
-  local marker = KEYS[k]
-  k = k + 1
-  local checks = {}
-  for c = 1, nchecks do
-    checks[c] = { r = tonumber(ARGV[at]), field = ARGV[at + 1], key = KEYS[k] }
-    at = at + 2
-    k = k + 1
-  end
-  local fields_at = at
-  at = fields_end(at)
-
-  -- Check everything first.
-  local passed = {}
-  for r = 1, nrules do
-    passed[r] = '1'
-  end
-  local best, best_lim, binding = 0, 0, nil
-  for _, c in ipairs(checks) do
-    local rule = rules[c.r]
-    c.st = state(c.key, rule)
-    local retry, lim = c.st.alg.check(c.st, c.key, rule)
-    if retry > 0 then
-      passed[c.r] = '0'
-      if not rule.shadow and retry > best then
-        best, best_lim, binding = retry, lim, c
+local out, o = { now }, 1
+local record, recorded = {}, {}
+local passed = {}
+local all_passed = string.rep('1', nrules)
+for i = 1, n do
+  local earlier = prev[i]
+  if earlier then
+    out[o + 1], out[o + 2], out[o + 3] = 2, earlier, ''
+    o = o + 3
+  else
+    -- Check everything first.
+    local base = key_at[i]
+    local best, best_lim, binding = 0, 0, nil
+    local failed = false
+    for x = 1, nchecks do
+      local r = check_rule[x]
+      local rule = rules[r]
+      local st = state(KEYS[base + x], rule)
+      local retry, lim = st.alg.check(st, st.key, rule)
+      if retry > 0 then
+        if not failed then
+          failed = true
+          for q = 1, nrules do
+            passed[q] = '1'
+          end
+        end
+        passed[r] = '0'
+        if not rule.shadow and retry > best then
+          best, best_lim, binding = retry, lim, x
+        end
       end
     end
-  end
-  local accepted = binding == nil
-  local decision = 'A'
-  if not accepted then
-    local rule = rules[binding.r]
-    local label = (best_lim == 0 and rule.spacing_label) or rule.limits[best_lim].label
-    decision = 'r' .. int(best) .. '|' .. rule.name .. '|' .. label .. '|' .. binding.field
-  end
-
-  -- Record it, unless an earlier delivery did: then that decision stands and nothing is charged.
-  local prev = redis.call('SET', marker, decision, 'NX', 'GET', 'PX', ttl)
-  if prev then
-    out[#out + 1] = 2
-    out[#out + 1] = prev
-    out[#out + 1] = ''
-  else
-    for _, c in ipairs(checks) do
-      local rule = rules[c.r]
-      local ok = accepted and passed[c.r] == '1'
+    local accepted = binding == nil
+    local decision = 'A'
+    if not accepted then
+      local rule = rules[check_rule[binding]]
+      local label = (best_lim == 0 and rule.spacing_label) or rule.limits[best_lim].label
+      decision = 'r' .. int(best) .. '|' .. rule.name .. '|' .. label .. '|' .. check_field[binding]
+    end
+    -- Then charge.
+    for x = 1, nchecks do
+      local r = check_rule[x]
+      local rule = rules[r]
+      local ok = accepted and (not failed or passed[r] == '1')
       if ok or rule.count_rejected then
-        c.st.alg.charge(c.st, rule, ok, owner)
+        local st = states[KEYS[base + x]]
+        st.alg.charge(st, rule, ok, owner[i])
       end
     end
     if accepted then
-      xadd(KEYS[1], maxlen, '*', fields_at, {})
+      local f = fields_at[i]
+      redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '*', unpack(ARGV, f + 1, fields_end(f) - 1))
     end
-    out[#out + 1] = 1
-    out[#out + 1] = decision
-    out[#out + 1] = table.concat(passed)
+    local h = hash[i]
+    local rec, m = record[h], recorded[h]
+    if not rec then
+      rec, m = {}, 0
+      record[h] = rec
+    end
+    rec[m + 1], rec[m + 2] = owner[i], decision
+    recorded[h] = m + 2
+    out[o + 1], out[o + 2] = 1, decision
+    out[o + 3] = failed and table.concat(passed, '', 1, nrules) or all_passed
+    o = o + 3
   end
 end
 
 for _, st in ipairs(order) do
   st.alg.save(st, st.key, st.rule)
+end
+for _, h in ipairs(hashes) do
+  if record[h] then
+    chunked('HSET', h, record[h])
+    redis.call('PEXPIRE', h, ttl)
+  end
 end
 return out

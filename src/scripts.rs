@@ -295,12 +295,14 @@ impl Scripts {
 
 /// One inbound event offered to `admit`.
 pub struct AdmitItem<'a> {
-    /// `<entry id>@<input stream>`: the entry (a sliding log's member for it).
+    /// `<entry id>@<input stream>`: the entry (its field in the decision hash, a sliding log's
+    /// member for it).
     pub owner: &'a str,
-    /// Its decision marker key.
-    pub marker: &'a str,
-    /// Its identities: (rule index, key field, limiter key).
-    pub checks: Vec<(usize, &'a str, &'a str)>,
+    /// The hash its decision is recorded in (`InboundKeys::decisions`).
+    pub decisions: &'a str,
+    /// Its identities' limiter keys: one per key field of each rule, rule by rule, in the
+    /// order of `inbound.rules` and of each rule's `key` (how `event::inbound` finds them).
+    pub identities: Vec<&'a str>,
     /// The forward entry's fields, written if it is accepted.
     pub fields: &'a Fields,
 }
@@ -333,13 +335,13 @@ impl Scripts {
         con: &mut C,
         keys: &InboundKeys,
         rules: &[InboundRule],
-        marker_ttl_ms: u64,
+        decision_ttl_ms: u64,
         max_len: u64,
         items: &[AdmitItem<'_>],
     ) -> Result<AdmitReply> {
         let mut call = self.admit.prepare_invoke();
         call.key(&keys.forward);
-        call.arg(marker_ttl_ms).arg(max_len).arg(rules.len());
+        call.arg(decision_ttl_ms).arg(max_len).arg(rules.len());
         for r in rules {
             let rule = &r.rule;
             call.arg(&r.name)
@@ -350,7 +352,11 @@ impl Scripts {
                 .arg(spacing_label(rule.spacing_us))
                 .arg(rule.horizon_us())
                 .arg(rule.log_cap())
-                .arg(rule.limits.len());
+                .arg(r.key.len());
+            for field in &r.key {
+                call.arg(field);
+            }
+            call.arg(rule.limits.len());
             for l in &rule.limits {
                 call.arg(l.window_us)
                     .arg(l.count)
@@ -359,14 +365,22 @@ impl Scripts {
                     .arg(&l.label);
             }
         }
+        let checks: usize = rules.iter().map(|r| r.key.len()).sum();
         call.arg(items.len());
         for item in items {
-            call.key(item.marker);
-            call.arg(item.owner).arg(item.checks.len());
-            for (rule, field, key) in &item.checks {
+            // The script reads the checks from the rules; a caller that built an event's
+            // identities some other way is a bug, not an outcome.
+            assert_eq!(
+                item.identities.len(),
+                checks,
+                "identities of {}",
+                item.owner
+            );
+            call.key(item.decisions);
+            for key in &item.identities {
                 call.key(*key);
-                call.arg(rule + 1).arg(*field);
             }
+            call.arg(item.owner);
             push_fields(&mut call, item.fields);
         }
         let reply: Value = call.invoke_async(con).await?;

@@ -181,17 +181,17 @@ fn run_case(
             }
             batch.push((owner, checks, None));
         }
-        let markers: Vec<String> = batch.iter().map(|(o, _, _)| keys.marker("in", o)).collect();
+        let hashes: Vec<String> = batch
+            .iter()
+            .map(|(o, _, _)| keys.decisions(o.split('@').next().unwrap()))
+            .collect();
         let items: Vec<AdmitItem<'_>> = batch
             .iter()
-            .zip(&markers)
-            .map(|((owner, checks, _), marker)| AdmitItem {
+            .zip(&hashes)
+            .map(|((owner, checks, _), decisions)| AdmitItem {
                 owner,
-                marker,
-                checks: checks
-                    .iter()
-                    .map(|(r, f, k)| (*r, f.as_str(), k.as_str()))
-                    .collect(),
+                decisions,
+                identities: checks.iter().map(|(_, _, k)| k.as_str()).collect(),
                 fields: &fields,
             })
             .collect();
@@ -218,8 +218,8 @@ fn run_case(
             }
         }
         // Bounded memory, after every call: logs never longer than their largest limit, and
-        // every key expiring within its rule's horizon.
-        for rule in &rules {
+        // every key expiring within its rule's horizon. A log holds what the model's holds.
+        for (r, rule) in rules.iter().enumerate() {
             let pattern = format!("pacer:in:{{fwd}}:{}:*", rule.name);
             let found: Vec<String> = redis::cmd("KEYS").arg(&pattern).query(sync).unwrap();
             for key in found {
@@ -234,8 +234,23 @@ fn run_case(
                     horizon_ms
                 );
                 if rule.rule.algorithm == Algorithm::SlidingLog {
-                    let card: i64 = redis::cmd("ZCARD").arg(&key).query(sync).unwrap();
-                    prop_assert!(card <= rule.rule.log_cap(), "{} holds {}", key, card);
+                    let bytes: Vec<u8> = redis::cmd("GET").arg(&key).query(sync).unwrap();
+                    let mut stored = sliding_log::unpack(&bytes).expect("a packed log");
+                    prop_assert!(
+                        stored.len() as i64 <= rule.rule.log_cap(),
+                        "{} holds {}",
+                        key,
+                        stored.len()
+                    );
+                    // The script trims when it writes, the model when it checks: compare both
+                    // as of this call.
+                    let Some(State::Log(model)) = engine.states.get(&(r, key.clone())) else {
+                        return Err(TestCaseError::fail(format!("{key}: not in the model")));
+                    };
+                    let mut model = model.clone();
+                    sliding_log::trim(&mut model, reply.now_us, &rule.rule);
+                    sliding_log::trim(&mut stored, reply.now_us, &rule.rule);
+                    prop_assert_eq!(&stored, &model, "{}", key);
                 }
             }
         }

@@ -62,9 +62,9 @@ impl Rig {
     /// One admission call for `events`.
     fn admit(&mut self, events: &[InboundEvent]) -> AdmitReply {
         let owners: Vec<String> = events.iter().map(|e| e.entry.owner()).collect();
-        let markers: Vec<String> = events
+        let hashes: Vec<String> = events
             .iter()
-            .map(|e| self.cfg.keys.marker(&e.entry.stream, &e.entry.id))
+            .map(|e| self.cfg.keys.decisions(&e.entry.id))
             .collect();
         let fields: Vec<Fields> = events.iter().map(forward_fields).collect();
         let items: Vec<AdmitItem<'_>> = events
@@ -72,12 +72,8 @@ impl Rig {
             .enumerate()
             .map(|(i, e)| AdmitItem {
                 owner: &owners[i],
-                marker: &markers[i],
-                checks: e
-                    .checks
-                    .iter()
-                    .map(|c| (c.rule, c.field.as_str(), c.key.as_str()))
-                    .collect(),
+                decisions: &hashes[i],
+                identities: e.checks.iter().map(|c| c.key.as_str()).collect(),
                 fields: &fields[i],
             })
             .collect();
@@ -193,11 +189,12 @@ fn several_identities_an_event_passes_only_if_every_identity_has_room_and_a_reje
         ev(&mut rig, "2.2.2.2", "v"),
         Decision::Rejected { .. }
     ));
-    let card = |key: &str| -> i64 {
-        redis::cmd("ZCARD")
-            .arg(format!("pacer:in:{{fwd}}:ipuser:log:{key}"))
-            .query(&mut rig.sync())
-            .unwrap()
+    let card = |key: &str| -> usize {
+        log_entries(
+            &mut rig.sync(),
+            &format!("pacer:in:{{fwd}}:ipuser:log:{key}"),
+        )
+        .len()
     };
     assert_eq!(
         (
@@ -250,11 +247,11 @@ fn gcra_holds_rate_and_burst_exactly_with_retry_after_in_milliseconds_and_one_ke
         .query(&mut rig.sync())
         .unwrap();
     assert_eq!(keys, vec!["pacer:in:{fwd}:g:gcra:source=a".to_string()]);
-    let state: String = redis::cmd("GET")
+    let state: Vec<u8> = redis::cmd("GET")
         .arg(&keys[0])
         .query(&mut rig.sync())
         .unwrap();
-    assert_eq!(state.split(':').count(), 2, "{state}");
+    assert_eq!(state.len(), 16, "two packed numbers: {state:?}");
 }
 
 #[test]
@@ -318,9 +315,16 @@ fn memory_is_bounded_every_key_expires_within_its_window_and_logs_stay_within_th
         .arg("pacer:in:*")
         .query(&mut con)
         .unwrap();
-    assert!(keys.len() > 1200, "{} keys", keys.len());
+    // The 1,200 decisions sit in a hash per 100 ms of entry ids (ids 1-0 to 1200-0 here).
+    let decided: Vec<&String> = keys.iter().filter(|k| k.contains(":decided:")).collect();
+    assert_eq!(decided.len(), 13, "{decided:?}");
+    let recorded: i64 = decided
+        .iter()
+        .map(|k| redis::cmd("HLEN").arg(k).query::<i64>(&mut con).unwrap())
+        .sum();
+    assert_eq!(recorded, 1200);
     let horizon_ms = |k: &str| -> i64 {
-        if k.contains(":seen:") {
+        if k.contains(":decided:") {
             600_000
         } else if k.contains(":log:source") || k.contains(":fw:") {
             60_000
@@ -332,17 +336,15 @@ fn memory_is_bounded_every_key_expires_within_its_window_and_logs_stay_within_th
         let pttl: i64 = redis::cmd("PTTL").arg(k).query(&mut con).unwrap();
         assert!(pttl > 0 && pttl <= horizon_ms(k), "{k}: ttl {pttl} ms");
         if k.contains(":log:") {
-            let card: i64 = redis::cmd("ZCARD").arg(k).query(&mut con).unwrap();
+            let log = log_entries(&mut con, k);
             let limit = if k.contains("hammer") { 3 } else { 20 };
-            assert!(card <= limit, "{k}: {card} entries");
+            assert!(log.len() <= limit, "{k}: {} entries", log.len());
+            assert!(log.is_sorted(), "{k}: {log:?}");
         }
     }
     // The hammered log kept exactly its limit (rejected attempts charged, then trimmed).
-    let card: i64 = redis::cmd("ZCARD")
-        .arg("pacer:in:{fwd}:hammer:log:ip=9.9.9.9")
-        .query(&mut con)
-        .unwrap();
-    assert_eq!(card, 3);
+    let hammered = log_entries(&mut con, "pacer:in:{fwd}:hammer:log:ip=9.9.9.9");
+    assert_eq!(hammered.len(), 3);
 }
 
 #[test]
@@ -381,16 +383,13 @@ fn a_redelivered_entry_gets_its_recorded_decision_and_is_not_charged_again() {
         .iter()
         .all(|i| matches!(i, Admitted::Earlier(_))));
     let mut con = rig.sync();
-    let card: i64 = redis::cmd("ZCARD")
-        .arg("pacer:in:{fwd}:r:log:source=a")
-        .query(&mut con)
-        .unwrap();
-    assert_eq!(card, 2, "charged once per entry");
+    let charged = log_entries(&mut con, "pacer:in:{fwd}:r:log:source=a");
+    assert_eq!(charged.len(), 2, "charged once per entry");
     let forwarded: i64 = redis::cmd("XLEN").arg("fwd").query(&mut con).unwrap();
     assert_eq!(forwarded, 2, "forwarded once per entry");
-    // The marker expires with the dedupe TTL.
+    // The decisions expire with the dedupe TTL.
     let pttl: i64 = redis::cmd("PTTL")
-        .arg(rig.cfg.keys.marker("in", &events[0].entry.id))
+        .arg(rig.cfg.keys.decisions(&events[0].entry.id))
         .query(&mut con)
         .unwrap();
     assert!(pttl > 590_000 && pttl <= 600_000, "{pttl}");

@@ -640,15 +640,20 @@ fn a_poison_inbound_entry_is_dead_lettered_and_voided() {
     let dead = read(&redis, "pacer:dead");
     assert_eq!(dead[0].field("pacer_reason"), Some("too_many_deliveries"));
     // The poison's recorded decision is the void: a late admission finds it and forwards nothing.
-    let seen: Vec<String> = redis::cmd("KEYS")
-        .arg("pacer:in:*seen*")
+    let hashes: Vec<String> = redis::cmd("KEYS")
+        .arg("pacer:in:*decided*")
         .query(&mut redis.con())
         .unwrap();
-    let values: Vec<String> = seen
+    let values: Vec<String> = hashes
         .iter()
-        .map(|k| redis::cmd("GET").arg(k).query(&mut redis.con()).unwrap())
+        .flat_map(|k| {
+            redis::cmd("HVALS")
+                .arg(k)
+                .query::<Vec<String>>(&mut redis.con())
+                .unwrap()
+        })
         .collect();
-    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(values.len(), 2, "{hashes:?}: {values:?}");
     assert!(values.iter().any(|v| v.starts_with('A')), "{values:?}");
     assert!(values.iter().any(|v| v.starts_with('v')), "{values:?}");
 }

@@ -27,20 +27,30 @@ pub fn cpu_seconds(con: &mut redis::Connection) -> f64 {
     i["used_cpu_sys"].parse::<f64>().unwrap() + i["used_cpu_user"].parse::<f64>().unwrap()
 }
 
-/// Calls per command from `INFO commandstats`.
-pub fn command_calls(con: &mut redis::Connection) -> BTreeMap<String, u64> {
+/// Calls and total µs per command from `INFO commandstats`. A script's own calls are counted
+/// under their commands, and their time under both them and the EVALSHA that ran them.
+pub fn command_calls(con: &mut redis::Connection) -> BTreeMap<String, (u64, u64)> {
     info(con, "commandstats")
         .into_iter()
         .filter_map(|(k, v)| {
             let name = k.strip_prefix("cmdstat_")?.to_string();
-            let calls = v
-                .split(',')
-                .find_map(|f| f.strip_prefix("calls="))?
-                .parse()
-                .ok()?;
-            Some((name, calls))
+            let field = |f: &str| -> Option<u64> {
+                v.split(',').find_map(|kv| kv.strip_prefix(f))?.parse().ok()
+            };
+            Some((name, (field("calls=")?, field("usec=")?)))
         })
         .collect()
+}
+
+/// pacer's commands from `command_calls`, as `name=calls/µs per event` (the benchmark's own
+/// left out): where Redis's time goes.
+pub fn commandstats_line(calls: &BTreeMap<String, (u64, u64)>, events: u64) -> String {
+    calls
+        .iter()
+        .filter(|(k, _)| !BENCH_OWN.contains(&k.as_str()))
+        .map(|(k, (n, usec))| format!("{k}={n}/{:.2}µs", *usec as f64 / events as f64))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Commands the benchmark itself sends, not counted as pacer's.
@@ -48,11 +58,11 @@ pub const BENCH_OWN: [&str; 6] = ["info", "config", "xlen", "ping", "client", "h
 
 /// From `command_calls`: every command pacer caused (the benchmark's own left out), and the
 /// client round trips among them (calls inside scripts are not round trips).
-pub fn pacer_commands(calls: &BTreeMap<String, u64>) -> (u64, u64) {
+pub fn pacer_commands(calls: &BTreeMap<String, (u64, u64)>) -> (u64, u64) {
     let all = calls
         .iter()
         .filter(|(k, _)| !BENCH_OWN.contains(&k.as_str()))
-        .map(|(_, v)| v)
+        .map(|(_, (n, _))| n)
         .sum();
     let trips = [
         "evalsha",
@@ -66,7 +76,7 @@ pub fn pacer_commands(calls: &BTreeMap<String, u64>) -> (u64, u64) {
         "xgroup",
     ]
     .iter()
-    .filter_map(|k| calls.get(*k))
+    .filter_map(|k| calls.get(*k).map(|(n, _)| n))
     .sum();
     (all, trips)
 }
@@ -94,4 +104,19 @@ pub fn preload(
         pipe.query::<()>(con).unwrap();
     }
     let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query(con).unwrap();
+}
+
+/// CPU time (user + system, seconds) the processes `pids` have used so far, from
+/// `/proc/<pid>/stat` (fields 14 and 15, in clock ticks of 1/100 s on Linux).
+pub fn process_cpu_seconds(pids: impl IntoIterator<Item = u32>) -> f64 {
+    pids.into_iter()
+        .map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+            // The command name (field 2) may hold spaces; the rest follows its closing ')'.
+            let rest = &stat[stat.rfind(')').unwrap() + 2..];
+            let f: Vec<&str> = rest.split(' ').collect();
+            let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+            ticks as f64 / 100.0
+        })
+        .sum()
 }

@@ -12,9 +12,23 @@
 //! when the window frees up, is the same in both. Sorted sets that grow with every attempt are a
 //! known failure of other limiters; this one never holds more than its largest limit.
 //!
-//! In Redis the log is a sorted set scored by µs (`scripts/admit.lua`).
+//! In Redis the log is one string, the times packed as little-endian doubles oldest first
+//! (`scripts/admit.lua`; [`unpack`] reads it).
 
 use super::{spacing_check, Check, Rule};
+
+/// The log as `admit.lua` stores it: `None` if `bytes` is not a whole number of entries.
+pub fn unpack(bytes: &[u8]) -> Option<Vec<i64>> {
+    if bytes.len() % 8 != 0 {
+        return None;
+    }
+    Some(
+        bytes
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().unwrap()) as i64)
+            .collect(),
+    )
+}
 
 /// Drops entries that can no longer matter at `now`: at or before `now − horizon`.
 pub fn trim(log: &mut Vec<i64>, now_us: i64, rule: &Rule) {
@@ -119,6 +133,19 @@ mod tests {
                 limit: SPACING
             }
         );
+    }
+
+    #[test]
+    fn unpacks_what_the_script_packs() {
+        let mut bytes = Vec::new();
+        for t in [1_700_000_000_123_456_f64, 1_700_000_000_123_457.0] {
+            bytes.extend_from_slice(&t.to_le_bytes());
+        }
+        assert_eq!(
+            unpack(&bytes),
+            Some(vec![1_700_000_000_123_456, 1_700_000_000_123_457])
+        );
+        assert_eq!(unpack(&bytes[..12]), None);
     }
 
     #[test]

@@ -147,23 +147,19 @@ impl Shared {
         stop: &CancellationToken,
     ) -> Option<Result<AdmitReply>> {
         let owners: Vec<String> = events.iter().map(|e| e.entry.owner()).collect();
-        let markers: Vec<String> = events
+        let hashes: Vec<String> = events
             .iter()
-            .map(|e| cfg.keys.marker(&e.entry.stream, &e.entry.id))
+            .map(|e| cfg.keys.decisions(&e.entry.id))
             .collect();
         let items: Vec<AdmitItem<'_>> = events
             .iter()
             .zip(&owners)
-            .zip(&markers)
+            .zip(&hashes)
             .zip(fields)
-            .map(|(((e, owner), marker), fields)| AdmitItem {
+            .map(|(((e, owner), decisions), fields)| AdmitItem {
                 owner,
-                marker,
-                checks: e
-                    .checks
-                    .iter()
-                    .map(|c| (c.rule, c.field.as_str(), c.key.as_str()))
-                    .collect(),
+                decisions,
+                identities: e.checks.iter().map(|c| c.key.as_str()).collect(),
                 fields,
             })
             .collect();
@@ -207,34 +203,41 @@ impl Shared {
         decision: Decision,
         stop: &CancellationToken,
     ) -> Option<Vec<Option<Decision>>> {
-        let markers: Vec<String> = events
+        let targets: Vec<(String, String)> = events
             .iter()
-            .map(|e| cfg.keys.marker(&e.entry.stream, &e.entry.id))
+            .map(|e| (cfg.keys.decisions(&e.entry.id), e.entry.owner()))
             .collect();
         let ttl_ms = cfg.dedupe_ttl.as_millis() as u64;
         let value = decision.marker();
-        let prev: Vec<Option<String>> = self
+        // In one MULTI (the hashes share the forward stream's slot): set where unset, read what
+        // stands, renew each hash's time to live.
+        let now: Vec<Option<String>> = self
             .retry("record", stop, || {
                 let mut con = self.con.clone();
-                let markers = &markers;
+                let targets = &targets;
                 async move {
                     let mut pipe = redis::pipe();
-                    for m in markers {
-                        pipe.cmd("SET")
-                            .arg(m)
-                            .arg(value)
-                            .arg("NX")
-                            .arg("GET")
-                            .arg("PX")
-                            .arg(ttl_ms);
+                    pipe.atomic();
+                    for (hash, owner) in targets {
+                        pipe.cmd("HSETNX").arg(hash).arg(owner).arg(value).ignore();
+                        pipe.cmd("HGET").arg(hash).arg(owner);
+                    }
+                    let mut renewed: Vec<&String> = targets.iter().map(|(h, _)| h).collect();
+                    renewed.dedup();
+                    for hash in renewed {
+                        pipe.cmd("PEXPIRE").arg(hash).arg(ttl_ms).ignore();
                     }
                     Ok(pipe.query_async(&mut con).await?)
                 }
             })
             .await?;
+        // The same decision standing already (an earlier delivery recorded it too) is this one.
         Some(
-            prev.into_iter()
-                .map(|p| p.map(|v| Decision::parse(&v).unwrap_or(Decision::Voided)))
+            now.into_iter()
+                .map(|v| match v {
+                    Some(v) if v != value => Some(Decision::parse(&v).unwrap_or(Decision::Voided)),
+                    _ => None,
+                })
                 .collect(),
         )
     }

@@ -159,3 +159,9 @@ pub fn assert_each_once(
     assert_eq!(pending(redis, input, "pacer"), 0, "entries left pending");
     at
 }
+
+/// A sliding log's entries (µs, oldest first), as `admit.lua` stores them; empty if absent.
+pub fn log_entries(con: &mut redis::Connection, key: &str) -> Vec<i64> {
+    let bytes: Vec<u8> = redis::cmd("GET").arg(key).query(con).unwrap();
+    pacer::admission::sliding_log::unpack(&bytes).expect("a packed log")
+}
