@@ -11,113 +11,41 @@
 
 mod common;
 
-use common::{
-    arg, command_calls, commandstats_line, cpu_seconds, pacer_commands, preload,
-    process_cpu_seconds,
-};
+use common::{arg, outbound_config, outbound_throughput, start_workers, xlen};
 use pacer::report::{quantile, read_all};
-use pacer::testkit::{free_port, http_get, wait_until, Pacer, RedisServer, TempDir};
+use pacer::testkit::{wait_until, RedisServer, TempDir};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-fn config(
-    dir: &TempDir,
-    name: &str,
-    redis: &RedisServer,
-    port: u16,
-    routes: &str,
-) -> std::path::PathBuf {
-    dir.write(
-        name,
-        &format!(
-            "redis: {{url: \"{}\"}}\nmetrics: {{listen: \"127.0.0.1:{port}\"}}\nworker: {{batch: 256, max_inflight: 100000}}\noutbound:\n  streams: [\"in\"]\n  routes:\n{routes}",
-            redis.url()
-        ),
-    )
-}
-
-fn start_workers(
-    bin: &Path,
-    dir: &TempDir,
-    redis: &RedisServer,
-    n: u64,
-    routes: &str,
-) -> Vec<Pacer> {
-    (0..n)
-        .map(|i| {
-            let port = free_port();
-            let cfg = config(dir, &format!("w{i}.yaml"), redis, port, routes);
-            let p = Pacer::run(bin, &cfg, &[("RUST_LOG", "warn")]);
-            assert!(wait_until(Duration::from_secs(10), || matches!(
-                http_get(port, "/readyz"),
-                Some((200, _))
-            )));
-            p
-        })
-        .collect()
-}
-
 fn ready_total(con: &mut redis::Connection, routes: usize) -> u64 {
     (0..routes)
-        .map(|r| {
-            redis::cmd("XLEN")
-                .arg(format!("pacer:{{r{r}}}:ready"))
-                .query::<u64>(con)
-                .unwrap()
-        })
+        .map(|r| xlen(con, &format!("pacer:{{r{r}}}:ready")))
         .sum()
 }
 
 fn throughput(bin: &Path, workers: u64, events: u64) {
-    let redis = RedisServer::start();
-    let mut con = redis.con();
-    let dir = TempDir::new("bench");
-    let routes: String = (0..10)
-        .map(|r| format!("    r{r}: {{rate: 1000/ms, burst: 1000000}}\n"))
-        .collect();
-    // The group is created by the first worker; create it now so the preload is not skipped.
-    let _: () = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg("in")
-        .arg("pacer")
-        .arg("0")
-        .arg("MKSTREAM")
-        .query(&mut con)
-        .unwrap();
-    preload(&mut con, events, |i| {
-        [("route", format!("r{}", i % 10)), ("to", i.to_string())]
-    });
-    let cpu0 = cpu_seconds(&mut con);
-    let start = Instant::now();
-    let running = start_workers(bin, &dir, &redis, workers, &routes);
-    assert!(wait_until(Duration::from_secs(600), || ready_total(
-        &mut con, 10
-    ) >= events));
-    let elapsed = start.elapsed().as_secs_f64();
-    let cpu = cpu_seconds(&mut con) - cpu0;
-    let worker_cpu = process_cpu_seconds(running.iter().map(Pacer::pid));
-    let calls = command_calls(&mut con);
-    let (all, top) = pacer_commands(&calls);
+    let m = outbound_throughput(bin, workers, events);
     println!("throughput: {workers} workers, {events} events, 10 routes whose rate does not bind");
-    println!("  events/s end to end        {:>10.0}  ({events} in {elapsed:.2} s, worker start included)", events as f64 / elapsed);
+    println!(
+        "  events/s end to end        {:>10.0}  ({events} in {:.2} s, worker start included)",
+        m.per_second(),
+        m.seconds
+    );
     println!(
         "  Redis commands per event   {:>10.2}  (every command, scripts' own calls included)",
-        all as f64 / events as f64
+        m.commands
     );
     println!(
         "  client round trips / event {:>10.3}  (EVALSHA, XREADGROUP, XACK, ...)",
-        top as f64 / events as f64
+        m.trips
     );
-    println!(
-        "  Redis CPU µs per event     {:>10.2}",
-        cpu * 1e6 / events as f64
-    );
+    println!("  Redis CPU µs per event     {:>10.2}", m.redis_us);
     println!(
         "  worker CPU µs per event    {:>10.2}  (all workers, start included)",
-        worker_cpu * 1e6 / events as f64
+        m.worker_us
     );
-    println!("  commandstats: {}", commandstats_line(&calls, events));
+    println!("  commandstats: {}", m.detail);
 }
 
 fn lateness(bin: &Path, workers: u64, seconds: u64) {
@@ -129,7 +57,9 @@ fn lateness(bin: &Path, workers: u64, seconds: u64) {
     let routes: String = (0..10)
         .map(|r| format!("    r{r}: {{rate: 100/s, burst: 1, max_wait: 5s}}\n"))
         .collect();
-    let _workers = start_workers(bin, &dir, &redis, workers, &routes);
+    let _workers = start_workers(bin, &dir, &redis, workers, &|url, port| {
+        outbound_config(url, port, &routes)
+    });
     let start = Instant::now();
     let mut pushed = 0u64;
     for tick in 0..seconds * 10 {

@@ -1,7 +1,10 @@
 //! What both benchmarks read from the command line and from Redis's INFO.
 #![allow(dead_code)]
 
+use pacer::testkit::{free_port, http_get, wait_until, Pacer, RedisServer, TempDir};
 use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
 
 /// The value after `name` on the command line, or `default`.
 pub fn arg(name: &str, default: u64) -> u64 {
@@ -119,4 +122,128 @@ pub fn process_cpu_seconds(pids: impl IntoIterator<Item = u32>) -> f64 {
             ticks as f64 / 100.0
         })
         .sum()
+}
+
+/// Starts `n` workers whose config is `yaml(redis url, metrics port)`, each once ready.
+pub fn start_workers(
+    bin: &Path,
+    dir: &TempDir,
+    redis: &RedisServer,
+    n: u64,
+    yaml: &dyn Fn(&str, u16) -> String,
+) -> Vec<Pacer> {
+    (0..n)
+        .map(|i| {
+            let port = free_port();
+            let cfg = dir.write(&format!("w{i}.yaml"), &yaml(&redis.url(), port));
+            let p = Pacer::run(bin, &cfg, &[("RUST_LOG", "warn")]);
+            assert!(wait_until(Duration::from_secs(10), || matches!(
+                http_get(port, "/readyz"),
+                Some((200, _))
+            )));
+            p
+        })
+        .collect()
+}
+
+/// What one throughput run measured, per event.
+pub struct Measured {
+    pub events: u64,
+    pub seconds: f64,
+    /// Every command pacer caused, scripts' own included.
+    pub commands: f64,
+    /// Client round trips (EVALSHA, XREADGROUP, XACK, ...).
+    pub trips: f64,
+    pub redis_us: f64,
+    pub worker_us: f64,
+    /// `commandstats_line`.
+    pub detail: String,
+}
+
+impl Measured {
+    pub fn per_second(&self) -> f64 {
+        self.events as f64 / self.seconds
+    }
+}
+
+/// Creates the group on `in` (before the preload, which the first worker would otherwise skip)
+/// and preloads `events` entries; then starts `workers` workers (config from `yaml`) and waits
+/// until `done` says every event has come out. Worker start is included in the time.
+pub fn measure(
+    bin: &Path,
+    workers: u64,
+    events: u64,
+    fields: impl Fn(u64) -> [(&'static str, String); 2],
+    yaml: &dyn Fn(&str, u16) -> String,
+    mut done: impl FnMut(&mut redis::Connection) -> bool,
+) -> Measured {
+    let redis = RedisServer::start();
+    let mut con = redis.con();
+    let dir = TempDir::new("bench");
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg("in")
+        .arg("pacer")
+        .arg("0")
+        .arg("MKSTREAM")
+        .query(&mut con)
+        .unwrap();
+    preload(&mut con, events, fields);
+    let cpu0 = cpu_seconds(&mut con);
+    let start = Instant::now();
+    let running = start_workers(bin, &dir, &redis, workers, yaml);
+    assert!(wait_until(Duration::from_secs(600), || done(&mut con)));
+    let seconds = start.elapsed().as_secs_f64();
+    let cpu = cpu_seconds(&mut con) - cpu0;
+    let worker_cpu = process_cpu_seconds(running.iter().map(Pacer::pid));
+    let calls = command_calls(&mut con);
+    let (all, trips) = pacer_commands(&calls);
+    let n = events as f64;
+    Measured {
+        events,
+        seconds,
+        commands: all as f64 / n,
+        trips: trips as f64 / n,
+        redis_us: cpu * 1e6 / n,
+        worker_us: worker_cpu * 1e6 / n,
+        detail: commandstats_line(&calls, events),
+    }
+}
+
+pub fn xlen(con: &mut redis::Connection, stream: &str) -> u64 {
+    redis::cmd("XLEN").arg(stream).query(con).unwrap()
+}
+
+/// The outbound flow's throughput: `events` over 10 routes whose rate never binds, each
+/// dispatched to its ready stream at once.
+pub fn outbound_throughput(bin: &Path, workers: u64, events: u64) -> Measured {
+    let routes: String = (0..10)
+        .map(|r| format!("    r{r}: {{rate: 1000/ms, burst: 1000000}}\n"))
+        .collect();
+    measure(
+        bin,
+        workers,
+        events,
+        |i| [("route", format!("r{}", i % 10)), ("to", i.to_string())],
+        &|url, port| outbound_config(url, port, &routes),
+        |con| {
+            (0..10)
+                .map(|r| xlen(con, &format!("pacer:{{r{r}}}:ready")))
+                .sum::<u64>()
+                >= events
+        },
+    )
+}
+
+/// A worker config with outbound `routes` (YAML lines under `routes:`) reading `in`.
+pub fn outbound_config(url: &str, port: u16, routes: &str) -> String {
+    format!(
+        "redis: {{url: \"{url}\"}}\nmetrics: {{listen: \"127.0.0.1:{port}\"}}\nworker: {{batch: 256, max_inflight: 100000}}\noutbound:\n  streams: [\"in\"]\n  routes:\n{routes}"
+    )
+}
+
+/// The middle value (the lower middle of an even count).
+pub fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[(values.len() - 1) / 2]
 }
