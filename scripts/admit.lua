@@ -147,15 +147,17 @@ function log.load(text, rule)
 end
 
 -- The p-th entry of the saved log, oldest first.
+local struct_unpack = struct.unpack
 local function entry(st, p)
-  return (struct.unpack('<d', st.text, 8 * p - 7))
+  return (struct_unpack('<d', st.text, 8 * p - 7))
 end
 
 -- How many saved entries are at or before `t` (Vec::partition_point).
 local function count_upto(st, t)
   local lo, hi = 0, st.len
   while lo < hi do
-    local mid = math.floor((lo + hi + 1) / 2)
+    local mid = lo + hi + 1
+    mid = (mid - mid % 2) / 2
     if entry(st, mid) <= t then
       lo = mid
     else
@@ -179,10 +181,15 @@ function log.check(st, key, rule)
   end
   for i = 1, rule.nlimits do
     local l = rule.limits[i]
-    local c = st.counts[i]
-    if c == nil then
-      c = st.len - count_upto(st, now - l.window)
-      st.counts[i] = c
+    -- A window holds at most the whole log: one that could not fill it needs no search (the
+    -- common case, an identity well under its limits).
+    local c = 0
+    if st.len + n >= l.count then
+      c = st.counts[i]
+      if c == nil then
+        c = st.len - count_upto(st, now - l.window)
+        st.counts[i] = c
+      end
     end
     if c + n >= l.count then
       -- The window frees up when its count-th newest entry leaves it.
@@ -204,7 +211,10 @@ function log.save(st, key, rule)
   if st.added == 0 then
     return
   end
-  local old = count_upto(st, now - rule.horizon)
+  local old = 0
+  if st.len > 0 and entry(st, 1) <= now - rule.horizon then
+    old = count_upto(st, now - rule.horizon)
+  end
   local text = string.sub(st.text, 8 * old + 1) .. string.rep(struct.pack('<d', now), st.added)
   local len = #text / 8
   if len > rule.cap then

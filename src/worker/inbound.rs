@@ -83,6 +83,8 @@ impl Shared {
         }
 
         if !fresh.is_empty() {
+            // Per rule: events it passed, events it failed.
+            let mut verdicts_by_rule = vec![(0, 0); cfg.rules.len()];
             let fields: Vec<Fields> = fresh.iter().map(ev::forward_fields).collect();
             match self.admit_batch(cfg, &fresh, &fields, stop).await {
                 None => return,
@@ -92,9 +94,14 @@ impl Shared {
                             Admitted::Now { decision, verdicts } => (decision, Some(verdicts)),
                             Admitted::Earlier(decision) => (decision, None),
                         };
-                        if let Some(verdicts) = fresh_verdicts {
-                            for (rule, passed) in cfg.rules.iter().zip(verdicts) {
-                                telemetry::inbound_decision(&rule.name, passed, rule.shadow);
+                        for (count, passed) in verdicts_by_rule
+                            .iter_mut()
+                            .zip(fresh_verdicts.into_iter().flatten())
+                        {
+                            if passed {
+                                count.0 += 1;
+                            } else {
+                                count.1 += 1;
                             }
                         }
                         match Decision::parse(&value) {
@@ -111,6 +118,9 @@ impl Shared {
                                 ));
                             }
                         }
+                    }
+                    for (rule, (passed, failed)) in cfg.rules.iter().zip(verdicts_by_rule) {
+                        telemetry::inbound_decisions(&rule.name, rule.shadow, passed, failed);
                     }
                 }
                 Some(Err(e)) => {
@@ -254,25 +264,26 @@ impl Shared {
         let mut acks: Vec<(Arc<str>, String)> = Vec::new();
         let mut forward: Vec<(&Entry, Fields)> = Vec::new();
         let mut rejected: Vec<(&Entry, Fields)> = Vec::new();
-        let mut counts: Vec<InboundOutcome> = Vec::new();
+        // Events per outcome, indexed as InboundOutcome::ALL.
+        let mut counts = [0u64; InboundOutcome::ALL.len()];
         let max = self.cfg.worker.max_deliveries;
         for (e, d) in &decided {
             match d {
                 Decision::Accepted => {
                     acks.push((e.entry.stream.clone(), e.entry.id.clone()));
-                    counts.push(InboundOutcome::Accepted);
+                    counts[InboundOutcome::Accepted as usize] += 1;
                 }
                 Decision::FailedOpen => {
                     forward.push((&e.entry, ev::forward_fields(e)));
-                    counts.push(InboundOutcome::FailedOpen);
+                    counts[InboundOutcome::FailedOpen as usize] += 1;
                 }
                 Decision::Rejected { .. } => {
                     rejected.push((&e.entry, ev::rejected_fields(e, d)));
-                    counts.push(InboundOutcome::Rejected);
+                    counts[InboundOutcome::Rejected as usize] += 1;
                 }
                 Decision::FailedClosed => {
                     rejected.push((&e.entry, ev::rejected_fields(e, d)));
-                    counts.push(InboundOutcome::FailedClosed);
+                    counts[InboundOutcome::FailedClosed as usize] += 1;
                 }
                 Decision::Voided => {
                     let detail = format!(
@@ -313,12 +324,12 @@ impl Shared {
             }
             acks.extend(items.iter().map(|(e, _)| (e.stream.clone(), e.id.clone())));
         }
-        for outcome in counts {
-            telemetry::inbound_event(outcome);
-        }
         for (entry, refused) in &dead {
             debug!(entry = %entry.id, reason = refused.reason.as_str(), detail = %refused.detail, "inbound entry dead-lettered");
-            telemetry::inbound_event(InboundOutcome::DeadLettered);
+        }
+        counts[InboundOutcome::DeadLettered as usize] += dead.len() as u64;
+        for (outcome, n) in InboundOutcome::ALL.into_iter().zip(counts) {
+            telemetry::inbound_events(outcome, n);
         }
         self.ack(acks, stop).await;
     }
