@@ -146,6 +146,8 @@ function log.load(text, rule)
   return st
 end
 
+local packed_now = struct.pack('<d', now)
+
 -- The p-th entry of the saved log, oldest first.
 local struct_unpack = struct.unpack
 local function entry(st, p)
@@ -215,10 +217,15 @@ function log.save(st, key, rule)
   if st.len > 0 and entry(st, 1) <= now - rule.horizon then
     old = count_upto(st, now - rule.horizon)
   end
-  local text = string.sub(st.text, 8 * old + 1) .. string.rep(struct.pack('<d', now), st.added)
-  local len = #text / 8
-  if len > rule.cap then
-    text = string.sub(text, 8 * (len - rule.cap) + 1)
+  -- Dropped: the `old` entries past the horizon, then the oldest beyond `cap`. Built with as
+  -- few copies as it can (the log is most of what this script moves).
+  old = math.max(old, st.len + st.added - rule.cap)
+  local text = packed_now
+  if st.added > 1 then
+    text = string.rep(packed_now, math.min(st.added, rule.cap))
+  end
+  if old < st.len then
+    text = (old > 0 and string.sub(st.text, 8 * old + 1) or st.text) .. text
   end
   redis.call('PSETEX', key, ms_until(now + rule.horizon), text)
 end
