@@ -16,7 +16,7 @@
 --                nlimits, then per limit: window_us, count, interval_us, tolerance_us (gcra),
 --                label
 -- then         n, the number of events; then per event:
---                owner ("<entry id>@<stream>": its decision's field, a sliding log's member),
+--                owner ("<entry id>@<stream>": its field in the decision hash),
 --                then the forward entry's fields: nfields, name1, value1, ...
 -- Returns { now_us, then per event: code, decision, verdicts }:
 --   code 1   decided now: decision "A" (accepted, and written to the forward stream) or
@@ -169,7 +169,7 @@ local function count_upto(st, t)
   return lo
 end
 
-function log.check(st, key, rule)
+function log.check(st, rule)
   local n = st.added
   local retry, lim = 0, 0
   if rule.spacing > 0 then
@@ -205,7 +205,7 @@ function log.check(st, key, rule)
   return retry, lim
 end
 
-function log.charge(st, rule, passed, owner)
+function log.charge(st, rule, passed)
   st.added = st.added + 1
 end
 
@@ -258,7 +258,7 @@ function gcra.load(text, rule)
   return st
 end
 
-function gcra.check(st, key, rule)
+function gcra.check(st, rule)
   local retry, lim = spacing_check(st.last, rule), 0
   for i = 1, rule.nlimits do
     local l = rule.limits[i]
@@ -270,7 +270,7 @@ function gcra.check(st, key, rule)
   return retry, lim
 end
 
-function gcra.charge(st, rule, passed, owner)
+function gcra.charge(st, rule, passed)
   for i = 1, rule.nlimits do
     local l = rule.limits[i]
     local nxt = math.max(st.tats[i], now) + l.interval
@@ -307,7 +307,7 @@ function fixed.load(text, rule)
   return st
 end
 
-function fixed.check(st, key, rule)
+function fixed.check(st, rule)
   local retry, lim = spacing_check(st.last, rule), 0
   for i = 1, rule.nlimits do
     local l = rule.limits[i]
@@ -319,7 +319,7 @@ function fixed.check(st, key, rule)
   return retry, lim
 end
 
-function fixed.charge(st, rule, passed, owner)
+function fixed.charge(st, rule, passed)
   for i = 1, rule.nlimits do
     local l = rule.limits[i]
     local current = window_of(l.window)
@@ -453,7 +453,7 @@ for i = 1, n do
       local r = check_rule[x]
       local rule = rules[r]
       local st = state(KEYS[base + x], rule)
-      local retry, lim = st.alg.check(st, st.key, rule)
+      local retry, lim = st.alg.check(st, rule)
       if retry > 0 then
         if not failed then
           failed = true
@@ -481,7 +481,7 @@ for i = 1, n do
       local ok = accepted and (not failed or passed[r] == '1')
       if ok or rule.count_rejected then
         local st = states[KEYS[base + x]]
-        st.alg.charge(st, rule, ok, owner[i])
+        st.alg.charge(st, rule, ok)
       end
     end
     if accepted then

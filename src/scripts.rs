@@ -295,8 +295,7 @@ impl Scripts {
 
 /// One inbound event offered to `admit`.
 pub struct AdmitItem<'a> {
-    /// `<entry id>@<input stream>`: the entry (its field in the decision hash, a sliding log's
-    /// member for it).
+    /// `<entry id>@<input stream>`: the entry, its field in the decision hash.
     pub owner: &'a str,
     /// The hash its decision is recorded in (`InboundKeys::decisions`).
     pub decisions: &'a str,

@@ -335,6 +335,18 @@ fn feed(rule: &Rule, times: &[i64]) -> Vec<Check> {
         .collect()
 }
 
+/// min_spacing by its definition: an event at `t` less than `spacing` after the last one
+/// charged waits until it is.
+fn brute_spacing(rule: &Rule, last: Option<i64>, t: i64) -> Check {
+    match last {
+        Some(last) if rule.spacing_us > 0 && t - last < rule.spacing_us => Check {
+            retry_us: last + rule.spacing_us - t,
+            limit: SPACING,
+        },
+        _ => Check::PASS,
+    }
+}
+
 /// The rolling window by brute force over every charged event, kept forever: an event passes
 /// when each window `(t − W, t]` holds fewer than `count` charged events and the last charged one
 /// is `min_spacing` old; a rejected one could pass at the earliest time every condition clears.
@@ -342,15 +354,7 @@ fn brute_log(rule: &Rule, times: &[i64]) -> Vec<Check> {
     let mut charged: Vec<i64> = Vec::new();
     let mut out = Vec::new();
     for &t in times {
-        let mut verdict = Check::PASS;
-        if let Some(&last) = charged.last() {
-            if rule.spacing_us > 0 && t - last < rule.spacing_us {
-                verdict = Check {
-                    retry_us: last + rule.spacing_us - t,
-                    limit: SPACING,
-                };
-            }
-        }
+        let mut verdict = brute_spacing(rule, charged.last().copied(), t);
         for (i, l) in rule.limits.iter().enumerate() {
             let count = |at: i64| charged.iter().filter(|&&s| s > at - l.window_us).count() as i64;
             if count(t) >= l.count {
@@ -382,15 +386,7 @@ fn brute_gcra(rule: &Rule, times: &[i64]) -> Vec<Check> {
     let mut accepted: Vec<i64> = Vec::new();
     let mut out = Vec::new();
     for &t in times {
-        let mut verdict = Check::PASS;
-        if let Some(&last) = accepted.last() {
-            if rule.spacing_us > 0 && t - last < rule.spacing_us {
-                verdict = Check {
-                    retry_us: last + rule.spacing_us - t,
-                    limit: SPACING,
-                };
-            }
-        }
+        let mut verdict = brute_spacing(rule, accepted.last().copied(), t);
         let n = accepted.len() as i64;
         for (li, l) in rule.limits.iter().enumerate() {
             let earliest = accepted
@@ -418,15 +414,7 @@ fn brute_fixed(rule: &Rule, times: &[i64]) -> Vec<Check> {
     let mut accepted: Vec<i64> = Vec::new();
     let mut out = Vec::new();
     for &t in times {
-        let mut verdict = Check::PASS;
-        if let Some(&last) = accepted.last() {
-            if rule.spacing_us > 0 && t - last < rule.spacing_us {
-                verdict = Check {
-                    retry_us: last + rule.spacing_us - t,
-                    limit: SPACING,
-                };
-            }
-        }
+        let mut verdict = brute_spacing(rule, accepted.last().copied(), t);
         for (i, l) in rule.limits.iter().enumerate() {
             let w = t / l.window_us;
             let count = accepted.iter().filter(|&&s| s / l.window_us == w).count() as i64;

@@ -180,7 +180,7 @@ proptest! {
         match event::inbound::parse_inbound(entry, &cfg) {
             Ok(ev) => {
                 prop_assert_eq!(&ev.entry.fields, &fields);
-                prop_assert!(!ev.checks.is_empty());
+                prop_assert!(!ev.identities.is_empty());
                 event::inbound::forward_fields(&ev);
             }
             Err((entry, refused)) => {

@@ -10,23 +10,14 @@ use crate::config::InboundConfig;
 /// Longest identity value accepted (it becomes part of a key name).
 pub const MAX_IDENTITY_BYTES: usize = 256;
 
-/// One identity an event is checked as.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IdentityCheck {
-    /// Index of the rule in `inbound.rules`.
-    pub rule: usize,
-    /// The event field it came from (the rule's `key`), for `pacer_key`.
-    pub field: String,
-    /// The identity's limiter key.
-    pub key: String,
-}
-
 /// A checked inbound event.
 #[derive(Debug, Clone)]
 pub struct InboundEvent {
     pub entry: Entry,
-    /// Every identity of every rule, rule by rule.
-    pub checks: Vec<IdentityCheck>,
+    /// The limiter key of every identity the event is checked as: each key field of each rule,
+    /// rule by rule, in config order (the order `admit.lua` reads them in, so the rule and field
+    /// of each are implied).
+    pub identities: Vec<String>,
     /// Every field but the ones pacer writes.
     pub carried: Fields,
 }
@@ -36,7 +27,7 @@ pub struct InboundEvent {
 /// (`missing_key`).
 pub fn parse_inbound(entry: Entry, cfg: &InboundConfig) -> Result<InboundEvent, (Entry, Refused)> {
     match identities(&entry, cfg) {
-        Ok(checks) => {
+        Ok(identities) => {
             let carried = entry
                 .fields
                 .iter()
@@ -45,7 +36,7 @@ pub fn parse_inbound(entry: Entry, cfg: &InboundConfig) -> Result<InboundEvent, 
                 .collect();
             Ok(InboundEvent {
                 entry,
-                checks,
+                identities,
                 carried,
             })
         }
@@ -53,7 +44,7 @@ pub fn parse_inbound(entry: Entry, cfg: &InboundConfig) -> Result<InboundEvent, 
     }
 }
 
-fn identities(entry: &Entry, cfg: &InboundConfig) -> Result<Vec<IdentityCheck>, Refused> {
+fn identities(entry: &Entry, cfg: &InboundConfig) -> Result<Vec<String>, Refused> {
     if entry.fields.is_empty() {
         return Err(Refused::malformed("the entry has no fields"));
     }
@@ -65,7 +56,7 @@ fn identities(entry: &Entry, cfg: &InboundConfig) -> Result<Vec<IdentityCheck>, 
         )));
     }
     let mut checks = Vec::new();
-    for (r, rule) in cfg.rules.iter().enumerate() {
+    for rule in &cfg.rules {
         for field in &rule.key {
             let mut values = entry
                 .fields
@@ -97,13 +88,12 @@ fn identities(entry: &Entry, cfg: &InboundConfig) -> Result<Vec<IdentityCheck>, 
                     value.len()
                 )));
             }
-            checks.push(IdentityCheck {
-                rule: r,
-                field: field.clone(),
-                key: cfg
-                    .keys
-                    .identity(&rule.name, rule.rule.algorithm.key_part(), field, value),
-            });
+            checks.push(cfg.keys.identity(
+                &rule.name,
+                rule.rule.algorithm.key_part(),
+                field,
+                value,
+            ));
         }
     }
     Ok(checks)
@@ -246,9 +236,8 @@ inbound:
             &cfg(),
         )
         .unwrap();
-        let keys: Vec<&str> = e.checks.iter().map(|c| c.key.as_str()).collect();
         assert_eq!(
-            keys,
+            e.identities,
             vec![
                 "pacer:in:{pacer:accepted}:per-ip-user:log:ip=10.0.0.1",
                 "pacer:in:{pacer:accepted}:per-ip-user:log:user=u%FF",

@@ -169,7 +169,7 @@ impl Shared {
             .map(|(((e, owner), decisions), fields)| AdmitItem {
                 owner,
                 decisions,
-                identities: e.checks.iter().map(|c| c.key.as_str()).collect(),
+                identities: e.identities.iter().map(String::as_str).collect(),
                 fields,
             })
             .collect();

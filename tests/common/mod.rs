@@ -110,6 +110,26 @@ pub fn placements(redis: &RedisServer, outputs: &[&str]) -> BTreeMap<String, Vec
     at
 }
 
+/// On a cluster-mode Redis: every one of `n` events ends in some output, every output is used
+/// (each path of the flow ran) and no call was refused as CROSSSLOT.
+pub fn assert_every_path_runs_on_a_cluster(
+    redis: &RedisServer,
+    pacer: &Pacer,
+    outputs: &[&str],
+    n: usize,
+) {
+    assert!(
+        wait_until(Duration::from_secs(15), || placements(redis, outputs).len()
+            == n),
+        "log:\n{}",
+        pacer.log_text()
+    );
+    for stream in outputs {
+        assert!(!read(redis, stream).is_empty(), "{stream} is empty");
+    }
+    assert!(!pacer.log_text().contains("CROSSSLOT"));
+}
+
 pub fn redis_time_ms(redis: &RedisServer) -> i64 {
     let (s, us): (i64, i64) = redis::cmd("TIME").query(&mut redis.con()).unwrap();
     s * 1000 + us / 1000
