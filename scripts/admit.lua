@@ -1,15 +1,18 @@
 -- admit.lua: decide a batch of inbound events against their rules' limits, record each decision
--- and forward the accepted events, all in one step. The same algorithms as src/admission/*.rs,
+-- and forward the accepted events (and write the rejected ones, when the rejected stream shares
+-- the call's slot), all in one step. The same algorithms as src/admission/*.rs,
 -- held to the same answers by tests/admit_differential.rs (which replays each call's now_us).
 -- Every key is in the forward stream's hash slot (src/keys.rs, InboundKeys).
 --
 -- KEYS[1]      the forward stream
--- KEYS[2..]    per event, in order: the hash its decision is recorded in (field: its owner),
+-- KEYS[2]      the rejected stream, when ARGV[3] is 1 (it shares the call's slot)
+-- KEYS[2 or 3..] per event, in order: the hash its decision is recorded in (field: its owner),
 --              then its identities' limiter keys, one per check: every key field of every
 --              rule, rule by rule, in the order the rules list them
 -- ARGV[1]      decision time to live, ms (each decision hash lives that long after a write)
--- ARGV[2]      approximate MAXLEN of the forward stream
--- ARGV[3]      r, the number of rules; then per rule:
+-- ARGV[2]      approximate MAXLEN of the forward and rejected streams
+-- ARGV[3]      1: write rejections to KEYS[2] here; 0: the caller writes them
+-- ARGV[4]      r, the number of rules; then per rule:
 --                name, algorithm (sliding_log | gcra | fixed_window), shadow (0/1),
 --                count_rejected (0/1), spacing_us (0: none), spacing label, horizon_us,
 --                log cap (most entries a sliding log keeps), nkeys, the key field names,
@@ -21,7 +24,7 @@
 -- Returns { now_us, then per event: code, decision, verdicts }:
 --   code 1   decided now: decision "A" (accepted, and written to the forward stream) or
 --            "r<retry_us>|<rule>|<limit>|<key field>" (rejected: the enforcing check that frees up
---            last); verdicts holds one character per rule, '1' passed, '0' over its limits
+--            last), "R…" the same when it was also written to the rejected stream; verdicts holds one character per rule, '1' passed, '0' over its limits
 --            (shadow rules included: their '0's are the would-be rejections)
 --   code 2   an earlier delivery decided it: decision is what it recorded, verdicts ''
 --
@@ -38,7 +41,10 @@
 
 local now = redis_now_us()
 local ttl, maxlen = ARGV[1], ARGV[2]
-local at = 3
+-- Writing a rejection here, in the step that decides it, makes it atomic with its record: no
+-- write-once marker and no second call, which the rejected stream in another slot would need.
+local rejected = ARGV[3] == '1' and KEYS[2]
+local at = 4
 
 local rules = {}
 local nrules = tonumber(ARGV[at])
@@ -373,7 +379,7 @@ local n = tonumber(ARGV[at])
 at = at + 1
 local owner, hash, key_at, fields_at = {}, {}, {}, {}
 local hashes, in_hash = {}, {}
-local k = 2
+local k = rejected and 3 or 2
 for i = 1, n do
   owner[i] = ARGV[at]
   fields_at[i] = at + 1
@@ -472,7 +478,19 @@ for i = 1, n do
     if not accepted then
       local rule = rules[check_rule[binding]]
       local label = (best_lim == 0 and rule.spacing_label) or rule.limits[best_lim].label
-      decision = 'r' .. int(best) .. '|' .. rule.name .. '|' .. label .. '|' .. check_field[binding]
+      local field = check_field[binding]
+      local tail = int(best) .. '|' .. rule.name .. '|' .. label .. '|' .. field
+      if rejected then
+        -- The fields of src/event/inbound.rs's rejected_fields, in its order: the reasons,
+        -- then the forward entry's (the carried fields and where the entry came from).
+        local f = fields_at[i]
+        redis.call('XADD', rejected, 'MAXLEN', '~', maxlen, '*', 'pacer_reason', 'rate_limited',
+          'pacer_rule', rule.name, 'pacer_limit', label, 'pacer_key', field,
+          'pacer_retry_after_ms', int(math.ceil(best / 1000)), unpack(ARGV, f + 1, fields_end(f) - 1))
+        decision = 'R' .. tail
+      else
+        decision = 'r' .. tail
+      end
     end
     -- Then charge.
     for x = 1, nchecks do

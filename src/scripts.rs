@@ -293,6 +293,18 @@ impl Scripts {
     }
 }
 
+/// Where an `admit` call writes, and how long what it records lasts.
+pub struct AdmitTargets<'a> {
+    pub keys: &'a InboundKeys,
+    /// The rejected stream, when the call writes rejections itself: it may only when the stream
+    /// shares the forward stream's slot, or Redis is not a cluster (`streams::same_slot`).
+    /// `None`: the caller writes them, in a second call.
+    pub rejected: Option<&'a str>,
+    pub decision_ttl_ms: u64,
+    /// Output streams are trimmed to about this many entries.
+    pub max_len: u64,
+}
+
 /// One inbound event offered to `admit`.
 pub struct AdmitItem<'a> {
     /// `<entry id>@<input stream>`: the entry, its field in the decision hash.
@@ -327,20 +339,24 @@ pub struct AdmitReply {
 }
 
 impl Scripts {
-    /// Decides, records and (if accepted) forwards a batch of inbound events in one call; see
-    /// `scripts/admit.lua`.
+    /// Decides, records and forwards (if accepted) a batch of inbound events in one call, and
+    /// writes the rejected ones too if `to.rejected` says so; see `scripts/admit.lua`.
     pub async fn admit<C: ConnectionLike>(
         &self,
         con: &mut C,
-        keys: &InboundKeys,
+        to: &AdmitTargets<'_>,
         rules: &[InboundRule],
-        decision_ttl_ms: u64,
-        max_len: u64,
         items: &[AdmitItem<'_>],
     ) -> Result<AdmitReply> {
         let mut call = self.admit.prepare_invoke();
-        call.key(&keys.forward);
-        call.arg(decision_ttl_ms).arg(max_len).arg(rules.len());
+        call.key(&to.keys.forward);
+        if let Some(stream) = to.rejected {
+            call.key(stream);
+        }
+        call.arg(to.decision_ttl_ms)
+            .arg(to.max_len)
+            .arg(u8::from(to.rejected.is_some()))
+            .arg(rules.len());
         for r in rules {
             let rule = &r.rule;
             call.arg(&r.name)

@@ -26,6 +26,25 @@ pub async fn ensure_group<C: ConnectionLike>(con: &mut C, stream: &str, group: &
     }
 }
 
+/// Whether one script call may touch both keys: always on a Redis that is not a cluster; on a
+/// cluster, when Redis puts them in the same slot (asked of Redis, which owns the hashing).
+pub async fn same_slot<C: ConnectionLike>(con: &mut C, a: &str, b: &str) -> Result<bool> {
+    let info: String = redis::cmd("INFO").arg("cluster").query_async(con).await?;
+    if !info.contains("cluster_enabled:1") {
+        return Ok(true);
+    }
+    let mut slots = Vec::with_capacity(2);
+    for key in [a, b] {
+        let slot: i64 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(key)
+            .query_async(con)
+            .await?;
+        slots.push(slot);
+    }
+    Ok(slots[0] == slots[1])
+}
+
 /// Reads up to `count` new entries across `streams` for `consumer`, blocking up to `block`.
 pub async fn read_group<C: ConnectionLike>(
     con: &mut C,

@@ -24,6 +24,7 @@ use crate::telemetry::{self, Health, Outcome};
 use dispatcher::Sleeper;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -49,6 +50,9 @@ pub(crate) struct Shared {
     marker_ttl_ms: u64,
     /// One permit per event this process holds; the reader stops when they run out.
     permits: Arc<Semaphore>,
+    /// Whether the admission script writes inbound rejections itself (the rejected stream
+    /// shares the forward stream's slot, or Redis is not a cluster); found when preparing.
+    rejects_in_admission: AtomicBool,
 }
 
 /// A worker process's outbound side.
@@ -90,6 +94,7 @@ impl Worker {
             dead: OutputKeys::new(&cfg.outbound.dead_letter_stream),
             marker_ttl_ms: cfg.outbound.dedupe_ttl.as_millis() as u64,
             permits: Arc::new(Semaphore::new(cfg.worker.max_inflight)),
+            rejects_in_admission: AtomicBool::new(false),
             cfg,
         };
         Ok(Worker {
@@ -386,6 +391,24 @@ impl Shared {
             async move {
                 for stream in &self.streams {
                     streams::ensure_group(&mut con, stream, &group).await?;
+                }
+                if let Some(inbound) = &self.cfg.inbound {
+                    let here = streams::same_slot(
+                        &mut con,
+                        &inbound.forward_stream,
+                        &inbound.rejected_stream,
+                    )
+                    .await?;
+                    self.rejects_in_admission.store(here, Ordering::Relaxed);
+                    info!(
+                        in_admission = here,
+                        "inbound rejections are written {}",
+                        if here {
+                            "by the admission call itself"
+                        } else {
+                            "by a second call (the rejected stream is in another cluster slot)"
+                        }
+                    );
                 }
                 self.scripts.load(&mut con).await
             }

@@ -8,9 +8,10 @@ use pacer::admission::{
     SPACING,
 };
 use pacer::config::InboundRule;
-use pacer::event::Fields;
+use pacer::event::inbound::{forward_fields, rejected_fields, Decision, InboundEvent};
+use pacer::event::{Entry, Fields};
 use pacer::keys::InboundKeys;
-use pacer::scripts::{spacing_label, AdmitItem, Admitted, Scripts};
+use pacer::scripts::{spacing_label, AdmitItem, AdmitTargets, Admitted, Scripts};
 use pacer::testkit::RedisServer;
 use proptest::prelude::*;
 use std::cell::RefCell;
@@ -75,6 +76,8 @@ struct Ev {
 #[derive(Debug, Clone)]
 struct Case {
     rules: Vec<(Rule, bool, usize)>,
+    /// Whether the script writes rejections itself (to the stream "rej").
+    rejects_here: bool,
     /// (sleep before it in µs, events)
     batches: Vec<(u64, Vec<Ev>)>,
 }
@@ -88,10 +91,13 @@ fn case() -> impl Strategy<Value = Case> {
         )
             .prop_map(|(values, redeliver)| Ev { values, redeliver });
         let batch = (0u64..5_000, proptest::collection::vec(ev, 1..7));
-        proptest::collection::vec(batch, 3..12).prop_map(move |batches| Case {
-            rules: rules.clone(),
-            batches,
-        })
+        (proptest::collection::vec(batch, 3..12), any::<bool>()).prop_map(
+            move |(batches, rejects_here)| Case {
+                rules: rules.clone(),
+                rejects_here,
+                batches,
+            },
+        )
     })
 }
 
@@ -110,11 +116,13 @@ fn inbound_rules(case: &Case) -> Vec<InboundRule> {
         .collect()
 }
 
-/// The decision string the script writes, from the engine's verdict.
+/// The decision string the script writes, from the engine's verdict (`R` for a rejection the
+/// script writes itself).
 fn expected_decision(
     rules: &[InboundRule],
     checks: &[(usize, String, String)],
     v: &pacer::admission::Verdict,
+    rejects_here: bool,
 ) -> String {
     match v.binding {
         None => "A".into(),
@@ -125,13 +133,33 @@ fn expected_decision(
             } else {
                 rule.rule.limits[check.limit].label.clone()
             };
-            format!("r{}|{}|{label}|{}", check.retry_us, rule.name, checks[i].1)
+            let kind = if rejects_here { 'R' } else { 'r' };
+            format!(
+                "{kind}{}|{}|{label}|{}",
+                check.retry_us, rule.name, checks[i].1
+            )
         }
     }
 }
 
 /// An event's identities: (rule index, key field, limiter key).
 type Checks = Vec<(usize, String, String)>;
+
+/// The inbound event of `owner` ("<id>@in"), carrying one field; only its entry and carried
+/// fields matter here (they make its forward and rejected fields).
+fn inbound_event(owner: &str) -> InboundEvent {
+    let fields: Fields = vec![(b"x".to_vec(), owner.as_bytes().to_vec())];
+    InboundEvent {
+        entry: Entry {
+            stream: "in".into(),
+            id: owner.split('@').next().unwrap().to_string(),
+            fields: fields.clone(),
+            deliveries: 1,
+        },
+        identities: Vec::new(),
+        carried: fields,
+    }
+}
 
 fn run_case(
     case: &Case,
@@ -152,9 +180,11 @@ fn run_case(
             })
             .collect(),
     );
-    let fields: Fields = vec![(b"x".to_vec(), b"1".to_vec())];
-    // Every event sent so far: (owner, checks, decision).
+    let rejected = case.rejects_here.then_some("rej");
+    // Every event sent so far: (owner, checks, decision); the rejections the script should
+    // have written, in order.
     let mut sent: Vec<(String, Checks, String)> = Vec::new();
+    let mut rejections: Vec<Fields> = Vec::new();
     let mut next_id = 0;
     for (sleep_us, events) in &case.batches {
         std::thread::sleep(Duration::from_micros(*sleep_us));
@@ -185,20 +215,30 @@ fn run_case(
             .iter()
             .map(|(o, _, _)| keys.decisions(o.split('@').next().unwrap()))
             .collect();
+        let events: Vec<InboundEvent> = batch.iter().map(|(o, _, _)| inbound_event(o)).collect();
+        let fields: Vec<Fields> = events.iter().map(forward_fields).collect();
         let items: Vec<AdmitItem<'_>> = batch
             .iter()
             .zip(&hashes)
-            .map(|((owner, checks, _), decisions)| AdmitItem {
+            .zip(&fields)
+            .map(|(((owner, checks, _), decisions), fields)| AdmitItem {
                 owner,
                 decisions,
                 identities: checks.iter().map(|(_, _, k)| k.as_str()).collect(),
-                fields: &fields,
+                fields,
             })
             .collect();
+        let to = AdmitTargets {
+            keys: &keys,
+            rejected,
+            decision_ttl_ms: 600_000,
+            max_len: 10_000,
+        };
         let reply = rt
-            .block_on(scripts.admit(con, &keys, &rules, 600_000, 10_000, &items))
+            .block_on(scripts.admit(con, &to, &rules, &items))
             .expect("admit");
-        for ((owner, checks, earlier), got) in batch.iter().zip(&reply.items) {
+        for (((owner, checks, earlier), got), event) in batch.iter().zip(&reply.items).zip(&events)
+        {
             match earlier {
                 Some(decision) => {
                     prop_assert_eq!(got, &Admitted::Earlier(decision.clone()), "redelivery");
@@ -207,7 +247,11 @@ fn run_case(
                     let identities: Vec<(usize, String)> =
                         checks.iter().map(|(r, _, k)| (*r, k.clone())).collect();
                     let v = engine.admit(reply.now_us, &identities);
-                    let decision = expected_decision(&rules, checks, &v);
+                    let decision = expected_decision(&rules, checks, &v, case.rejects_here);
+                    if decision.starts_with('R') {
+                        let d = Decision::parse(&decision).expect("a readable decision");
+                        rejections.push(rejected_fields(event, &d));
+                    }
                     let want = Admitted::Now {
                         decision: decision.clone(),
                         verdicts: v.passed.clone(),
@@ -271,6 +315,14 @@ fn run_case(
     let forwarded: i64 = redis::cmd("XLEN").arg("fwd").query(sync).unwrap();
     let accepted = sent.iter().filter(|s| s.2 == "A").count() as i64;
     prop_assert_eq!(forwarded, accepted, "each accepted event forwarded once");
+    // Each rejection the script wrote, once, with the fields the worker would have written.
+    let written: Vec<Fields> = rt
+        .block_on(pacer::report::read_all(con, "rej"))
+        .unwrap()
+        .into_iter()
+        .map(|e| e.fields)
+        .collect();
+    prop_assert_eq!(written, rejections);
     Ok(())
 }
 

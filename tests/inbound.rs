@@ -8,7 +8,8 @@ use common::*;
 use pacer::config::{Config, InboundConfig, Overrides};
 use pacer::event::inbound::{forward_fields, parse_inbound, Decision, InboundEvent};
 use pacer::event::{Entry, Fields};
-use pacer::scripts::{AdmitItem, AdmitReply, Admitted, Scripts};
+use pacer::keys::hash_tag;
+use pacer::scripts::{AdmitItem, AdmitReply, AdmitTargets, Admitted, Scripts};
 use pacer::testkit::{free_port, http_get, metric, wait_until, RedisServer, TempDir};
 use std::time::Duration;
 
@@ -21,6 +22,9 @@ struct Rig {
     cfg: InboundConfig,
     rt: tokio::runtime::Runtime,
     next: u64,
+    /// Whether the script writes rejections itself (to "rej"); off, as on a cluster whose
+    /// rejected stream is in another slot.
+    rejects_here: bool,
 }
 
 impl Rig {
@@ -42,6 +46,7 @@ impl Rig {
             cfg,
             rt,
             next: 0,
+            rejects_here: false,
         }
     }
 
@@ -77,15 +82,17 @@ impl Rig {
                 fields: &fields[i],
             })
             .collect();
+        let to = AdmitTargets {
+            keys: &self.cfg.keys,
+            rejected: self.rejects_here.then_some("rej"),
+            decision_ttl_ms: 600_000,
+            max_len: 100_000,
+        };
         self.rt
-            .block_on(self.scripts.admit(
-                &mut self.con,
-                &self.cfg.keys,
-                &self.cfg.rules,
-                600_000,
-                100_000,
-                &items,
-            ))
+            .block_on(
+                self.scripts
+                    .admit(&mut self.con, &to, &self.cfg.rules, &items),
+            )
             .expect("admit")
     }
 
@@ -713,27 +720,46 @@ fn fail_open_forwards_when_redis_refuses_admission() {
 }
 
 /// Guarantee 5 for inbound: every admission call touches one slot (the forward stream's), so it
-/// runs on Redis Cluster, which refuses any call that does not (CROSSSLOT).
+/// runs on Redis Cluster, which refuses any call that does not (CROSSSLOT). Both ways of writing
+/// rejections run: by a second call when the rejected stream is in another slot, and by the
+/// admission call itself when it is in the forward stream's (no write-once markers then).
 #[test]
 fn inbound_runs_on_redis_cluster_every_call_in_one_slot() {
     let redis = RedisServer::start_cluster();
     let dir = TempDir::new("in-cluster");
-    let port = free_port();
-    let body = r#"inbound:
-  streams: ["pacer:{in}"]
-  forward_stream: "pacer:{fwd}:accepted"
+    for (run, rejected, in_admission) in [
+        ("a", "pacer:in-rejected", false),
+        ("b", "pacer:{fwd-b}:rejected", true),
+    ] {
+        let port = free_port();
+        let body = format!(
+            r#"inbound:
+  streams: ["pacer:{{in-{run}}}"]
+  forward_stream: "pacer:{{fwd-{run}}}:accepted"
+  rejected_stream: "{rejected}"
+  dead_letter_stream: "pacer:dead-{run}"
   rules:
-    - {name: ipuser, key: [ip, user], limits: [3/s]}
-    - {name: g, key: [ip], algorithm: gcra, limits: [100/s]}
-"#;
-    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
-    let pacer = start(&cfg, port);
-    let mut events: Vec<_> = (0..30)
-        .map(|i| event(&[("ip", &format!("10.0.0.{}", i % 3)), ("user", "u")]))
-        .collect();
-    events.push(event(&[("ip", "1")]));
-    push(&redis, "pacer:{in}", &events);
-    let outputs = ["pacer:{fwd}:accepted", "pacer:in-rejected", "pacer:dead"];
-    assert_every_path_runs_on_a_cluster(&redis, &pacer, &outputs, events.len());
-    assert_eq!(read(&redis, "pacer:{fwd}:accepted").len(), 3, "user u: 3/s");
+    - {{name: ipuser, key: [ip, user], limits: [3/s]}}
+    - {{name: g, key: [ip], algorithm: gcra, limits: [100/s]}}
+"#
+        );
+        let cfg = config(&dir, &format!("{run}.yaml"), &redis, port, WORKER, &body);
+        let pacer = start(&cfg, port);
+        let mut events: Vec<_> = (0..30)
+            .map(|i| event(&[("ip", &format!("10.0.0.{}", i % 3)), ("user", "u")]))
+            .collect();
+        events.push(event(&[("ip", "1")]));
+        push(&redis, &format!("pacer:{{in-{run}}}"), &events);
+        let forward = format!("pacer:{{fwd-{run}}}:accepted");
+        let dead = format!("pacer:dead-{run}");
+        let outputs = [forward.as_str(), rejected, dead.as_str()];
+        assert_every_path_runs_on_a_cluster(&redis, &pacer, &outputs, events.len());
+        assert_eq!(read(&redis, &forward).len(), 3, "user u: 3/s");
+        // Write-once markers of the rejected stream: only a second call needs them.
+        let markers = keys(&redis)
+            .into_iter()
+            .filter(|k| k.starts_with(&format!("{{{}}}:pacer:emitted:", hash_tag(rejected))))
+            .count();
+        assert_eq!(markers == 0, in_admission, "{markers} markers");
+    }
 }

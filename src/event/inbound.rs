@@ -107,15 +107,17 @@ pub fn forward_fields(event: &InboundEvent) -> Fields {
     fields
 }
 
-/// The fields of a rejected inbound entry.
+/// The fields of a rejected inbound entry: why, then the forward entry's fields. `admit.lua`
+/// writes the same fields in the same order when it writes a rejection itself.
 pub fn rejected_fields(event: &InboundEvent, decision: &Decision) -> Fields {
-    let mut fields = event.carried.clone();
+    let mut fields = Fields::new();
     match decision {
         Decision::Rejected {
             retry_us,
             rule,
             limit,
             key,
+            ..
         } => {
             push(&mut fields, "pacer_reason", Reason::RateLimited.as_str());
             push(&mut fields, "pacer_rule", rule);
@@ -141,8 +143,7 @@ pub fn rejected_fields(event: &InboundEvent, decision: &Decision) -> Fields {
             push(&mut fields, "pacer_retry_after_ms", FAIL_CLOSED_RETRY_MS);
         }
     }
-    push(&mut fields, "pacer_source_stream", &event.entry.stream);
-    push(&mut fields, "pacer_source_id", &event.entry.id);
+    fields.extend(forward_fields(event));
     fields
 }
 
@@ -154,12 +155,14 @@ pub const FAIL_CLOSED_RETRY_MS: u64 = 1000;
 pub enum Decision {
     /// `A`: accepted; the admission script wrote it to the forward stream in the same step.
     Accepted,
-    /// `r<retry µs>|<rule>|<limit>|<key field>`: over a limit.
+    /// `r<retry µs>|<rule>|<limit>|<key field>`: over a limit; `R…` the same, written to the
+    /// rejected stream by the admission script in the step that decided it.
     Rejected {
         retry_us: i64,
         rule: String,
         limit: String,
         key: String,
+        written: bool,
     },
     /// `o`: admission failed and fail_open let it through (to be written to the forward stream).
     FailedOpen,
@@ -188,7 +191,7 @@ impl Decision {
             "o" => Some(Decision::FailedOpen),
             "c" => Some(Decision::FailedClosed),
             "v" => Some(Decision::Voided),
-            "r" => {
+            "r" | "R" => {
                 let mut parts = rest.splitn(4, '|');
                 let retry_us = parts.next()?.parse().ok()?;
                 Some(Decision::Rejected {
@@ -196,6 +199,7 @@ impl Decision {
                     rule: parts.next()?.to_string(),
                     limit: parts.next()?.to_string(),
                     key: parts.next()?.to_string(),
+                    written: kind == "R",
                 })
             }
             _ => None,
@@ -269,15 +273,18 @@ inbound:
 
     #[test]
     fn decisions_read_back_as_written() {
-        assert_eq!(
-            Decision::parse("r1500|per-source|10/s|source"),
-            Some(Decision::Rejected {
-                retry_us: 1500,
-                rule: "per-source".into(),
-                limit: "10/s".into(),
-                key: "source".into()
-            })
-        );
+        for (marker, written) in [("r", false), ("R", true)] {
+            assert_eq!(
+                Decision::parse(&format!("{marker}1500|per-source|10/s|source")),
+                Some(Decision::Rejected {
+                    retry_us: 1500,
+                    rule: "per-source".into(),
+                    limit: "10/s".into(),
+                    key: "source".into(),
+                    written,
+                })
+            );
+        }
         assert_eq!(Decision::parse("A"), Some(Decision::Accepted));
         assert_eq!(Decision::parse("c"), Some(Decision::FailedClosed));
         assert_eq!(Decision::parse("r12"), None);

@@ -3,8 +3,10 @@
 //!
 //! One `admit.lua` call per batch decides every event, records each decision in a marker and
 //! writes the accepted ones to the forward stream, atomically (every key shares the forward
-//! stream's slot). Then rejections and dead letters are written once each (write-once `emit`)
-//! and the entries acknowledged. A redelivered entry finds its marker: the recorded decision is
+//! stream's slot), and the rejected ones to the rejected stream when it may (that stream shares
+//! the slot, or Redis is not a cluster). Then whatever the call did not write (rejections it
+//! could not, dead letters) is written once each (write-once `emit`) and the entries
+//! acknowledged. A redelivered entry finds its marker: the recorded decision is
 //! carried out again, idempotently, and nothing is charged twice.
 //!
 //! When admission itself fails `limiter_attempts` times in a row, `fail_policy` decides; that
@@ -18,8 +20,9 @@ use crate::error::Result;
 use crate::event::inbound::{self as ev, Decision, InboundEvent};
 use crate::event::{self, Entry, Fields, Reason, Refused};
 use crate::keys::OutputKeys;
-use crate::scripts::{AdmitItem, AdmitReply, Admitted};
+use crate::scripts::{AdmitItem, AdmitReply, AdmitTargets, Admitted};
 use crate::telemetry::{self, InboundOutcome};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
@@ -173,15 +176,19 @@ impl Shared {
                 fields,
             })
             .collect();
-        let ttl_ms = cfg.dedupe_ttl.as_millis() as u64;
+        let in_admission = self.rejects_in_admission.load(Ordering::Relaxed);
+        let to = AdmitTargets {
+            keys: &cfg.keys,
+            rejected: in_admission.then_some(cfg.rejected_stream.as_str()),
+            decision_ttl_ms: cfg.dedupe_ttl.as_millis() as u64,
+            max_len: cfg.max_len,
+        };
         let mut backoff = BACKOFF_MIN;
         let mut attempt = 0;
         loop {
             attempt += 1;
             let mut con = self.con.clone();
-            let call =
-                self.scripts
-                    .admit(&mut con, &cfg.keys, &cfg.rules, ttl_ms, cfg.max_len, &items);
+            let call = self.scripts.admit(&mut con, &to, &cfg.rules, &items);
             match telemetry::timed("admit", call).await {
                 Ok(reply) => {
                     self.health.set_redis_ok(true);
@@ -276,6 +283,11 @@ impl Shared {
                 Decision::FailedOpen => {
                     forward.push((&e.entry, ev::forward_fields(e)));
                     counts[InboundOutcome::FailedOpen as usize] += 1;
+                }
+                // Written by the admission call, in the step that decided it.
+                Decision::Rejected { written: true, .. } => {
+                    acks.push((e.entry.stream.clone(), e.entry.id.clone()));
+                    counts[InboundOutcome::Rejected as usize] += 1;
                 }
                 Decision::Rejected { .. } => {
                     rejected.push((&e.entry, ev::rejected_fields(e, d)));
