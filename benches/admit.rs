@@ -6,7 +6,8 @@
 //! decision (every command, including those scripts run, from `INFO commandstats`), Redis CPU µs
 //! per decision (`INFO cpu`) and the workers' CPU µs per decision (`/proc`). Two loads per
 //! algorithm: limits that never bind (every event accepted and forwarded) and limits that reject
-//! 40% (rejections are written by a second call).
+//! 40% (on this plain redis-server the admission call writes the rejections itself; on a cluster
+//! whose rejected stream is in another slot they take a second call).
 //!
 //! The target is an inbound flow at least as fast as the outbound one, and a shared 2-core
 //! machine moves single runs by ±20%: so each round runs the outbound throughput benchmark

@@ -138,14 +138,14 @@ end
 -- sliding_log: the times (µs) of the charged events, oldest first, packed as little-endian
 -- doubles in one string (see `packing` above), like src/admission/sliding_log.rs's Vec: at most
 -- `cap` of them (keeping the newest cap is exact, see there), none older than the horizon once
--- saved. Sorted, so a window's count and its count-th newest entry are binary searches that
--- unpack a few entries, not the log; and one string per identity costs a GET and a SET like the
--- other algorithms, where a sorted set took four or five commands and ~60 bytes per entry. The
+-- saved. Sorted, so a check reads one entry per limit and a trim binary-searches, unpacking a
+-- few entries, not the log; and one string per identity costs a GET and a SET like the other
+-- algorithms, where a sorted set took four or five commands and ~60 bytes per entry. The
 -- batch's own charges (all at `now`) are counted in `added` and appended when it is saved.
 local log = {}
 
 function log.load(text, rule)
-  local st = { text = '', len = 0, added = 0, counts = {} }
+  local st = { text = '', len = 0, added = 0 }
   if text and #text % 8 == 0 then
     st.text, st.len = text, #text / 8
   end
@@ -189,22 +189,16 @@ function log.check(st, rule)
   end
   for i = 1, rule.nlimits do
     local l = rule.limits[i]
-    -- A window holds at most the whole log: one that could not fill it needs no search (the
-    -- common case, an identity well under its limits).
-    local c = 0
-    if st.len + n >= l.count then
-      c = st.counts[i]
-      if c == nil then
-        c = st.len - count_upto(st, now - l.window)
-        st.counts[i] = c
-      end
+    -- A window is a suffix of the sorted log (the saved entries, then this batch's n at now),
+    -- so it is full exactly when its count-th newest entry is in it, and frees up when that
+    -- entry leaves it: one entry to look at, no search.
+    local nth
+    if l.count <= n then
+      nth = now
+    elseif st.len >= l.count - n then
+      nth = entry(st, st.len + n - l.count + 1)
     end
-    if c + n >= l.count then
-      -- The window frees up when its count-th newest entry leaves it.
-      local nth = now
-      if l.count > n then
-        nth = entry(st, st.len + n - l.count + 1)
-      end
+    if nth and nth > now - l.window then
       retry, lim = worse(retry, lim, nth + l.window - now, i)
     end
   end

@@ -41,10 +41,14 @@ pub fn trim(log: &mut Vec<i64>, now_us: i64, rule: &Rule) {
 pub fn check(log: &[i64], now_us: i64, rule: &Rule) -> Check {
     let mut verdict = spacing_check(log.last().copied(), now_us, rule.spacing_us);
     for (i, limit) in rule.limits.iter().enumerate() {
-        let in_window = log.len() - log.partition_point(|&t| t <= now_us - limit.window_us);
-        if in_window as i64 >= limit.count {
-            // The window frees up when its `count`-th newest entry leaves it.
-            let nth_newest = log[log.len() - limit.count as usize];
+        // A window is a suffix of the sorted log, so it holds `count` entries exactly when the
+        // `count`-th newest entry is in it; and it frees up when that entry leaves it. One look,
+        // no search.
+        let Some(at) = log.len().checked_sub(limit.count as usize) else {
+            continue;
+        };
+        let nth_newest = log[at];
+        if nth_newest > now_us - limit.window_us {
             let this = Check {
                 retry_us: nth_newest + limit.window_us - now_us,
                 limit: i,
