@@ -126,14 +126,19 @@ local function packing(n)
   return f
 end
 
+-- The n numbers packed in `v`, or nil when it is absent or unreadable.
+local struct_unpack, struct_pack = struct.unpack, struct.pack
 local function unpack_numbers(v, n)
   if v and #v == 8 * n then
-    local nums = { struct.unpack(packing(n), v) }
+    local nums = { struct_unpack(packing(n), v) }
     nums[n + 1] = nil -- struct.unpack also returns the position after the last value
     return nums
   end
-  return {}
 end
+
+-- A state is one table, built whole by its algorithm's load(text, rule, key) (a table that
+-- grows field by field is rehashed at each step, and this runs once per identity per call):
+-- its algorithm, key and rule, whether it changed, and the algorithm's own fields.
 
 -- sliding_log: the times (µs) of the charged events, oldest first, packed as little-endian
 -- doubles in one string (see `packing` above), like src/admission/sliding_log.rs's Vec: at most
@@ -144,18 +149,16 @@ end
 -- batch's own charges (all at `now`) are counted in `added` and appended when it is saved.
 local log = {}
 
-function log.load(text, rule)
-  local st = { text = '', len = 0, added = 0 }
-  if text and #text % 8 == 0 then
-    st.text, st.len = text, #text / 8
+function log.load(text, rule, key)
+  if not (text and #text % 8 == 0) then
+    text = ''
   end
-  return st
+  return { alg = log, key = key, rule = rule, text = text, len = #text / 8, added = 0 }
 end
 
-local packed_now = struct.pack('<d', now)
+local packed_now = struct_pack('<d', now)
 
 -- The p-th entry of the saved log, oldest first.
-local struct_unpack = struct.unpack
 local function entry(st, p)
   return (struct_unpack('<d', st.text, 8 * p - 7))
 end
@@ -209,10 +212,11 @@ function log.charge(st, rule, passed)
   st.added = st.added + 1
 end
 
-function log.save(st, key, rule)
+function log.save(st)
   if st.added == 0 then
     return
   end
+  local rule = st.rule
   local old = 0
   if st.len > 0 and entry(st, 1) <= now - rule.horizon then
     old = count_upto(st, now - rule.horizon)
@@ -227,42 +231,44 @@ function log.save(st, key, rule)
   if old < st.len then
     text = (old > 0 and string.sub(st.text, 8 * old + 1) or st.text) .. text
   end
-  redis.call('PSETEX', key, ms_until(now + rule.horizon), text)
+  redis.call('PSETEX', st.key, ms_until(now + rule.horizon), text)
 end
 
--- The save of a string-state algorithm, from its `numbers(st, rule)`: the state's numbers and
--- the time until which it matters. `last` is appended, and the key lives until that time or
--- until min_spacing after `last`, whichever is later.
-local function numbers_save(numbers)
-  return function(st, key, rule)
-    if not st.dirty then
-      return
-    end
-    local nums, until_t = numbers(st, rule)
-    nums[#nums + 1] = st.last
-    until_t = math.max(until_t, st.last + rule.spacing)
-    redis.call('PSETEX', key, ms_until(until_t), struct.pack(packing(#nums), unpack(nums)))
+-- Saves a gcra or fixed_window state, if it changed: its numbers `v` (n of them, `last`
+-- appended), living until `until_t` or min_spacing after `last`, whichever is later.
+local function save_numbers(st, n, until_t)
+  if not st.dirty then
+    return
   end
+  local v, last = st.v, st.last
+  v[n + 1] = last
+  until_t = math.max(until_t, last + st.rule.spacing)
+  redis.call('PSETEX', st.key, ms_until(until_t), struct_pack(packing(n + 1), unpack(v, 1, n + 1)))
 end
 
--- gcra: t<i> (the theoretical arrival time of limit i, µs) for each limit, then last.
+-- gcra: v holds t<i>, the theoretical arrival time of limit i (µs), for each limit; then last.
 local gcra = {}
 
-function gcra.load(text, rule)
-  local n = #rule.limits
+function gcra.load(text, rule, key)
+  local n = rule.nlimits
   local v = unpack_numbers(text, n + 1)
-  local st = { tats = {}, last = v[n + 1] }
-  for i = 1, n do
-    st.tats[i] = v[i] or 0
+  local last
+  if v then
+    last = v[n + 1]
+  else
+    v = {}
+    for i = 1, n do
+      v[i] = 0
+    end
   end
-  return st
+  return { alg = gcra, key = key, rule = rule, v = v, last = last, dirty = false }
 end
 
 function gcra.check(st, rule)
   local retry, lim = spacing_check(st.last, rule), 0
+  local tats = st.v
   for i = 1, rule.nlimits do
-    local l = rule.limits[i]
-    local earliest = st.tats[i] - l.tol
+    local earliest = tats[i] - rule.limits[i].tol
     if now < earliest then
       retry, lim = worse(retry, lim, earliest - now, i)
     end
@@ -271,48 +277,54 @@ function gcra.check(st, rule)
 end
 
 function gcra.charge(st, rule, passed)
+  local tats = st.v
   for i = 1, rule.nlimits do
     local l = rule.limits[i]
-    local nxt = math.max(st.tats[i], now) + l.interval
+    local nxt = math.max(tats[i], now) + l.interval
     if not passed then
       -- A rejected attempt's debt stops at one full bucket.
       nxt = math.min(nxt, now + l.tol + l.interval)
     end
-    st.tats[i] = nxt
+    tats[i] = nxt
   end
   st.last, st.dirty = now, true
 end
 
--- The tats; the state matters until the latest of them (an empty bucket after).
-gcra.save = numbers_save(function(st, rule)
-  local nums, until_t = {}, 0
-  for i, tat in ipairs(st.tats) do
-    nums[i] = tat
-    until_t = math.max(until_t, tat)
+-- The state matters until the latest tat (an empty bucket after).
+function gcra.save(st)
+  local n, until_t = st.rule.nlimits, 0
+  for i = 1, n do
+    until_t = math.max(until_t, st.v[i])
   end
-  return nums, until_t
-end)
+  save_numbers(st, n, until_t)
+end
 
--- fixed_window: w<i> (window number of limit i) and c<i> (its count) for each limit, then last.
+-- fixed_window: v holds w<i> (window number of limit i) and c<i> (its count) for each limit;
+-- then last.
 local fixed = {}
 
-function fixed.load(text, rule)
-  local n = #rule.limits
+function fixed.load(text, rule, key)
+  local n = rule.nlimits
   local v = unpack_numbers(text, 2 * n + 1)
-  local st = { w = {}, c = {}, last = v[2 * n + 1] }
-  for i = 1, n do
-    st.w[i] = v[2 * i - 1] or -1
-    st.c[i] = v[2 * i] or 0
+  local last
+  if v then
+    last = v[2 * n + 1]
+  else
+    v = {}
+    for i = 1, n do
+      v[2 * i - 1], v[2 * i] = -1, 0
+    end
   end
-  return st
+  return { alg = fixed, key = key, rule = rule, v = v, last = last, dirty = false }
 end
 
 function fixed.check(st, rule)
   local retry, lim = spacing_check(st.last, rule), 0
+  local v = st.v
   for i = 1, rule.nlimits do
     local l = rule.limits[i]
     local current = window_of(l.window)
-    if st.w[i] == current and st.c[i] >= l.count then
+    if v[2 * i - 1] == current and v[2 * i] >= l.count then
       retry, lim = worse(retry, lim, (current + 1) * l.window - now, i)
     end
   end
@@ -320,28 +332,25 @@ function fixed.check(st, rule)
 end
 
 function fixed.charge(st, rule, passed)
+  local v = st.v
   for i = 1, rule.nlimits do
-    local l = rule.limits[i]
-    local current = window_of(l.window)
-    if st.w[i] ~= current then
-      st.w[i], st.c[i] = current, 0
+    local current = window_of(rule.limits[i].window)
+    if v[2 * i - 1] ~= current then
+      v[2 * i - 1], v[2 * i] = current, 0
     end
-    st.c[i] = st.c[i] + 1
+    v[2 * i] = v[2 * i] + 1
   end
   st.last, st.dirty = now, true
 end
 
--- Window number and count per limit; the state matters until the latest window ends.
-fixed.save = numbers_save(function(st, rule)
-  local nums, until_t = {}, 0
+-- The state matters until the latest window ends.
+function fixed.save(st)
+  local rule, until_t = st.rule, 0
   for i = 1, rule.nlimits do
-    local l = rule.limits[i]
-    nums[2 * i - 1] = st.w[i]
-    nums[2 * i] = st.c[i]
-    until_t = math.max(until_t, (st.w[i] + 1) * l.window)
+    until_t = math.max(until_t, (st.v[2 * i - 1] + 1) * rule.limits[i].window)
   end
-  return nums, until_t
-end)
+  save_numbers(st, 2 * rule.nlimits, until_t)
+end
 
 local algorithms = { sliding_log = log, gcra = gcra, fixed_window = fixed }
 
@@ -426,9 +435,7 @@ end
 local function state(key, rule)
   local st = states[key]
   if not st then
-    local alg = algorithms[rule.alg]
-    st = alg.load(texts[key], rule)
-    st.alg, st.key, st.rule = alg, key, rule
+    st = algorithms[rule.alg].load(texts[key], rule, key)
     states[key] = st
     order[#order + 1] = st
   end
@@ -515,7 +522,7 @@ for i = 1, n do
 end
 
 for _, st in ipairs(order) do
-  st.alg.save(st, st.key, st.rule)
+  st.alg.save(st)
 end
 for _, h in ipairs(hashes) do
   if record[h] then
