@@ -1,7 +1,9 @@
 //! The admission maths: `scripts/admit.lua`, run for real against a redis-server on Redis's own
 //! clock, gives the same decisions as the Rust engine (`src/admission`) replaying each call at
-//! the `now_us` the script reports; and the Rust algorithms keep their promises against
-//! brute-force models of the rolling window (property tests, fake time).
+//! the `now_us` the script reports, and writes the rejected entries the worker would (once
+//! each, with `rejected_fields`' fields) when it writes them itself; and the Rust algorithms
+//! keep their promises against brute-force models of the rolling window (property tests, fake
+//! time).
 
 use pacer::admission::{
     fixed_window, gcra, sliding_log, Algorithm, Check, Engine, EngineRule, Limit, Rule, State,
