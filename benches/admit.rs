@@ -73,8 +73,12 @@ fn main() {
     let sources = arg("--sources", 1000);
     let rounds = arg("--rounds", 3);
     let per_source = events / sources;
-    // A per-minute limit that never binds, and one that rejects 40% of each source's events.
-    let open = format!("{}/min", per_source * 10);
+    // A per-minute limit that never binds (within what a sliding log may keep), and one that
+    // rejects 40% of each source's events.
+    let open = format!(
+        "{}/min",
+        (per_source * 10).min(pacer::config::SLIDING_LOG_MAX)
+    );
     let tight = format!("{}/min", per_source * 6 / 10);
     let mut runs: Vec<Run> = vec![("outbound, 10 routes".into(), None, Vec::new())];
     for algorithm in ["sliding_log", "gcra", "fixed_window"] {

@@ -8,7 +8,7 @@ mod inbound;
 mod problems;
 mod raw;
 
-pub use inbound::{FailPolicy, InboundConfig, InboundRule};
+pub use inbound::{FailPolicy, InboundConfig, InboundRule, SLIDING_LOG_MAX};
 pub use problems::{ConfigError, Problem};
 
 use crate::keys::{self, RouteKeys};
