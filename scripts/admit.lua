@@ -234,6 +234,26 @@ function log.save(st)
   redis.call('PSETEX', st.key, ms_until(now + rule.horizon), text)
 end
 
+-- Loads a gcra or fixed_window state: its numbers `v` (alg.width per limit), then `last`; with
+-- none stored, alg.empty (one limit's numbers with nothing charged) for each limit.
+local function load_numbers(alg, text, rule, key)
+  local width = #alg.empty
+  local n = width * rule.nlimits
+  local v = unpack_numbers(text, n + 1)
+  local last
+  if v then
+    last = v[n + 1]
+  else
+    v = {}
+    for i = 0, rule.nlimits - 1 do
+      for j, x in ipairs(alg.empty) do
+        v[width * i + j] = x
+      end
+    end
+  end
+  return { alg = alg, key = key, rule = rule, v = v, last = last, dirty = false }
+end
+
 -- Saves a gcra or fixed_window state, if it changed: its numbers `v` (n of them, `last`
 -- appended), living until `until_t` or min_spacing after `last`, whichever is later.
 local function save_numbers(st, n, until_t)
@@ -247,21 +267,10 @@ local function save_numbers(st, n, until_t)
 end
 
 -- gcra: v holds t<i>, the theoretical arrival time of limit i (µs), for each limit; then last.
-local gcra = {}
+local gcra = { empty = { 0 } }
 
 function gcra.load(text, rule, key)
-  local n = rule.nlimits
-  local v = unpack_numbers(text, n + 1)
-  local last
-  if v then
-    last = v[n + 1]
-  else
-    v = {}
-    for i = 1, n do
-      v[i] = 0
-    end
-  end
-  return { alg = gcra, key = key, rule = rule, v = v, last = last, dirty = false }
+  return load_numbers(gcra, text, rule, key)
 end
 
 function gcra.check(st, rule)
@@ -301,21 +310,10 @@ end
 
 -- fixed_window: v holds w<i> (window number of limit i) and c<i> (its count) for each limit;
 -- then last.
-local fixed = {}
+local fixed = { empty = { -1, 0 } }
 
 function fixed.load(text, rule, key)
-  local n = rule.nlimits
-  local v = unpack_numbers(text, 2 * n + 1)
-  local last
-  if v then
-    last = v[2 * n + 1]
-  else
-    v = {}
-    for i = 1, n do
-      v[2 * i - 1], v[2 * i] = -1, 0
-    end
-  end
-  return { alg = fixed, key = key, rule = rule, v = v, last = last, dirty = false }
+  return load_numbers(fixed, text, rule, key)
 end
 
 function fixed.check(st, rule)

@@ -211,6 +211,16 @@ impl State {
         }
     }
 
+    /// Milliseconds this state is worth keeping after `now`: the time to live `admit.lua` gives
+    /// its key when it saves it (a sliding log: the rule's horizon).
+    pub fn ttl_ms(&self, now_us: i64, rule: &Rule) -> i64 {
+        match self {
+            State::Log(_) => ((rule.horizon_us() + 999) / 1000).max(1),
+            State::Gcra(s) => gcra::ttl_ms(s, now_us, rule),
+            State::Fixed(s) => fixed_window::ttl_ms(s, now_us, rule),
+        }
+    }
+
     /// Charges one event; `passed` says whether the rule let it through (a gcra charge for a
     /// rejected attempt is capped, see [`gcra::charge`]).
     pub fn charge(&mut self, now_us: i64, rule: &Rule, passed: bool) {

@@ -264,7 +264,8 @@ fn run_case(
             }
         }
         // Bounded memory, after every call: logs never longer than their largest limit, and
-        // every key expiring within its rule's horizon. A log holds what the model's holds.
+        // every key expiring within its rule's horizon and within what the model says its state
+        // is worth. A log holds what the model's holds.
         for (r, rule) in rules.iter().enumerate() {
             let pattern = format!("pacer:in:{{fwd}}:{}:*", rule.name);
             let found: Vec<String> = redis::cmd("KEYS").arg(&pattern).query(sync).unwrap();
@@ -278,6 +279,21 @@ fn run_case(
                     key,
                     pttl,
                     horizon_ms
+                );
+                // And no longer than its state is worth keeping, as the model computes it (for
+                // gcra and fixed_window, often well within the horizon). The key was written at
+                // this call's `now` or earlier, so its time to live is at most the model's as of
+                // now, give or take the millisecond each side rounds to.
+                let Some(model) = engine.states.get(&(r, key.clone())) else {
+                    return Err(TestCaseError::fail(format!("{key}: not in the model")));
+                };
+                let worth_ms = model.ttl_ms(reply.now_us, &rule.rule);
+                prop_assert!(
+                    pttl <= worth_ms + 1,
+                    "{} ttl {} > {} ms",
+                    key,
+                    pttl,
+                    worth_ms
                 );
                 if rule.rule.algorithm == Algorithm::SlidingLog {
                     let Some(bytes): Option<Vec<u8>> =
