@@ -303,7 +303,15 @@ pub struct AdmitTargets<'a> {
     pub decision_ttl_ms: u64,
     /// Output streams are trimmed to about this many entries.
     pub max_len: u64,
+    /// A sliding log whose cap (largest limit) is at most this many entries is read whole; a
+    /// larger one entry by entry. [`WHOLE_LOG_MAX`] but in tests, which draw both ways.
+    pub whole_log_max: i64,
 }
+
+/// Sliding logs of up to this many entries (2 KiB) are read whole by `admit.lua`, larger ones
+/// entry by entry: in Lua a string costs by its size, a command by its count, and this is
+/// where they cross on this machine (`scripts/admit.lua` has the figures).
+pub const WHOLE_LOG_MAX: i64 = 256;
 
 /// One inbound event offered to `admit`.
 pub struct AdmitItem<'a> {
@@ -356,6 +364,7 @@ impl Scripts {
         call.arg(to.decision_ttl_ms)
             .arg(to.max_len)
             .arg(u8::from(to.rejected.is_some()))
+            .arg(to.whole_log_max)
             .arg(rules.len());
         for r in rules {
             let rule = &r.rule;

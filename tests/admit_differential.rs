@@ -13,7 +13,7 @@ use pacer::config::InboundRule;
 use pacer::event::inbound::{forward_fields, rejected_fields, Decision, InboundEvent};
 use pacer::event::{Entry, Fields};
 use pacer::keys::InboundKeys;
-use pacer::scripts::{spacing_label, AdmitItem, AdmitTargets, Admitted, Scripts};
+use pacer::scripts::{spacing_label, AdmitItem, AdmitTargets, Admitted, Scripts, WHOLE_LOG_MAX};
 use pacer::testkit::RedisServer;
 use proptest::prelude::*;
 use std::cell::RefCell;
@@ -80,6 +80,8 @@ struct Case {
     rules: Vec<(Rule, bool, usize)>,
     /// Whether the script writes rejections itself (to the stream "rej").
     rejects_here: bool,
+    /// Whether it reads sliding logs whole or entry by entry (`AdmitTargets::whole_log_max`).
+    whole_logs: bool,
     /// (sleep before it in µs, events)
     batches: Vec<(u64, Vec<Ev>)>,
 }
@@ -93,13 +95,17 @@ fn case() -> impl Strategy<Value = Case> {
         )
             .prop_map(|(values, redeliver)| Ev { values, redeliver });
         let batch = (0u64..5_000, proptest::collection::vec(ev, 1..7));
-        (proptest::collection::vec(batch, 3..12), any::<bool>()).prop_map(
-            move |(batches, rejects_here)| Case {
+        (
+            proptest::collection::vec(batch, 3..12),
+            any::<bool>(),
+            any::<bool>(),
+        )
+            .prop_map(move |(batches, rejects_here, whole_logs)| Case {
                 rules: rules.clone(),
                 rejects_here,
+                whole_logs,
                 batches,
-            },
-        )
+            })
     })
 }
 
@@ -235,6 +241,8 @@ fn run_case(
             rejected,
             decision_ttl_ms: 600_000,
             max_len: 10_000,
+            // The drawn caps are small: 0 makes every log read by entry.
+            whole_log_max: if case.whole_logs { WHOLE_LOG_MAX } else { 0 },
         };
         let reply = rt
             .block_on(scripts.admit(con, &to, &rules, &items))

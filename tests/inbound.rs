@@ -9,7 +9,7 @@ use pacer::config::{Config, InboundConfig, Overrides};
 use pacer::event::inbound::{forward_fields, parse_inbound, Decision, InboundEvent};
 use pacer::event::{Entry, Fields};
 use pacer::keys::hash_tag;
-use pacer::scripts::{AdmitItem, AdmitReply, AdmitTargets, Admitted, Scripts};
+use pacer::scripts::{AdmitItem, AdmitReply, AdmitTargets, Admitted, Scripts, WHOLE_LOG_MAX};
 use pacer::testkit::{free_port, http_get, metric, wait_until, RedisServer, TempDir};
 use std::time::Duration;
 
@@ -25,6 +25,8 @@ struct Rig {
     /// Whether the script writes rejections itself (to "rej"); off, as on a cluster whose
     /// rejected stream is in another slot.
     rejects_here: bool,
+    /// Sliding logs with caps up to this are read whole by the script, larger ones by entry.
+    whole_log_max: i64,
 }
 
 impl Rig {
@@ -47,6 +49,7 @@ impl Rig {
             rt,
             next: 0,
             rejects_here: false,
+            whole_log_max: WHOLE_LOG_MAX,
         }
     }
 
@@ -87,6 +90,7 @@ impl Rig {
             rejected: self.rejects_here.then_some("rej"),
             decision_ttl_ms: 600_000,
             max_len: 100_000,
+            whole_log_max: self.whole_log_max,
         };
         self.rt
             .block_on(
@@ -145,7 +149,17 @@ fn sleep_until_redis_us(rig: &Rig, at_us: i64) {
 
 #[test]
 fn several_limits_all_hold_at_once() {
+    several_limits_all_hold_at_once_reading_logs(WHOLE_LOG_MAX);
+}
+
+#[test]
+fn several_limits_all_hold_at_once_with_logs_read_by_entry() {
+    several_limits_all_hold_at_once_reading_logs(0);
+}
+
+fn several_limits_all_hold_at_once_reading_logs(whole_log_max: i64) {
     let mut rig = Rig::new("    - {name: src, key: [source], limits: [5/s, 8/min]}\n");
+    rig.whole_log_max = whole_log_max;
     let (t0, first) = rig.burst(20, &[("source", "a")]);
     assert_eq!(accepted(&first), 5, "5/s binds first");
     match &first[5] {
@@ -310,9 +324,19 @@ fn min_spacing_separates_accepted_events_of_an_identity() {
 
 #[test]
 fn memory_is_bounded_every_key_expires_within_its_window_and_logs_stay_within_the_limit() {
+    memory_is_bounded_reading_logs(WHOLE_LOG_MAX);
+}
+
+#[test]
+fn memory_is_bounded_with_logs_read_by_entry() {
+    memory_is_bounded_reading_logs(0);
+}
+
+fn memory_is_bounded_reading_logs(whole_log_max: i64) {
     let mut rig = Rig::new(
         "    - {name: log, key: [source], limits: [5/s, 20/min]}\n    - {name: hammer, key: [ip], limits: [3/s], count_rejected: true}\n    - {name: g, key: [ip], algorithm: gcra, limits: [10/s]}\n    - {name: fw, key: [ip], algorithm: fixed_window, limits: [10/s, 50/min]}\n",
     );
+    rig.whole_log_max = whole_log_max;
     for round in 0..30 {
         let source = format!("s{}", round % 3);
         rig.burst(40, &[("source", &source), ("ip", "9.9.9.9")]);

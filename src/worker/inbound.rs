@@ -20,7 +20,7 @@ use crate::error::Result;
 use crate::event::inbound::{self as ev, Decision, InboundEvent};
 use crate::event::{self, Entry, Fields, Reason, Refused};
 use crate::keys::OutputKeys;
-use crate::scripts::{AdmitItem, AdmitReply, AdmitTargets, Admitted};
+use crate::scripts::{AdmitItem, AdmitReply, AdmitTargets, Admitted, WHOLE_LOG_MAX};
 use crate::telemetry::{self, InboundOutcome};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -182,6 +182,7 @@ impl Shared {
             rejected: in_admission.then_some(cfg.rejected_stream.as_str()),
             decision_ttl_ms: cfg.dedupe_ttl.as_millis() as u64,
             max_len: cfg.max_len,
+            whole_log_max: WHOLE_LOG_MAX,
         };
         let mut backoff = BACKOFF_MIN;
         let mut attempt = 0;
