@@ -303,15 +303,17 @@ pub struct AdmitTargets<'a> {
     pub decision_ttl_ms: u64,
     /// Output streams are trimmed to about this many entries.
     pub max_len: u64,
-    /// A sliding log whose cap (largest limit) is at most this many entries is read whole; a
-    /// larger one entry by entry. [`WHOLE_LOG_MAX`] but in tests, which draw both ways.
-    pub whole_log_max: i64,
+    /// A sliding log is read entry by entry when its cap (largest limit) is more than this many
+    /// entries per command that takes (1 + a limit + min_spacing), else whole.
+    /// [`LOG_ENTRIES_PER_READ`] but in tests, which draw both ways (0: always by entry).
+    pub log_entries_per_read: i64,
 }
 
-/// Sliding logs of up to this many entries (2 KiB) are read whole by `admit.lua`, larger ones
-/// entry by entry: in Lua a string costs by its size, a command by its count, and this is
-/// where they cross on this machine (`scripts/admit.lua` has the figures).
-pub const WHOLE_LOG_MAX: i64 = 256;
+/// What one command costs `admit.lua` in log entries read whole: in Lua a string costs by its
+/// size (hashed byte by byte), a command by its count, and this is about where they cross on
+/// this machine (`scripts/admit.lua` has the figures). A one-limit log is read whole up to
+/// a cap of 96 entries, one with three limits and min_spacing up to 240.
+pub const LOG_ENTRIES_PER_READ: i64 = 48;
 
 /// One inbound event offered to `admit`.
 pub struct AdmitItem<'a> {
@@ -364,7 +366,7 @@ impl Scripts {
         call.arg(to.decision_ttl_ms)
             .arg(to.max_len)
             .arg(u8::from(to.rejected.is_some()))
-            .arg(to.whole_log_max)
+            .arg(to.log_entries_per_read)
             .arg(rules.len());
         for r in rules {
             let rule = &r.rule;

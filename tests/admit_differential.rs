@@ -13,7 +13,9 @@ use pacer::config::InboundRule;
 use pacer::event::inbound::{forward_fields, rejected_fields, Decision, InboundEvent};
 use pacer::event::{Entry, Fields};
 use pacer::keys::InboundKeys;
-use pacer::scripts::{spacing_label, AdmitItem, AdmitTargets, Admitted, Scripts, WHOLE_LOG_MAX};
+use pacer::scripts::{
+    spacing_label, AdmitItem, AdmitTargets, Admitted, Scripts, LOG_ENTRIES_PER_READ,
+};
 use pacer::testkit::RedisServer;
 use proptest::prelude::*;
 use std::cell::RefCell;
@@ -80,7 +82,7 @@ struct Case {
     rules: Vec<(Rule, bool, usize)>,
     /// Whether the script writes rejections itself (to the stream "rej").
     rejects_here: bool,
-    /// Whether it reads sliding logs whole or entry by entry (`AdmitTargets::whole_log_max`).
+    /// Whether it reads sliding logs whole or entry by entry (`AdmitTargets::log_entries_per_read`).
     whole_logs: bool,
     /// (sleep before it in µs, events)
     batches: Vec<(u64, Vec<Ev>)>,
@@ -241,8 +243,12 @@ fn run_case(
             rejected,
             decision_ttl_ms: 600_000,
             max_len: 10_000,
-            // The drawn caps are small: 0 makes every log read by entry.
-            whole_log_max: if case.whole_logs { WHOLE_LOG_MAX } else { 0 },
+            // The drawn caps are small: read whole by default, by entry with 0.
+            log_entries_per_read: if case.whole_logs {
+                LOG_ENTRIES_PER_READ
+            } else {
+                0
+            },
         };
         let reply = rt
             .block_on(scripts.admit(con, &to, &rules, &items))

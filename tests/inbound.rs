@@ -9,7 +9,9 @@ use pacer::config::{Config, InboundConfig, Overrides};
 use pacer::event::inbound::{forward_fields, parse_inbound, Decision, InboundEvent};
 use pacer::event::{Entry, Fields};
 use pacer::keys::hash_tag;
-use pacer::scripts::{AdmitItem, AdmitReply, AdmitTargets, Admitted, Scripts, WHOLE_LOG_MAX};
+use pacer::scripts::{
+    AdmitItem, AdmitReply, AdmitTargets, Admitted, Scripts, LOG_ENTRIES_PER_READ,
+};
 use pacer::testkit::{free_port, http_get, metric, wait_until, RedisServer, TempDir};
 use std::time::Duration;
 
@@ -25,8 +27,8 @@ struct Rig {
     /// Whether the script writes rejections itself (to "rej"); off, as on a cluster whose
     /// rejected stream is in another slot.
     rejects_here: bool,
-    /// Sliding logs with caps up to this are read whole by the script, larger ones by entry.
-    whole_log_max: i64,
+    /// `AdmitTargets::log_entries_per_read`: 0 reads every sliding log by entry.
+    log_entries_per_read: i64,
 }
 
 impl Rig {
@@ -49,7 +51,7 @@ impl Rig {
             rt,
             next: 0,
             rejects_here: false,
-            whole_log_max: WHOLE_LOG_MAX,
+            log_entries_per_read: LOG_ENTRIES_PER_READ,
         }
     }
 
@@ -90,7 +92,7 @@ impl Rig {
             rejected: self.rejects_here.then_some("rej"),
             decision_ttl_ms: 600_000,
             max_len: 100_000,
-            whole_log_max: self.whole_log_max,
+            log_entries_per_read: self.log_entries_per_read,
         };
         self.rt
             .block_on(
@@ -149,7 +151,7 @@ fn sleep_until_redis_us(rig: &Rig, at_us: i64) {
 
 #[test]
 fn several_limits_all_hold_at_once() {
-    several_limits_all_hold_at_once_reading_logs(WHOLE_LOG_MAX);
+    several_limits_all_hold_at_once_reading_logs(LOG_ENTRIES_PER_READ);
 }
 
 #[test]
@@ -157,9 +159,9 @@ fn several_limits_all_hold_at_once_with_logs_read_by_entry() {
     several_limits_all_hold_at_once_reading_logs(0);
 }
 
-fn several_limits_all_hold_at_once_reading_logs(whole_log_max: i64) {
+fn several_limits_all_hold_at_once_reading_logs(log_entries_per_read: i64) {
     let mut rig = Rig::new("    - {name: src, key: [source], limits: [5/s, 8/min]}\n");
-    rig.whole_log_max = whole_log_max;
+    rig.log_entries_per_read = log_entries_per_read;
     let (t0, first) = rig.burst(20, &[("source", "a")]);
     assert_eq!(accepted(&first), 5, "5/s binds first");
     match &first[5] {
@@ -324,7 +326,7 @@ fn min_spacing_separates_accepted_events_of_an_identity() {
 
 #[test]
 fn memory_is_bounded_every_key_expires_within_its_window_and_logs_stay_within_the_limit() {
-    memory_is_bounded_reading_logs(WHOLE_LOG_MAX);
+    memory_is_bounded_reading_logs(LOG_ENTRIES_PER_READ);
 }
 
 #[test]
@@ -332,11 +334,11 @@ fn memory_is_bounded_with_logs_read_by_entry() {
     memory_is_bounded_reading_logs(0);
 }
 
-fn memory_is_bounded_reading_logs(whole_log_max: i64) {
+fn memory_is_bounded_reading_logs(log_entries_per_read: i64) {
     let mut rig = Rig::new(
         "    - {name: log, key: [source], limits: [5/s, 20/min]}\n    - {name: hammer, key: [ip], limits: [3/s], count_rejected: true}\n    - {name: g, key: [ip], algorithm: gcra, limits: [10/s]}\n    - {name: fw, key: [ip], algorithm: fixed_window, limits: [10/s, 50/min]}\n",
     );
-    rig.whole_log_max = whole_log_max;
+    rig.log_entries_per_read = log_entries_per_read;
     for round in 0..30 {
         let source = format!("s{}", round % 3);
         rig.burst(40, &[("source", &source), ("ip", "9.9.9.9")]);

@@ -20,7 +20,7 @@ use crate::error::Result;
 use crate::event::inbound::{self as ev, Decision, InboundEvent};
 use crate::event::{self, Entry, Fields, Reason, Refused};
 use crate::keys::OutputKeys;
-use crate::scripts::{AdmitItem, AdmitReply, AdmitTargets, Admitted, WHOLE_LOG_MAX};
+use crate::scripts::{AdmitItem, AdmitReply, AdmitTargets, Admitted, LOG_ENTRIES_PER_READ};
 use crate::telemetry::{self, InboundOutcome};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -182,7 +182,7 @@ impl Shared {
             rejected: in_admission.then_some(cfg.rejected_stream.as_str()),
             decision_ttl_ms: cfg.dedupe_ttl.as_millis() as u64,
             max_len: cfg.max_len,
-            whole_log_max: WHOLE_LOG_MAX,
+            log_entries_per_read: LOG_ENTRIES_PER_READ,
         };
         let mut backoff = BACKOFF_MIN;
         let mut attempt = 0;
