@@ -444,13 +444,8 @@ fn sliding_log_takes_exactly_the_limit_of_fifty_at_once_then_exactly_that_many_a
     let redis = RedisServer::start();
     let dir = TempDir::new("in-exact");
     let port = free_port();
-    let body = r#"inbound:
-  streams: ["pacer:in"]
-  forward_stream: "pacer:accepted"
-  rejected_stream: "pacer:in-rejected"
-  rules:
-    - {name: per-source, key: [source], algorithm: sliding_log, limits: [10/s]}
-"#;
+    let body =
+        &inbound_body("{name: per-source, key: [source], algorithm: sliding_log, limits: [10/s]}");
     let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
     let pacer = start(&cfg, port);
     let settled = |n: usize| {

@@ -542,13 +542,8 @@ fn a_claimed_inbound_entry_is_decided_once_when_rejections_take_a_second_call() 
 fn claimed_inbound_entries_decided_once(redis: RedisServer, rejects_in_admission: bool) {
     let dir = TempDir::new("in-kill");
     let worker = "  batch: 32\n  drain: 1s\n  claim_idle: 1500ms";
-    let body = r#"inbound:
-  streams: ["pacer:in"]
-  forward_stream: "pacer:accepted"
-  rejected_stream: "pacer:in-rejected"
-  rules:
-    - {name: per-source, key: [source], algorithm: gcra, limits: [10/min]}
-"#;
+    let body =
+        &inbound_body("{name: per-source, key: [source], algorithm: gcra, limits: [10/min]}");
     let calls = |n: usize, from: usize| -> Vec<_> {
         (from..from + n)
             .map(|i| event(&[("source", "s1"), ("call", &i.to_string())]))
@@ -608,13 +603,8 @@ fn a_poison_inbound_entry_is_dead_lettered_and_voided() {
     let redis = RedisServer::start();
     let dir = TempDir::new("in-poison");
     let worker = "  batch: 8\n  drain: 1s\n  claim_idle: 1200ms\n  max_deliveries: 2";
-    let body = r#"inbound:
-  streams: ["pacer:in"]
-  forward_stream: "pacer:accepted"
-  rejected_stream: "pacer:in-rejected"
-  rules:
-    - {name: per-source, key: [source], algorithm: gcra, limits: [10/min]}
-"#;
+    let body =
+        &inbound_body("{name: per-source, key: [source], algorithm: gcra, limits: [10/min]}");
     let decided = push(&redis, "pacer:in", &[event(&[("source", "s1")])]);
     // Decided and forwarded by a worker that then dies before acknowledging.
     let cfg = config(&dir, "v0.yaml", &redis, free_port(), worker, body);

@@ -29,6 +29,14 @@ pub fn config(
     dir.write(name, &text)
 }
 
+/// An `inbound:` section reading `pacer:in`, forwarding to `pacer:accepted` and rejecting to
+/// `pacer:in-rejected`, with one rule (a YAML flow mapping).
+pub fn inbound_body(rule: &str) -> String {
+    format!(
+        "inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  rejected_stream: \"pacer:in-rejected\"\n  rules:\n    - {rule}\n"
+    )
+}
+
 /// Starts pacer and waits until `/readyz` says ready.
 pub fn start(config: &Path, metrics_port: u16) -> Pacer {
     start_wrapped(&[], &[], config, metrics_port)
