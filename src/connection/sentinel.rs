@@ -1,0 +1,301 @@
+//! A connection to the master a set of Redis Sentinels names, that follows a failover.
+//!
+//! redis-rs's `SentinelClient` finds the master (it asks the sentinels, then checks with `ROLE`
+//! that the node really is a master) and hands back a client for it; it does not notice when
+//! the master changes. So the master's `ConnectionManager` is kept here with the address it was
+//! built for, and marked stale when a command fails in a way a failover explains: the connection
+//! dropped or was refused, a timeout, or `READONLY` (the node was demoted to a replica). The next
+//! command asks the sentinels again and, if the master moved, switches to a connection to the
+//! new one; the failed command itself is returned to the caller, whose retry lands on the new
+//! master. Asking is rate-limited, and while the sentinels cannot be asked the last connection
+//! is kept, so a sentinel outage alone does not stop traffic to a healthy master.
+//!
+//! A planned failover (`SENTINEL FAILOVER`) gives no such error: the old master keeps
+//! answering, as a master, until the sentinels convert it to a replica several seconds later
+//! (and writes it took meanwhile are lost then). So a background task also asks the sentinels
+//! every `RECHECK_EVERY` and switches as soon as they name another master.
+
+use crate::config::{RedisConfig, SentinelConfig};
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
+use redis::{
+    Cmd, ConnectionInfo, ErrorKind, Pipeline, RedisError, RedisResult, ServerErrorKind,
+    TlsCertificates, TlsMode, Value,
+};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+use tracing::{debug, info, warn};
+
+/// The sentinels are asked at most this often while the master is suspect: during a failover
+/// every command fails until the replica is promoted, and each need not cost a lookup.
+const RESOLVE_EVERY: Duration = Duration::from_millis(200);
+
+/// How often the sentinels are asked anyway (one `SENTINEL MASTERS` on a kept connection and a
+/// short connection to the master for `ROLE`), to notice a failover that raised no error.
+const RECHECK_EVERY: Duration = Duration::from_secs(1);
+
+#[derive(Clone)]
+pub(super) struct SentinelConn {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    /// Lookups are serialised: one at a time asks the sentinels, the others wait and use its
+    /// answer.
+    client: tokio::sync::Mutex<SentinelClient>,
+    state: Mutex<State>,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+    master_name: String,
+}
+
+#[derive(Default)]
+struct State {
+    current: Option<Master>,
+    /// A command failed the way a failover explains: ask the sentinels before the next one.
+    stale: bool,
+    last_lookup: Option<Instant>,
+    /// A failed lookup was logged since the last good one: a failover makes many in a row.
+    warned: bool,
+}
+
+#[derive(Clone)]
+struct Master {
+    /// `host:port`, to tell a real switch from a lookup naming the same master again.
+    addr: String,
+    con: ConnectionManager,
+}
+
+impl SentinelConn {
+    /// `sentinels` are the URLs' connection infos (the sentinels' own credentials applied);
+    /// the master gets `cfg.username`/`cfg.password`, database `db` and the TLS material.
+    pub(super) fn new(
+        cfg: &RedisConfig,
+        sentinels: &[ConnectionInfo],
+        db: i64,
+        certs: Option<TlsCertificates>,
+        response_timeout: Duration,
+    ) -> RedisResult<Self> {
+        let SentinelConfig {
+            master_name,
+            username: sentinel_user,
+            password: sentinel_password,
+        } = cfg.sentinel.as_ref().ok_or((
+            ErrorKind::InvalidClientConfig,
+            "sentinel mode without a master name",
+        ))?;
+        let mut builder = SentinelClientBuilder::new(
+            sentinels.iter().map(|i| i.addr().clone()),
+            master_name,
+            SentinelServerType::Master,
+        )?
+        .set_client_to_redis_db(db);
+        if let Some(user) = &cfg.username {
+            builder = builder.set_client_to_redis_username(user);
+        }
+        if let Some(password) = &cfg.password {
+            builder = builder.set_client_to_redis_password(password.expose());
+        }
+        if let Some(user) = sentinel_user {
+            builder = builder.set_client_to_sentinel_username(user);
+        }
+        if let Some(password) = sentinel_password {
+            builder = builder.set_client_to_sentinel_password(password.expose());
+        }
+        if let Some(certs) = certs {
+            // One TLS setting for every node: the sentinels and the masters they name.
+            builder = builder
+                .set_client_to_redis_tls_mode(TlsMode::Secure)
+                .set_client_to_redis_certificates(certs.clone())
+                .set_client_to_sentinel_certificates(certs);
+        }
+        let client = builder.build()?;
+        let shared = Arc::new(Shared {
+            client: tokio::sync::Mutex::new(client),
+            state: Mutex::new(State::default()),
+            connect_timeout: cfg.timeout,
+            response_timeout,
+            master_name: master_name.clone(),
+        });
+        watch(Arc::downgrade(&shared));
+        Ok(SentinelConn { shared })
+    }
+
+    pub(super) async fn req_command(&self, cmd: &Cmd) -> RedisResult<Value> {
+        let mut con = self.master().await?;
+        let result = con.req_packed_command(cmd).await;
+        match &result {
+            Err(e) => self.suspect(e),
+            // Error replies may also come back inside `Ok`, for `query_async` to extract.
+            Ok(Value::ServerError(e)) if demoted(e) => self.mark_stale(),
+            Ok(_) => {}
+        }
+        result
+    }
+
+    pub(super) async fn req_pipeline(
+        &self,
+        pipeline: &Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisResult<Vec<Value>> {
+        let mut con = self.master().await?;
+        let result = con.req_packed_commands(pipeline, offset, count).await;
+        match &result {
+            Err(e) => self.suspect(e),
+            Ok(values) => {
+                // A pipeline's replies carry their own errors: a demoted master answers
+                // READONLY inside them.
+                if values
+                    .iter()
+                    .any(|v| matches!(v, Value::ServerError(e) if demoted(e)))
+                {
+                    self.mark_stale();
+                }
+            }
+        }
+        result
+    }
+
+    /// The master's connection: the current one, or, when it is suspect (or there is none yet),
+    /// whatever the sentinels name now.
+    async fn master(&self) -> RedisResult<ConnectionManager> {
+        let (current, due) = {
+            let state = self.shared.state.lock().expect("not poisoned");
+            let due = state.current.is_none()
+                || (state.stale
+                    && state
+                        .last_lookup
+                        .is_none_or(|t| t.elapsed() >= RESOLVE_EVERY));
+            (state.current.clone(), due)
+        };
+        if !due {
+            return Ok(current.expect("present when no lookup is due").con);
+        }
+        match self.lookup(false).await {
+            Ok(master) => Ok(master.con),
+            Err(e) => {
+                let first = !std::mem::replace(
+                    &mut self.shared.state.lock().expect("not poisoned").warned,
+                    true,
+                );
+                if first {
+                    warn!(error = %e, master_name = %self.shared.master_name, "the sentinels name no reachable master yet; retrying");
+                }
+                match current {
+                    // The sentinels cannot be asked, or name a master that is not up yet: keep
+                    // the master we know, which may well be fine.
+                    Some(master) => Ok(master.con),
+                    None => Err(e),
+                }
+            }
+        }
+    }
+
+    /// Asks the sentinels which node is master and switches to it if it moved. Unless
+    /// `always`, a master that is known and not suspect is taken as is (another command may have
+    /// looked up while this one waited for the lock).
+    async fn lookup(&self, always: bool) -> RedisResult<Master> {
+        let mut client = self.shared.client.lock().await;
+        {
+            let mut state = self.shared.state.lock().expect("not poisoned");
+            if let Some(master) = &state.current {
+                if !state.stale && !always {
+                    return Ok(master.clone());
+                }
+            }
+            state.last_lookup = Some(Instant::now());
+        }
+        // Asking the sentinels and checking the master's role: a few round trips, each bounded
+        // by the connection timeout, so a black-holed sentinel cannot stall the caller.
+        let found =
+            tokio::time::timeout(self.shared.connect_timeout * 2, client.async_get_client())
+                .await
+                .map_err(|_| {
+                    RedisError::from((
+                        ErrorKind::Io,
+                        "asking the sentinels for the master timed out",
+                    ))
+                })??;
+        let addr = found.get_connection_info().addr().to_string();
+        let mut state = self.shared.state.lock().expect("not poisoned");
+        state.stale = false;
+        state.warned = false;
+        if let Some(master) = &state.current {
+            if master.addr == addr {
+                return Ok(master.clone());
+            }
+        }
+        let con = ConnectionManager::new_lazy_with_config(
+            found,
+            super::manager_config(self.shared.connect_timeout, self.shared.response_timeout),
+        )?;
+        match &state.current {
+            Some(old) => {
+                info!(master_name = %self.shared.master_name, from = %old.addr, to = %addr, "the sentinels name a new master; switching")
+            }
+            None => {
+                info!(master_name = %self.shared.master_name, master = %addr, "the sentinels name the master")
+            }
+        }
+        let master = Master { addr, con };
+        state.current = Some(master.clone());
+        Ok(master)
+    }
+
+    /// Marks the master suspect when `err` is what a failover looks like from a client.
+    fn suspect(&self, err: &RedisError) {
+        let failover_like = err.is_io_error()
+            || err.is_connection_dropped()
+            || err.is_connection_refusal()
+            || err.is_timeout()
+            || matches!(
+                err.kind(),
+                ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
+            )
+            || err.code() == Some("READONLY")
+            // A script's write refused on a replica: Redis reports it inside the script error.
+            || err.to_string().contains("READONLY");
+        if failover_like {
+            self.mark_stale();
+        }
+    }
+
+    fn mark_stale(&self) {
+        self.shared.state.lock().expect("not poisoned").stale = true;
+    }
+}
+
+/// An error reply saying this node is no longer (or not yet) a usable master. A script's write
+/// refused on a replica carries READONLY inside its message.
+fn demoted(e: &redis::ServerError) -> bool {
+    matches!(e.code(), "READONLY" | "MASTERDOWN")
+        || e.details().is_some_and(|d| d.contains("READONLY"))
+}
+
+/// Asks the sentinels every `RECHECK_EVERY` while any clone of the connection lives (the task
+/// holds only a weak reference), once a first command has found the master. Without a tokio
+/// runtime at hand there is no watcher, and failovers are noticed by their errors alone.
+fn watch(shared: Weak<Shared>) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        let mut tick = tokio::time::interval(RECHECK_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(shared) = shared.upgrade() else {
+                return;
+            };
+            if shared.state.lock().expect("not poisoned").current.is_none() {
+                continue;
+            }
+            // A failed check changes nothing: commands keep the master they have, and their
+            // own errors mark it suspect.
+            if let Err(e) = (SentinelConn { shared }).lookup(true).await {
+                debug!(error = %e, "periodic sentinel check failed");
+            }
+        }
+    });
+}

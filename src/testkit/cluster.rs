@@ -1,0 +1,413 @@
+//! A real Redis Cluster for tests: N masters with R replicas each, on free loopback ports, made
+//! with `redis-cli --cluster create` (works offline) and killed on drop. Helpers read the
+//! topology from `CLUSTER NODES`, find the node serving a key, kill and restart nodes, fail
+//! over (graceful or TAKEOVER), move a slot the way `redis-cli --cluster reshard` does (slowly
+//! if asked, so traffic can run during it) and freeze a node to make a replica lag.
+//!
+//! Over 400 lines: starting, resharding and failing over a real cluster is one sequence of steps.
+
+use super::{wait_until, RedisServer};
+use crate::connection::key_slot;
+use std::collections::BTreeMap;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+/// Short enough that a killed master is failed over in a couple of seconds, long enough that a
+/// busy 2-core machine does not see false failures.
+const NODE_TIMEOUT_MS: u32 = 1000;
+
+/// One node of a `Cluster`.
+pub struct ClusterNode {
+    pub server: RedisServer,
+    /// Killed by `Cluster::kill` and not restarted.
+    pub down: bool,
+}
+
+/// What `CLUSTER NODES` says about one node.
+#[derive(Debug, Clone)]
+pub struct NodeInfo {
+    pub id: String,
+    pub port: u16,
+    pub master: bool,
+    /// The master's id, for a replica.
+    pub master_id: Option<String>,
+    /// Flagged `fail` (or `fail?`) by the node asked.
+    pub failed: bool,
+    /// Slot ranges served (masters), inclusive.
+    pub slots: Vec<(u16, u16)>,
+}
+
+pub struct Cluster {
+    pub nodes: Vec<ClusterNode>,
+}
+
+impl Cluster {
+    /// `masters` masters (at least 3: a cluster needs a majority of masters to fail one over)
+    /// with `replicas` replicas each; returns once every node says `cluster_state:ok`, agrees on
+    /// who serves every slot, and every replica is in sync with its master.
+    pub fn start(masters: usize, replicas: usize) -> Cluster {
+        let timeout = NODE_TIMEOUT_MS.to_string();
+        let args = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            &timeout,
+            // A replica may be promoted however stale its data looks: tests fail over right
+            // after start, before the replica has a long history with its master.
+            "--cluster-replica-validity-factor",
+            "0",
+            // Replicas stay with their masters, so tests know who replicates whom.
+            "--cluster-allow-replica-migration",
+            "no",
+        ];
+        let nodes: Vec<ClusterNode> = (0..masters * (1 + replicas))
+            .map(|_| ClusterNode {
+                server: RedisServer::start_with(&args),
+                down: false,
+            })
+            .collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.server.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("running redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let cluster = Cluster { nodes };
+        cluster.wait_stable(Duration::from_secs(20));
+        cluster
+    }
+
+    /// Every node's port, masters and replicas, down or not.
+    pub fn ports(&self) -> Vec<u16> {
+        self.nodes.iter().map(|n| n.server.port).collect()
+    }
+
+    /// Seed URLs for pacer: every node, comma-separated.
+    pub fn urls(&self) -> String {
+        self.ports()
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// A blocking connection straight to the node on `port` (no redirections followed).
+    pub fn con(&self, port: u16) -> redis::Connection {
+        self.node(port).server.con()
+    }
+
+    fn node(&self, port: u16) -> &ClusterNode {
+        self.nodes
+            .iter()
+            .find(|n| n.server.port == port)
+            .unwrap_or_else(|| panic!("no cluster node on port {port}"))
+    }
+
+    fn node_mut(&mut self, port: u16) -> &mut ClusterNode {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.server.port == port)
+            .unwrap_or_else(|| panic!("no cluster node on port {port}"))
+    }
+
+    fn live_ports(&self) -> Vec<u16> {
+        self.nodes
+            .iter()
+            .filter(|n| !n.down)
+            .map(|n| n.server.port)
+            .collect()
+    }
+
+    /// `CLUSTER NODES` as the node on `port` sees it.
+    pub fn topology_from(&self, port: u16) -> redis::RedisResult<Vec<NodeInfo>> {
+        let mut con = self.node(port).server.client().get_connection()?;
+        let text: String = redis::cmd("CLUSTER").arg("NODES").query(&mut con)?;
+        Ok(parse_nodes(&text))
+    }
+
+    /// `CLUSTER NODES` from the first live node that answers.
+    pub fn topology(&self) -> Vec<NodeInfo> {
+        self.live_ports()
+            .into_iter()
+            .find_map(|p| self.topology_from(p).ok())
+            .expect("no live cluster node answers CLUSTER NODES")
+    }
+
+    /// Ports of the masters that serve slots.
+    pub fn masters(&self) -> Vec<u16> {
+        self.topology()
+            .into_iter()
+            .filter(|n| n.master && !n.slots.is_empty())
+            .map(|n| n.port)
+            .collect()
+    }
+
+    /// Ports of the replicas of the master on `port`, as any live node remembers them (the
+    /// master itself may be dead).
+    pub fn replicas_of(&self, port: u16) -> Vec<u16> {
+        let topology = self.topology();
+        let Some(id) = topology
+            .iter()
+            .find(|n| n.port == port)
+            .map(|n| n.id.clone())
+        else {
+            return Vec::new();
+        };
+        topology
+            .into_iter()
+            .filter(|n| n.master_id.as_deref() == Some(id.as_str()))
+            .map(|n| n.port)
+            .collect()
+    }
+
+    /// The port of the master serving `slot`.
+    pub fn slot_owner(&self, slot: u16) -> u16 {
+        self.topology()
+            .into_iter()
+            .find(|n| n.master && n.slots.iter().any(|&(a, b)| (a..=b).contains(&slot)))
+            .map(|n| n.port)
+            .unwrap_or_else(|| panic!("no master serves slot {slot}"))
+    }
+
+    /// The port of the master serving `key`.
+    pub fn owner_of(&self, key: &str) -> u16 {
+        self.slot_owner(key_slot(key))
+    }
+
+    /// A hash tag (`t0`, `t1`, ...) whose keys land on each master, in `masters()` order.
+    pub fn tag_per_master(&self) -> Vec<(u16, String)> {
+        let masters = self.masters();
+        let mut found: BTreeMap<u16, String> = BTreeMap::new();
+        for i in 0.. {
+            let tag = format!("t{i}");
+            found.entry(self.owner_of(&tag)).or_insert(tag);
+            if found.len() == masters.len() {
+                break;
+            }
+        }
+        masters
+            .into_iter()
+            .map(|m| (m, found[&m].clone()))
+            .collect()
+    }
+
+    /// SIGKILLs the node on `port` (it stays down until `restart`).
+    pub fn kill(&mut self, port: u16) {
+        let node = self.node_mut(port);
+        node.server.kill();
+        node.down = true;
+    }
+
+    /// Starts a killed node again with its `nodes.conf`: it rejoins under its old identity (a
+    /// failed-over master comes back as a replica of its successor). Waits until it is back.
+    pub fn restart(&mut self, port: u16) {
+        let node = self.node_mut(port);
+        node.server.respawn();
+        node.down = false;
+        let ok = wait_until(Duration::from_secs(10), || {
+            self.cluster_info(port)
+                .is_some_and(|i| i.contains("cluster_state:ok"))
+        });
+        assert!(ok, "node {port} did not rejoin the cluster");
+    }
+
+    /// Freezes (SIGSTOP) the node on `port`: a replica stops replicating, a master stops
+    /// answering. `resume` thaws it.
+    pub fn pause(&self, port: u16) {
+        self.node(port).server.pause();
+    }
+
+    pub fn resume(&self, port: u16) {
+        self.node(port).server.resume();
+    }
+
+    /// `CLUSTER FAILOVER` (graceful: the master stops writes until the replica has caught up)
+    /// or `CLUSTER FAILOVER TAKEOVER` (no agreement asked, no catch-up) on the replica on
+    /// `replica`; returns once every live node names it master of its slots.
+    pub fn failover(&self, replica: u16, takeover: bool) {
+        let mut cmd = redis::cmd("CLUSTER");
+        cmd.arg("FAILOVER");
+        if takeover {
+            cmd.arg("TAKEOVER");
+        }
+        let _: () = cmd.query(&mut self.con(replica)).expect("CLUSTER FAILOVER");
+        let ok = wait_until(Duration::from_secs(10), || {
+            self.masters().contains(&replica) && self.agreed()
+        });
+        assert!(ok, "replica {replica} was not promoted");
+    }
+
+    /// Waits until a replica of the killed master on `old` has taken its slots and every live
+    /// node agrees; returns the new master's port.
+    pub fn wait_promoted(&self, old: u16, limit: Duration) -> Option<u16> {
+        let replicas = self.replicas_of(old);
+        let mut promoted = None;
+        wait_until(limit, || {
+            promoted = self.masters().into_iter().find(|m| replicas.contains(m));
+            promoted.is_some() && self.agreed()
+        })
+        .then_some(promoted)
+        .flatten()
+    }
+
+    /// Moves `slot` from its master to the master on `to`, the way `redis-cli --cluster
+    /// reshard` does: `SETSLOT IMPORTING` on the target, `MIGRATING` on the source, then
+    /// `GETKEYSINSLOT` + `MIGRATE` in batches of `batch` keys with `pause` between batches (so a
+    /// test can run traffic while the slot is split), then `SETSLOT NODE` on the target, the
+    /// source and every other master. Returns the number of keys moved.
+    pub fn move_slot(&self, slot: u16, to: u16, batch: usize, pause: Duration) -> usize {
+        let from = self.slot_owner(slot);
+        assert_ne!(from, to, "slot {slot} is already on {to}");
+        let topology = self.topology();
+        let id = |port: u16| {
+            topology
+                .iter()
+                .find(|n| n.port == port)
+                .map(|n| n.id.clone())
+                .expect("a node id")
+        };
+        let (from_id, to_id) = (id(from), id(to));
+        let setslot = |port: u16, state: &str, node: Option<&str>| {
+            let mut cmd = redis::cmd("CLUSTER");
+            cmd.arg("SETSLOT").arg(slot).arg(state);
+            if let Some(node) = node {
+                cmd.arg(node);
+            }
+            let _: () = cmd.query(&mut self.con(port)).expect("CLUSTER SETSLOT");
+        };
+        setslot(to, "IMPORTING", Some(&from_id));
+        setslot(from, "MIGRATING", Some(&to_id));
+        let mut source = self.con(from);
+        let mut moved = 0;
+        loop {
+            let keys: Vec<String> = redis::cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(slot)
+                .arg(batch)
+                .query(&mut source)
+                .expect("CLUSTER GETKEYSINSLOT");
+            if keys.is_empty() {
+                break;
+            }
+            let _: () = redis::cmd("MIGRATE")
+                .arg("127.0.0.1")
+                .arg(to)
+                .arg("")
+                .arg(0)
+                .arg(5000)
+                .arg("KEYS")
+                .arg(&keys)
+                .query(&mut source)
+                .expect("MIGRATE");
+            moved += keys.len();
+            std::thread::sleep(pause);
+        }
+        // The target first: once the source says NODE, clients are sent to the target, which
+        // must already own the slot.
+        setslot(to, "NODE", Some(&to_id));
+        setslot(from, "NODE", Some(&to_id));
+        for master in self.masters() {
+            if master != to && master != from {
+                setslot(master, "NODE", Some(&to_id));
+            }
+        }
+        let ok = wait_until(Duration::from_secs(10), || {
+            self.slot_owner(slot) == to && self.agreed()
+        });
+        assert!(ok, "slot {slot} did not settle on {to}");
+        moved
+    }
+
+    fn cluster_info(&self, port: u16) -> Option<String> {
+        let mut con = self.node(port).server.client().get_connection().ok()?;
+        redis::cmd("CLUSTER").arg("INFO").query(&mut con).ok()
+    }
+
+    /// Whether every live node says `cluster_state:ok` and all name the same master for every
+    /// slot.
+    pub fn agreed(&self) -> bool {
+        let mut views = Vec::new();
+        for port in self.live_ports() {
+            if !self
+                .cluster_info(port)
+                .is_some_and(|i| i.contains("cluster_state:ok"))
+            {
+                return false;
+            }
+            let Ok(topology) = self.topology_from(port) else {
+                return false;
+            };
+            let mut owners: Vec<(u16, u16, u16)> = topology
+                .iter()
+                .filter(|n| n.master && !n.failed)
+                .flat_map(|n| n.slots.iter().map(move |&(a, b)| (a, b, n.port)))
+                .collect();
+            owners.sort();
+            views.push(owners);
+        }
+        views.windows(2).all(|w| w[0] == w[1])
+    }
+
+    /// Waits until `agreed()` and every live replica's link to its master is up.
+    pub fn wait_stable(&self, limit: Duration) {
+        let ok = wait_until(limit, || {
+            self.agreed()
+                && self.live_ports().into_iter().all(|p| {
+                    let Ok(mut con) = self.node(p).server.client().get_connection() else {
+                        return false;
+                    };
+                    let info: String = redis::cmd("INFO")
+                        .arg("replication")
+                        .query(&mut con)
+                        .unwrap_or_default();
+                    info.contains("role:master") || info.contains("master_link_status:up")
+                })
+        });
+        assert!(ok, "the cluster did not settle within {limit:?}");
+    }
+}
+
+/// Parses `CLUSTER NODES`: `<id> <ip:port@cport[,host]> <flags> <master> <ping> <pong> <epoch>
+/// <link> <slot>...`, where a slot is `n` or `a-b` (migration markers `[...]` are skipped).
+pub fn parse_nodes(text: &str) -> Vec<NodeInfo> {
+    text.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.len() < 8 {
+                return None;
+            }
+            let addr = fields[1].split(['@', ',']).next()?;
+            let port = addr.rsplit(':').next()?.parse().ok()?;
+            let flags = fields[2];
+            let slots = fields[8..]
+                .iter()
+                .filter(|s| !s.starts_with('['))
+                .filter_map(|s| match s.split_once('-') {
+                    Some((a, b)) => Some((a.parse().ok()?, b.parse().ok()?)),
+                    None => s.parse().ok().map(|n| (n, n)),
+                })
+                .collect();
+            Some(NodeInfo {
+                id: fields[0].to_string(),
+                port,
+                master: flags.contains("master"),
+                master_id: (fields[3] != "-").then(|| fields[3].to_string()),
+                failed: flags.contains("fail"),
+                slots,
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,186 @@
+//! TLS for tests: a small CA, a server certificate for 127.0.0.1 and a client certificate made
+//! with `openssl` (plus a second CA that signed nothing, to be the wrong one), and a
+//! `redis-server` that speaks only TLS on a free loopback port.
+
+use super::{ensure_openssl_installed, free_port, wait_until, RedisServer, TempDir};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+/// Certificates and keys in one scratch directory, removed on drop.
+pub struct TlsFiles {
+    _dir: TempDir,
+    /// The CA that signed the server and client certificates.
+    pub ca: PathBuf,
+    /// A CA that signed neither: verifying the server against it must fail.
+    pub other_ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+}
+
+impl TlsFiles {
+    /// Generates everything (P-256 keys: quick to make, and both rustls and Redis's OpenSSL
+    /// take them). Certificates are valid for two days.
+    pub fn generate() -> TlsFiles {
+        ensure_openssl_installed();
+        let dir = TempDir::new("tls");
+        let d = dir.path();
+        let p = |name: &str| d.join(name);
+        make_ca(d, "ca", "pacer test CA");
+        make_ca(d, "other-ca", "pacer wrong CA");
+        dir.write(
+            "server.ext",
+            "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1\n",
+        );
+        dir.write(
+            "client.ext",
+            "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n",
+        );
+        make_leaf(d, "server", "127.0.0.1");
+        make_leaf(d, "client", "pacer-client");
+        TlsFiles {
+            ca: p("ca.pem"),
+            other_ca: p("other-ca.pem"),
+            server_cert: p("server.pem"),
+            server_key: p("server.key"),
+            client_cert: p("client.pem"),
+            client_key: p("client.key"),
+            _dir: dir,
+        }
+    }
+
+    /// A `redis-server` with TLS only (`--port 0 --tls-port <free>`), trusting `ca` for client
+    /// certificates, which it requires when `require_client_cert`. Returns once it answers a
+    /// TLS PING (with the client certificate).
+    pub fn start_server(&self, require_client_cert: bool) -> RedisServer {
+        let port = free_port();
+        let s = |p: &Path| p.display().to_string();
+        let extra: Vec<String> = [
+            "--port",
+            "0",
+            "--tls-port",
+            &port.to_string(),
+            "--tls-cert-file",
+            &s(&self.server_cert),
+            "--tls-key-file",
+            &s(&self.server_key),
+            "--tls-ca-cert-file",
+            &s(&self.ca),
+            "--tls-auth-clients",
+            if require_client_cert { "yes" } else { "no" },
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+        let server = RedisServer::spawn_on(port, &extra);
+        let ok = wait_until(Duration::from_secs(10), || self.ping(port));
+        assert!(ok, "the TLS redis-server did not start on port {port}");
+        server
+    }
+
+    /// A blocking TLS PING to 127.0.0.1:`port` with this CA and the client certificate.
+    fn ping(&self, port: u16) -> bool {
+        let read = |p: &Path| std::fs::read(p).expect("reading a test certificate");
+        let certs = redis::TlsCertificates {
+            client_tls: Some(redis::ClientTlsConfig {
+                client_cert: read(&self.client_cert),
+                client_key: read(&self.client_key),
+            }),
+            root_cert: Some(read(&self.ca)),
+        };
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let Ok(client) = redis::Client::build_with_tls(format!("rediss://127.0.0.1:{port}"), certs)
+        else {
+            return false;
+        };
+        client
+            .get_connection_with_timeout(Duration::from_secs(1))
+            .and_then(|mut con| redis::cmd("PING").query::<String>(&mut con))
+            .is_ok()
+    }
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("running openssl");
+    assert!(
+        out.status.success(),
+        "openssl {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A self-signed CA: `<name>.pem` and `<name>.key`.
+fn make_ca(dir: &Path, name: &str, cn: &str) {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &format!("{name}.key"),
+            "-out",
+            &format!("{name}.pem"),
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN={cn}"),
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        ],
+    );
+}
+
+/// A certificate `<name>.pem` (key `<name>.key`) signed by `ca`, with the extensions in
+/// `<name>.ext`.
+fn make_leaf(dir: &Path, name: &str, cn: &str) {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &format!("{name}.key"),
+            "-out",
+            &format!("{name}.csr"),
+            "-subj",
+            &format!("/CN={cn}"),
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &format!("{name}.csr"),
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &format!("{name}.pem"),
+            "-days",
+            "2",
+            "-extfile",
+            &format!("{name}.ext"),
+        ],
+    );
+}

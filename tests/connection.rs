@@ -1,0 +1,604 @@
+//! `RedisConn` against real deployments each test starts itself: a Redis Cluster (scripts,
+//! streams and NOSCRIPT on every master; a slot moved under traffic; graceful, TAKEOVER and
+//! hard-kill failovers), a Sentinel-managed master that is killed, TLS with and without client
+//! certificates, and ACL users. Every failover is followed by the same `RedisConn`, never a new
+//! one.
+//!
+//! Over 400 lines: one subject's process-level tests (Cluster, Sentinel, TLS, ACL) sharing one rig.
+
+use pacer::config::{Config, Overrides, RedisConfig, Secret};
+use pacer::connection::{fatal, key_slot, ConnectError, Fatal, RedisConn};
+use pacer::testkit::{free_port, Cluster, RedisServer, Sentinels, TempDir, TlsFiles};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The `redis:` section `redis` (a YAML flow mapping), read through the real config code.
+fn redis_config(redis: &str) -> RedisConfig {
+    redis_config_with(redis, &Overrides::default())
+}
+
+fn redis_config_with(redis: &str, overrides: &Overrides) -> RedisConfig {
+    let yaml = format!(
+        "redis: {redis}\noutbound:\n  streams: [\"pacer:out\"]\n  routes:\n    a: {{rate: 10/s}}\n"
+    );
+    match Config::parse(&yaml, overrides) {
+        Ok(c) => c.redis,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+fn conn(cfg: &RedisConfig) -> RedisConn {
+    RedisConn::new(cfg, cfg.timeout).expect("a RedisConn")
+}
+
+/// Two keys of one slot: adds ARGV[1] to the first, copies the sum into the second.
+fn add_script() -> redis::Script {
+    redis::Script::new(
+        "local v = redis.call('INCRBY', KEYS[1], ARGV[1]) redis.call('SET', KEYS[2], v) return v",
+    )
+}
+
+async fn add(con: &mut RedisConn, tag: &str, n: i64) -> redis::RedisResult<i64> {
+    add_script()
+        .key(format!("{{{tag}}}:n"))
+        .key(format!("{{{tag}}}:copy"))
+        .arg(n)
+        .invoke_async(con)
+        .await
+}
+
+/// Calls `add` every 20 ms until one succeeds; how long that took.
+async fn until_ok(con: &mut RedisConn, tag: &str, limit: Duration) -> Duration {
+    let start = Instant::now();
+    let mut last = None;
+    while start.elapsed() < limit {
+        match add(con, tag, 1).await {
+            Ok(_) => return start.elapsed(),
+            Err(e) => last = Some(e),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("no success within {limit:?}; last error: {last:?}");
+}
+
+fn get(cluster: &Cluster, port: u16, key: &str) -> Option<i64> {
+    redis::cmd("GET")
+        .arg(key)
+        .query(&mut cluster.con(port))
+        .expect("GET on a node")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_runs_scripts_and_streams_on_every_master_and_reloads_flushed_scripts() {
+    let cluster = Cluster::start(3, 1);
+    let cfg = redis_config(&format!("{{mode: cluster, url: \"{}\"}}", cluster.urls()));
+    let mut con = conn(&cfg);
+    con.check().await.expect("the cluster answers");
+    let tags = cluster.tag_per_master();
+    assert_eq!(tags.len(), 3);
+
+    for (master, tag) in &tags {
+        assert_eq!(add(&mut con, tag, 5).await.unwrap(), 5);
+        assert_eq!(add(&mut con, tag, 2).await.unwrap(), 7);
+        // The script ran on the master that serves the tag: the key is there, nowhere else.
+        assert_eq!(get(&cluster, *master, &format!("{{{tag}}}:copy")), Some(7));
+        assert_eq!(
+            con.node_for_key(&format!("{{{tag}}}:n")).await.unwrap(),
+            Some(format!("127.0.0.1:{master}"))
+        );
+    }
+
+    // Streams in different slots, one stream per call.
+    for (master, tag) in &tags {
+        let stream = format!("{{{tag}}}:in");
+        let _: () = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&stream)
+            .arg("g")
+            .arg("$")
+            .arg("MKSTREAM")
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        let id: String = redis::cmd("XADD")
+            .arg(&stream)
+            .arg("*")
+            .arg("route")
+            .arg(tag)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        let read: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg("g")
+            .arg("c")
+            .arg("COUNT")
+            .arg(10)
+            .arg("STREAMS")
+            .arg(&stream)
+            .arg(">")
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(read.keys.len(), 1);
+        assert_eq!(read.keys[0].ids[0].id, id);
+        let acked: i64 = redis::cmd("XACK")
+            .arg(&stream)
+            .arg("g")
+            .arg(&id)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(acked, 1);
+        let len: i64 = redis::cmd("XLEN")
+            .arg(&stream)
+            .query(&mut cluster.con(*master))
+            .unwrap();
+        assert_eq!(len, 1, "the stream lives on its slot's master");
+    }
+
+    // WAIT on the master that took the write: its replica acknowledges, unless frozen.
+    let (master, tag) = &tags[1];
+    let key = format!("{{{tag}}}:n");
+    assert_eq!(
+        con.wait_replicas(&key, 1, Duration::from_millis(500))
+            .await
+            .unwrap(),
+        1
+    );
+    let replica = cluster.replicas_of(*master)[0];
+    cluster.pause(replica);
+    add(&mut con, tag, 0).await.unwrap();
+    let lagging = con.wait_replicas(&key, 1, Duration::from_millis(300)).await;
+    cluster.resume(replica);
+    assert_eq!(lagging.unwrap(), 0, "a frozen replica acknowledges nothing");
+
+    // A blocking read longer than redis.timeout needs the reader's own connection.
+    let mut reader = RedisConn::new(&cfg, cfg.timeout + Duration::from_millis(1500)).unwrap();
+    let stream = format!("{{{}}}:in", tags[0].1);
+    let read = |con: &mut RedisConn| {
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP").arg("g").arg("c").arg("BLOCK").arg(1200);
+        cmd.arg("STREAMS").arg(&stream).arg(">");
+        let mut con = con.clone();
+        async move { cmd.query_async::<Option<redis::Value>>(&mut con).await }
+    };
+    assert!(read(&mut con).await.unwrap_err().is_timeout());
+    assert_eq!(read(&mut reader).await.unwrap(), None);
+
+    // NOSCRIPT: a master forgets every script; the next call loads it again and runs.
+    let (master, tag) = &tags[1];
+    let sha = add_script().get_hash().to_string();
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query(&mut cluster.con(*master))
+        .unwrap();
+    let exists: Vec<bool> = redis::cmd("SCRIPT")
+        .arg("EXISTS")
+        .arg(&sha)
+        .query(&mut cluster.con(*master))
+        .unwrap();
+    assert_eq!(exists, vec![false]);
+    assert_eq!(add(&mut con, tag, 1).await.unwrap(), 8);
+    let exists: Vec<bool> = redis::cmd("SCRIPT")
+        .arg("EXISTS")
+        .arg(&sha)
+        .query(&mut cluster.con(*master))
+        .unwrap();
+    assert_eq!(
+        exists,
+        vec![true],
+        "the script was loaded again on {master}"
+    );
+
+    // Reloading must not depend on every node answering: with a replica just killed (the
+    // cluster has not noticed yet) and another master frozen, a master that lost its scripts
+    // still gets the one it needs.
+    let (master, tag) = &tags[2];
+    let replica = cluster.replicas_of(*master)[0];
+    let mut cluster = cluster;
+    cluster.kill(replica);
+    let frozen = tags[0].0;
+    cluster.pause(frozen);
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query(&mut cluster.con(*master))
+        .unwrap();
+    let reloaded = add(&mut con, tag, 1).await;
+    cluster.resume(frozen);
+    assert_eq!(reloaded.unwrap(), 8);
+
+    // Our slot function agrees with the server's.
+    for key in ["pacer:{carrier-a}:ready", "plain", "{t1}:x", "a{}b"] {
+        let slot: u16 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(key)
+            .query(&mut cluster.con(tags[0].0))
+            .unwrap();
+        assert_eq!(key_slot(key), slot, "{key}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_calls_keep_succeeding_while_their_slot_moves_to_another_master() {
+    let cluster = Arc::new(Cluster::start(3, 0));
+    let cfg = redis_config(&format!(
+        "{{mode: cluster, url: \"{}\", timeout: 2s}}",
+        cluster.urls()
+    ));
+    let mut con = conn(&cfg);
+    let tag = "moving";
+    let slot = key_slot(tag);
+    let from = cluster.slot_owner(slot);
+    let to = *cluster.masters().iter().find(|&&m| m != from).unwrap();
+    // Keys to migrate, so the slot is split between the two masters for a while: the script's
+    // two keys are then sometimes on different nodes (TRYAGAIN), sometimes moved (ASK).
+    for i in 0..40 {
+        let _: () = redis::cmd("SET")
+            .arg(format!("{{{tag}}}:k{i}"))
+            .arg(i)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let calls = Arc::new(AtomicU64::new(0));
+    let traffic = {
+        let (stop, calls, mut con) = (stop.clone(), calls.clone(), con.clone());
+        tokio::spawn(async move {
+            let script = redis::Script::new(
+                "redis.call('INCR', KEYS[1]) return redis.call('INCR', KEYS[2])",
+            );
+            let mut failures = Vec::new();
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let r: redis::RedisResult<i64> = script
+                    .key(format!("{{{tag}}}:count"))
+                    .key(format!("{{{tag}}}:k{}", i % 40))
+                    .invoke_async(&mut con)
+                    .await;
+                match r {
+                    Ok(_) => {
+                        calls.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => failures.push(e.to_string()),
+                }
+                i += 1;
+            }
+            failures
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = calls.load(Ordering::Relaxed);
+    let mover = cluster.clone();
+    let started = Instant::now();
+    let moved = tokio::task::spawn_blocking(move || {
+        mover.move_slot(slot, to, 4, Duration::from_millis(80))
+    })
+    .await
+    .unwrap();
+    let took = started.elapsed();
+    let during = calls.load(Ordering::Relaxed) - before;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop.store(true, Ordering::Relaxed);
+    let failures = traffic.await.unwrap();
+    let total = calls.load(Ordering::Relaxed);
+    eprintln!(
+        "moved {moved} keys of slot {slot} from {from} to {to} in {took:?}; {during} calls during the move, {total} in all"
+    );
+    assert!(
+        failures.is_empty(),
+        "calls failed during the move: {failures:?}"
+    );
+    assert!(moved >= 41, "the slot's keys moved ({moved})");
+    assert!(during >= 20, "traffic ran during the move ({during} calls)");
+    // Every successful call counted exactly once, on the slot's new master.
+    assert_eq!(cluster.slot_owner(slot), to);
+    assert_eq!(
+        get(&cluster, to, &format!("{{{tag}}}:count")),
+        Some(total as i64)
+    );
+    assert_eq!(
+        con.node_for_key(tag).await.unwrap(),
+        Some(format!("127.0.0.1:{to}"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_failovers_are_followed_by_the_same_connection() {
+    let mut cluster = Cluster::start(3, 1);
+    let cfg = redis_config(&format!("{{mode: cluster, url: \"{}\"}}", cluster.urls()));
+    let mut con = conn(&cfg);
+    let tags = cluster.tag_per_master();
+    for (_, tag) in &tags {
+        assert_eq!(add(&mut con, tag, 1).await.unwrap(), 1);
+    }
+
+    // Graceful: the master hands over to its replica once it has caught up.
+    let (m0, tag0) = &tags[0];
+    let r0 = cluster.replicas_of(*m0)[0];
+    tokio::task::block_in_place(|| cluster.failover(r0, false));
+    let took = until_ok(&mut con, tag0, Duration::from_secs(5)).await;
+    eprintln!("graceful CLUSTER FAILOVER {m0} -> {r0}: first success after {took:?}");
+    assert_eq!(get(&cluster, r0, &format!("{{{tag0}}}:n")), Some(2));
+
+    // TAKEOVER: the replica promotes itself without asking anyone.
+    let (m1, tag1) = &tags[1];
+    let r1 = cluster.replicas_of(*m1)[0];
+    tokio::task::block_in_place(|| cluster.failover(r1, true));
+    let took = until_ok(&mut con, tag1, Duration::from_secs(5)).await;
+    eprintln!("CLUSTER FAILOVER TAKEOVER {m1} -> {r1}: first success after {took:?}");
+    assert_eq!(get(&cluster, r1, &format!("{{{tag1}}}:n")), Some(2));
+
+    // A master killed outright: the cluster fails it over on its own (node timeout 1 s), and
+    // the connection finds the new master.
+    let (m2, tag2) = &tags[2];
+    let r2 = cluster.replicas_of(*m2)[0];
+    cluster.kill(*m2);
+    let took = until_ok(&mut con, tag2, Duration::from_secs(5)).await;
+    eprintln!("kill -9 of master {m2}: first success after {took:?}");
+    assert!(took < Duration::from_secs(5));
+    // The write landed on the promoted replica. (Not asked through CLUSTER SLOTS: whichever
+    // node answers that may not have heard of the promotion through gossip yet.)
+    let on_r2 = get(&cluster, r2, &format!("{{{tag2}}}:n"));
+    assert!(
+        matches!(on_r2, Some(n) if n >= 2),
+        "on the new master: {on_r2:?}"
+    );
+    // The killed master comes back as a replica of its successor; traffic is unaffected.
+    tokio::task::block_in_place(|| cluster.restart(*m2));
+    for (_, tag) in &tags {
+        add(&mut con, tag, 1)
+            .await
+            .expect("a call after the restart");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_failover_is_followed_by_the_same_connection() {
+    // Two replicas: one for a planned failover, the other for a master killed after it.
+    let mut sentinels = tokio::task::block_in_place(|| Sentinels::start_with(2));
+    let cfg = redis_config(&format!(
+        "{{mode: sentinel, url: \"{}\", sentinel: {{master_name: {}}}}}",
+        sentinels.urls(),
+        sentinels.master_name
+    ));
+    let mut con = conn(&cfg);
+    let tag = "s";
+    assert_eq!(add(&mut con, tag, 1).await.unwrap(), 1);
+    let old = sentinels.master_port().unwrap();
+    let written: Option<i64> = redis::cmd("GET")
+        .arg("{s}:n")
+        .query(&mut sentinels.server(old).con())
+        .unwrap();
+    assert_eq!(written, Some(1), "the write went to the master");
+    // Let the replica hold the write before its master dies.
+    let _: i64 = redis::cmd("WAIT")
+        .arg(1)
+        .arg(1000)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+
+    // A planned failover: no error tells the client, the old master keeps answering as one
+    // for a while; the connection must switch on the sentinels' word alone.
+    let promoted = tokio::task::block_in_place(|| sentinels.failover());
+    let took = until_lands_on(&mut con, tag, &sentinels, promoted, Duration::from_secs(10)).await;
+    eprintln!("SENTINEL FAILOVER {old} -> {promoted}: calls land on it after {took:?}");
+    let synced = tokio::task::block_in_place(|| {
+        sentinels.wait_replica_of(promoted, Duration::from_secs(10))
+    });
+    assert!(synced, "a replica follows the new master");
+
+    // The master killed outright.
+    let killed = sentinels.kill_master();
+    assert_eq!(killed, promoted);
+    let started = Instant::now();
+    let new =
+        tokio::task::block_in_place(|| sentinels.wait_new_master(killed, Duration::from_secs(10)))
+            .expect("a sentinel names a new master");
+    let took = started.elapsed()
+        + until_lands_on(&mut con, tag, &sentinels, new, Duration::from_secs(10)).await;
+    eprintln!("master {killed} killed; promoted {new}; calls land on it after {took:?}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
+}
+
+/// Calls `add` every 20 ms until one succeeds and its result is what the node on `port` holds
+/// (the call ran there); how long that took.
+async fn until_lands_on(
+    con: &mut RedisConn,
+    tag: &str,
+    sentinels: &Sentinels,
+    port: u16,
+    limit: Duration,
+) -> Duration {
+    let start = Instant::now();
+    let mut last = None;
+    while start.elapsed() < limit {
+        match add(con, tag, 1).await {
+            Ok(v) => {
+                let on_port: Option<i64> = redis::cmd("GET")
+                    .arg(format!("{{{tag}}}:copy"))
+                    .query(&mut sentinels.server(port).con())
+                    .unwrap();
+                if on_port == Some(v) {
+                    return start.elapsed();
+                }
+                last = Some(format!("{v} written elsewhere"));
+            }
+            Err(e) => last = Some(e.to_string()),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("no call landed on {port} within {limit:?}; last: {last:?}");
+}
+
+/// The `redis:` section for a TLS server on `port`, with these `tls:` settings.
+fn tls_config(port: u16, tls: &str) -> RedisConfig {
+    redis_config(&format!(
+        "{{url: \"rediss://127.0.0.1:{port}\", timeout: 2s, tls: {tls}}}"
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_verifies_the_server_and_presents_the_client_certificate() {
+    let files = tokio::task::block_in_place(TlsFiles::generate);
+    let open = tokio::task::block_in_place(|| files.start_server(false));
+    let mutual = tokio::task::block_in_place(|| files.start_server(true));
+    let ca = format!("{{ca_file: {}}}", files.ca.display());
+    let with_cert = format!(
+        "{{ca_file: {}, cert_file: {}, key_file: {}}}",
+        files.ca.display(),
+        files.client_cert.display(),
+        files.client_key.display()
+    );
+
+    // The right CA: works.
+    let mut con = conn(&tls_config(open.port, &ca));
+    con.check().await.expect("TLS with the right CA");
+    assert_eq!(add(&mut con, "tls", 3).await.unwrap(), 3);
+
+    // A CA that did not sign the server's certificate: a TLS error, fatal, that says so.
+    let wrong = format!("{{ca_file: {}}}", files.other_ca.display());
+    let e = conn(&tls_config(open.port, &wrong))
+        .check()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, ConnectError::Tls { .. }), "{e}");
+    assert!(e.is_fatal());
+    assert!(e.to_string().contains("redis.tls.ca_file"), "{e}");
+    eprintln!("wrong CA: {e}");
+
+    // No client certificate where the server requires one.
+    let e = conn(&tls_config(mutual.port, &ca))
+        .check()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, ConnectError::Tls { .. }), "{e}");
+    eprintln!("no client certificate: {e}");
+    // With it: works.
+    let mut con = conn(&tls_config(mutual.port, &with_cert));
+    con.check()
+        .await
+        .expect("mutual TLS with the client certificate");
+    assert_eq!(add(&mut con, "mtls", 4).await.unwrap(), 4);
+
+    // No fall back to plain text either way: rediss:// to a plain server never gets past the
+    // handshake (the server waits for a command line, the client for a TLS answer), and
+    // redis:// to a TLS port gets no answer.
+    let plain = tokio::task::block_in_place(RedisServer::start);
+    let mut to_plain = conn(&tls_config(plain.port, &ca));
+    let e = to_plain.check().await.unwrap_err();
+    assert!(e.to_string().contains("TLS"), "{e}");
+    eprintln!("rediss:// to a plain-text server: {e}");
+    assert!(add(&mut to_plain, "plain", 1).await.is_err());
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut plain.con()).unwrap();
+    assert!(
+        keys.is_empty(),
+        "nothing was written in plain text: {keys:?}"
+    );
+    let cfg = redis_config(&format!("{{url: \"redis://127.0.0.1:{}\"}}", open.port));
+    let e = conn(&cfg).check().await.unwrap_err();
+    assert!(!e.is_fatal(), "{e}");
+    let stored: Option<i64> = add(&mut conn(&tls_config(open.port, &ca)), "tls", 0)
+        .await
+        .ok();
+    assert_eq!(stored, Some(3), "the plain-text attempt wrote nothing");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acl_users_log_in_from_the_url_a_password_file_or_the_environment() {
+    let server = tokio::task::block_in_place(RedisServer::start);
+    server.add_acl_user("pacer-user", "right-pw");
+    let whoami = |mut con: RedisConn| async move {
+        redis::cmd("ACL")
+            .arg("WHOAMI")
+            .query_async::<String>(&mut con)
+            .await
+    };
+    let port = server.port;
+
+    // user:password in the URL.
+    let cfg = redis_config(&format!(
+        "{{url: \"redis://pacer-user:right-pw@127.0.0.1:{port}\"}}"
+    ));
+    assert_eq!(whoami(conn(&cfg)).await.unwrap(), "pacer-user");
+
+    // redis.username and redis.password_file.
+    let dir = TempDir::new("acl");
+    let file = dir.write("password", "right-pw\n");
+    let cfg = redis_config(&format!(
+        "{{url: \"redis://127.0.0.1:{port}\", username: pacer-user, password_file: {}}}",
+        file.display()
+    ));
+    assert_eq!(format!("{:?}", cfg.password), "Some(***)");
+    assert_eq!(whoami(conn(&cfg)).await.unwrap(), "pacer-user");
+
+    // PACER_REDIS_PASSWORD (as main reads it into the overrides) wins over the file.
+    let wrong_file = dir.write("wrong", "not-it\n");
+    let overrides = Overrides {
+        redis_password: Some(Secret::new("right-pw")),
+        ..Overrides::default()
+    };
+    let cfg = redis_config_with(
+        &format!(
+            "{{url: \"redis://127.0.0.1:{port}\", username: pacer-user, password_file: {}}}",
+            wrong_file.display()
+        ),
+        &overrides,
+    );
+    assert_eq!(whoami(conn(&cfg)).await.unwrap(), "pacer-user");
+
+    // A wrong password: fatal, classified as auth, from check() and from any command.
+    let cfg = redis_config(&format!(
+        "{{url: \"redis://pacer-user:wrong@127.0.0.1:{port}\"}}"
+    ));
+    let e = conn(&cfg).check().await.unwrap_err();
+    assert!(matches!(e, ConnectError::Auth { .. }), "{e}");
+    assert!(!e.to_string().contains("wrong@"), "{e}");
+    let err = whoami(conn(&cfg)).await.unwrap_err();
+    assert_eq!(fatal(&err), Some(Fatal::Auth), "{err}");
+
+    // A user without the permission to run scripts: NOPERM is fatal too.
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("pinger")
+        .arg("on")
+        .arg(">pw")
+        .arg("+ping")
+        .query(&mut server.con())
+        .unwrap();
+    let cfg = redis_config(&format!("{{url: \"redis://pinger:pw@127.0.0.1:{port}\"}}"));
+    let mut con = conn(&cfg);
+    con.check().await.expect("PING is allowed");
+    let err = add(&mut con, "acl", 1).await.unwrap_err();
+    assert_eq!(fatal(&err), Some(Fatal::Auth), "{err}");
+
+    // No password where one is required: NOAUTH is fatal.
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("now-required")
+        .query(&mut server.con())
+        .unwrap();
+    let cfg = redis_config(&format!("{{url: \"redis://127.0.0.1:{port}\"}}"));
+    let err = whoami(conn(&cfg)).await.unwrap_err();
+    assert_eq!(fatal(&err), Some(Fatal::Auth), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_down_at_start_is_waited_for() {
+    let port = free_port();
+    let cfg = redis_config(&format!(
+        "{{url: \"redis://127.0.0.1:{port}\", timeout: 500ms}}"
+    ));
+    // Nothing listens yet: building the connection does not care, calls fail and may be retried.
+    let mut con = conn(&cfg);
+    let e = con.check().await.unwrap_err();
+    assert!(!e.is_fatal(), "{e}");
+    let server = tokio::task::block_in_place(|| RedisServer::spawn_on(port, &[]));
+    let took = until_ok(&mut con, "late", Duration::from_secs(10)).await;
+    eprintln!("Redis started after the connection: first success after {took:?}");
+    drop(server);
+}
