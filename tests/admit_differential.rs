@@ -1,9 +1,12 @@
-//! The admission maths: `scripts/admit.lua`, run for real against a redis-server on Redis's own
+//! The admission maths: `lua/admit.lua`, run for real against a redis-server on Redis's own
 //! clock, gives the same decisions as the Rust engine (`src/admission`) replaying each call at
 //! the `now_us` the script reports, and writes the rejected entries the worker would (once
 //! each, with `rejected_fields`' fields) when it writes them itself; and the Rust algorithms
 //! keep their promises against brute-force models of the rolling window (property tests, fake
 //! time).
+//!
+//! Over 400 lines: one subject, the admission maths (Lua against Rust, Rust against brute force),
+//! whose strategies read together.
 
 use pacer::admission::{
     fixed_window, gcra, sliding_log, Algorithm, Check, Engine, EngineRule, Limit, Rule, State,
@@ -233,16 +236,22 @@ fn run_case(
             .zip(&fields)
             .map(|(((owner, checks, _), decisions), fields)| AdmitItem {
                 owner,
+                stream: "in",
+                entry_ms: pacer::event::entry_ms(owner),
                 decisions,
                 identities: checks.iter().map(|(_, _, k)| k.as_str()).collect(),
                 fields,
             })
             .collect();
+        let no_acks = |_: &str| false;
         let to = AdmitTargets {
             keys: &keys,
             rejected,
             decision_ttl_ms: 600_000,
             max_len: 10_000,
+            group: "pacer",
+            acks: &no_acks,
+            stale_us: i64::MAX / 4,
             // The drawn caps are small: read whole by default, by entry with 0.
             log_entries_per_read: if case.whole_logs {
                 LOG_ENTRIES_PER_READ

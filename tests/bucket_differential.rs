@@ -1,10 +1,13 @@
 //! The bucket maths: the Lua in Redis and the Rust in `pacing.rs` give the same answers
 //! (differential, against a real redis-server), and the Rust keeps the rolling-window promise
 //! (property tests against a brute-force count of every window).
+//!
+//! Over 400 lines: one subject, the bucket maths (Lua against Rust, Rust against a brute-force
+//! count of every window), whose strategies and checks read together.
 
-use pacer::pacing::{self, BucketParams, Gate};
+use pacer::pacing::{self, BucketParams, Gate, Judged, Judging};
 use pacer::report::max_in_window;
-use pacer::scripts::BUCKET_LIB;
+use pacer::scripts::PACING_LIB;
 use pacer::testkit::RedisServer;
 use proptest::prelude::*;
 use std::num::NonZeroU32;
@@ -15,31 +18,104 @@ const EPOCH_US: i64 = 1_790_000_000_000_000;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Plan { tat: i64, now: i64, cost: i64 },
-    Gate { dtat: i64, t: i64, cost: i64 },
-    Clock { now: i64, last: i64 },
+    Plan {
+        tat: i64,
+        now: i64,
+        cost: i64,
+    },
+    Gate {
+        dtat: i64,
+        t: i64,
+        cost: i64,
+    },
+    Clock {
+        now: i64,
+        last: i64,
+    },
+    Fits {
+        cost: i64,
+    },
+    Judge {
+        dtat: i64,
+        tat: i64,
+        now: i64,
+        slot: i64,
+        deadline: i64,
+        cost: i64,
+    },
 }
 
-fn rust(op: &Op, p: &BucketParams) -> (i64, i64) {
+fn rust(op: &Op, p: &BucketParams) -> Vec<i64> {
     match *op {
         Op::Plan { tat, now, cost } => {
             let planned = pacing::plan(tat, now, cost, p);
-            (planned.slot_us, planned.tat_us)
+            vec![planned.slot_us, planned.tat_us]
         }
         Op::Gate { dtat, t, cost } => match pacing::gate(dtat, t, cost, p) {
-            Gate::Pass { dtat_us } => (1, dtat_us),
-            Gate::NotBefore { at_us } => (0, at_us),
+            Gate::Pass { dtat_us } => vec![1, dtat_us],
+            Gate::NotBefore { at_us } => vec![0, at_us],
         },
-        Op::Clock { now, last } => pacing::dispatch_clock(now, last),
+        Op::Clock { now, last } => {
+            let (t, tq) = pacing::dispatch_clock(now, last);
+            vec![t, tq]
+        }
+        Op::Fits { cost } => vec![i64::from(pacing::fits(cost, p)), 0],
+        Op::Judge {
+            dtat,
+            tat,
+            now,
+            slot,
+            deadline,
+            cost,
+        } => {
+            let clock = pacing::dispatch_clock(now, 0);
+            let at = Judging {
+                dtat_us: dtat,
+                tat_us: tat,
+            };
+            let (verdict, next) = pacing::judge(at, clock, slot, deadline, cost, p);
+            let (code, at) = match verdict {
+                Judged::Pass { slot_us } => (1, slot_us),
+                Judged::Wait { at_us } => (2, at_us),
+                Judged::Replan { at_us } => (3, at_us),
+                Judged::TooLate { at_us } => (4, at_us),
+            };
+            vec![code, at, next.dtat_us, next.tat_us]
+        }
     }
 }
 
-fn args(op: &Op) -> [String; 4] {
+/// The probe's arguments for one operation: six values each ('judge' is preceded by a 'tat'
+/// operation that sets the plan it starts from).
+fn args(op: &Op) -> Vec<String> {
     let s = |v: i64| v.to_string();
+    let z = || "0".to_string();
     match *op {
-        Op::Plan { tat, now, cost } => ["plan".into(), s(tat), s(now), s(cost)],
-        Op::Gate { dtat, t, cost } => ["gate".into(), s(dtat), s(t), s(cost)],
-        Op::Clock { now, last } => ["clock".into(), s(now), s(last), "0".into()],
+        Op::Plan { tat, now, cost } => vec!["plan".into(), s(tat), s(now), s(cost), z(), z()],
+        Op::Gate { dtat, t, cost } => vec!["gate".into(), s(dtat), s(t), s(cost), z(), z()],
+        Op::Clock { now, last } => vec!["clock".into(), s(now), s(last), z(), z(), z()],
+        Op::Fits { cost } => vec!["fits".into(), s(cost), z(), z(), z(), z()],
+        Op::Judge {
+            dtat,
+            tat,
+            now,
+            slot,
+            deadline,
+            cost,
+        } => vec![
+            "tat".into(),
+            s(tat),
+            z(),
+            z(),
+            z(),
+            z(),
+            "judge".into(),
+            s(dtat),
+            s(now),
+            s(slot),
+            s(deadline),
+            s(cost),
+        ],
     }
 }
 
@@ -56,6 +132,17 @@ fn op() -> impl Strategy<Value = Op> {
         (time(), time(), 1i64..1_000).prop_map(|(tat, now, cost)| Op::Plan { tat, now, cost }),
         (time(), time(), 1i64..1_000).prop_map(|(dtat, t, cost)| Op::Gate { dtat, t, cost }),
         (time(), time()).prop_map(|(now, last)| Op::Clock { now, last }),
+        (0i64..1_000).prop_map(|cost| Op::Fits { cost }),
+        (time(), time(), time(), time(), time(), 1i64..1_000).prop_map(
+            |(dtat, tat, now, slot, deadline, cost)| Op::Judge {
+                dtat,
+                tat,
+                now,
+                slot,
+                deadline,
+                cost
+            }
+        ),
     ]
 }
 
@@ -71,7 +158,7 @@ fn params() -> impl Strategy<Value = BucketParams> {
 fn lua_and_rust_agree() {
     let redis = RedisServer::start();
     let con = std::cell::RefCell::new(redis.con());
-    let script = redis::Script::new(&format!("{BUCKET_LIB}{PROBE}"));
+    let script = redis::Script::new(&format!("{PACING_LIB}{PROBE}"));
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(300));
     runner
         .run(
@@ -85,13 +172,7 @@ fn lua_and_rust_agree() {
                     }
                 }
                 let lua: Vec<i64> = call.invoke(&mut *con.borrow_mut()).expect("probe script");
-                let expected: Vec<i64> = ops
-                    .iter()
-                    .flat_map(|op| {
-                        let (a, b) = rust(op, &p);
-                        [a, b]
-                    })
-                    .collect();
+                let expected: Vec<i64> = ops.iter().flat_map(|op| rust(op, &p)).collect();
                 prop_assert_eq!(lua, expected, "params {:?} ops {:?}", p, ops);
                 Ok(())
             },
@@ -99,41 +180,62 @@ fn lua_and_rust_agree() {
         .unwrap();
 }
 
-/// Feeds dispatch attempts (µs, increasing) through the gate as the scripts do; returns the
-/// accepted ready-entry milliseconds.
-fn gated(attempts: &[(i64, i64)], p: &BucketParams) -> Vec<i64> {
+/// Feeds dispatch attempts (µs, increasing; with their cost) through the gate as the scripts do;
+/// returns each accepted ready entry's millisecond and cost. Costs that can never fit are
+/// refused before any script, as the worker does.
+fn gated(attempts: &[(i64, i64)], p: &BucketParams) -> Vec<(i64, i64)> {
     let (mut dtat, mut last) = (0, 0);
     let mut ids = Vec::new();
     for &(now, cost) in attempts {
+        if !pacing::fits(cost, p) {
+            continue;
+        }
         let (t, tq) = pacing::dispatch_clock(now, last);
         if let Gate::Pass { dtat_us } = pacing::gate(dtat, tq, cost, p) {
             dtat = dtat_us;
             last = t;
-            ids.push(tq / 1000);
+            ids.push((tq / 1000, cost));
         }
     }
     ids
 }
 
-/// The promise: no rolling window of `w_ms` holds more than rate × W + burst entries.
-fn check_windows(ids: &[i64], p: &BucketParams) -> Result<(), TestCaseError> {
+/// The most cost units whose entries' ms (sorted) fall within any window `[a, a + w_ms)`.
+fn max_units_in_window(ids: &[(i64, i64)], w_ms: i64) -> i64 {
+    let (mut best, mut sum, mut start) = (0, 0, 0);
+    for end in 0..ids.len() {
+        sum += ids[end].1;
+        while ids[end].0 - ids[start].0 >= w_ms {
+            sum -= ids[start].1;
+            start += 1;
+        }
+        best = best.max(sum);
+    }
+    best
+}
+
+/// The promise, in cost units: no rolling window of `w_ms` holds more than rate × W + burst.
+fn check_windows(ids: &[(i64, i64)], p: &BucketParams) -> Result<(), TestCaseError> {
     let burst = p.tolerance_us / p.interval_us + 1;
+    let times: Vec<i64> = ids.iter().map(|(ms, _)| *ms).collect();
     for w_ms in [1, 2, 3, 5, 10, 17, 50, 100, 333, 1000, 2500, 10_000] {
         let limit = (w_ms * 1000) as f64 / p.interval_us as f64 + burst as f64;
-        let seen = max_in_window(ids, w_ms) as f64;
+        let units = max_units_in_window(ids, w_ms) as f64;
         prop_assert!(
-            seen <= limit,
-            "{} entries in {} ms, limit {}",
-            seen,
+            units <= limit,
+            "{} units in {} ms, limit {}",
+            units,
             w_ms,
             limit
         );
+        // Every entry costs at least one unit, so entries alone are bounded too.
+        prop_assert!(max_in_window(&times, w_ms) as f64 <= limit);
     }
     Ok(())
 }
 
 fn attempts() -> impl Strategy<Value = Vec<(i64, i64)>> {
-    proptest::collection::vec((0i64..40_000, 1i64..4), 1..400).prop_map(|gaps| {
+    proptest::collection::vec((0i64..40_000, 1i64..9), 1..400).prop_map(|gaps| {
         let mut t = EPOCH_US;
         gaps.into_iter()
             .map(|(gap, cost)| {
@@ -169,7 +271,7 @@ proptest! {
     fn planned_slots_pass_the_gate(p in small_params(), arrivals in attempts()) {
         let mut tat = 0;
         let mut slots = Vec::new();
-        for &(now, cost) in &arrivals {
+        for &(now, cost) in arrivals.iter().filter(|(_, c)| pacing::fits(*c, &p)) {
             let planned = pacing::plan(tat, now, cost, &p);
             tat = planned.tat_us;
             // Sleeping events wake at the first millisecond their slot can be written in.
@@ -195,10 +297,126 @@ fn planning_alone_breaks_the_rate_when_dispatch_is_late() {
         late.push((planned.slot_us + delay, 1));
     }
     late.sort();
-    let ungated: Vec<i64> = late.iter().map(|(t, _)| t / 1000).collect();
+    let ungated: Vec<(i64, i64)> = late.iter().map(|(t, c)| (t / 1000, *c)).collect();
     assert!(
         check_windows(&ungated, &p).is_err(),
         "late slots without a gate should bunch"
     );
     assert!(check_windows(&gated(&late, &p), &p).is_ok());
+}
+
+/// One event in the dispatch simulation: its recorded slot and deadline, its cost, when the
+/// dispatcher wakes it next, and how it ended (the ready entry's ms, or None if it left the
+/// route too late).
+#[derive(Debug, Clone)]
+struct Sim {
+    slot: i64,
+    deadline: i64,
+    cost: i64,
+    wake: i64,
+    done: Option<Option<i64>>,
+}
+
+/// Plans `arrivals` (each with a max_wait of `wait_us`), then dispatches them the way the
+/// dispatcher and `dispatch.lua` do: wake at a target (late by a drawn jitter), judge the due
+/// events in slot order in one call, and act on each verdict.
+fn dispatch_all(
+    arrivals: &[(i64, i64)],
+    jitter: &[i64],
+    wait_us: i64,
+    p: &BucketParams,
+) -> Vec<Sim> {
+    let mut tat = 0;
+    let mut events: Vec<Sim> = Vec::new();
+    for &(now, cost) in arrivals.iter().filter(|(_, c)| pacing::fits(*c, p)) {
+        let planned = pacing::plan(tat, now, cost, p);
+        // Slots are whole milliseconds (the first an entry can be written in), and the wait is
+        // judged on that, as `schedule.lua` does.
+        let slot = pacing::ceil_ms(planned.slot_us);
+        if slot - now > wait_us {
+            continue;
+        }
+        tat = planned.tat_us;
+        events.push(Sim {
+            slot,
+            deadline: now + wait_us + pacing::LATE_US,
+            cost,
+            wake: slot,
+            done: None,
+        });
+    }
+    let (mut dtat, mut last) = (0, 0);
+    for call in 0..100_000 {
+        let Some(wake) = events
+            .iter()
+            .filter(|e| e.done.is_none())
+            .map(|e| e.wake)
+            .min()
+        else {
+            break;
+        };
+        let now = wake + jitter[call % jitter.len()];
+        let mut due: Vec<usize> = (0..events.len())
+            .filter(|&i| events[i].done.is_none() && events[i].wake <= now)
+            .collect();
+        due.sort_by_key(|&i| events[i].slot);
+        let (t, tq) = pacing::dispatch_clock(now, last);
+        let mut judging = Judging {
+            dtat_us: dtat,
+            tat_us: tat,
+        };
+        for i in due {
+            let e = &mut events[i];
+            let (verdict, next) = pacing::judge(judging, (t, tq), e.slot, e.deadline, e.cost, p);
+            judging = next;
+            tat = next.tat_us;
+            match verdict {
+                Judged::Pass { slot_us } => {
+                    dtat = next.dtat_us;
+                    last = t;
+                    e.slot = slot_us;
+                    e.done = Some(Some(tq / 1000));
+                }
+                Judged::Wait { at_us } => e.wake = at_us,
+                Judged::Replan { at_us } => {
+                    e.slot = at_us;
+                    e.wake = at_us;
+                }
+                Judged::TooLate { .. } => e.done = Some(None),
+            }
+        }
+    }
+    events
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Dispatching planned events with late wake-ups (some far past their slots, as a stalled
+    /// worker's), as the dispatcher and the dispatch script do: every event ends, what goes out
+    /// keeps every rolling window in cost units, nothing goes out more than LATE_US (and its id's
+    /// rounding) after its recorded slot, and no recorded slot is past its deadline.
+    #[test]
+    fn judged_dispatch_keeps_the_rate_the_slots_and_the_deadlines(
+        p in small_params(),
+        a in attempts(),
+        jitter in proptest::collection::vec(prop_oneof![4 => 0i64..1_500, 1 => 0i64..300_000], 1..20),
+        wait_ms in 1i64..5_000,
+    ) {
+        let events = dispatch_all(&a, &jitter, wait_ms * 1000, &p);
+        prop_assert!(events.iter().all(|e| e.done.is_some()), "an event never ended");
+        let mut ids: Vec<(i64, i64)> = events
+            .iter()
+            .filter_map(|e| Some((e.done??, e.cost)))
+            .collect();
+        ids.sort();
+        check_windows(&ids, &p)?;
+        for e in &events {
+            if let Some(Some(ms)) = e.done {
+                prop_assert!(e.slot <= e.deadline, "slot {} past deadline {}", e.slot, e.deadline);
+                prop_assert!(ms * 1000 - e.slot <= pacing::LATE_US,
+                    "sent at {} ms for slot {}", ms, e.slot);
+            }
+        }
+    }
 }

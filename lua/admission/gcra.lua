@@ -1,0 +1,46 @@
+-- admission/gcra.lua: a token bucket as GCRA, one number per limit (src/admission/gcra.rs in
+-- Rust). Prepended to admit.lua after admission.lua.
+
+-- gcra: v holds t<i>, the theoretical arrival time of limit i (µs), for each limit; then last.
+local gcra = { empty = { 0 } }
+
+function gcra.load(text, rule, key)
+  return load_numbers(gcra, text, rule, key)
+end
+
+function gcra.check(st, rule)
+  local retry, lim = spacing_check(st.last, rule), 0
+  local tats = st.v
+  for i = 1, rule.nlimits do
+    local earliest = tats[i] - rule.limits[i].tol
+    if now < earliest then
+      retry, lim = worse(retry, lim, earliest - now, i)
+    end
+  end
+  return retry, lim
+end
+
+function gcra.charge(st, rule, passed)
+  local tats = st.v
+  for i = 1, rule.nlimits do
+    local l = rule.limits[i]
+    local nxt = math.max(tats[i], now) + l.interval
+    if not passed then
+      -- A rejected attempt's debt stops at one full bucket.
+      nxt = math.min(nxt, now + l.tol + l.interval)
+    end
+    tats[i] = nxt
+  end
+  st.last, st.dirty = now, true
+end
+
+-- The state matters until the latest tat (an empty bucket after).
+function gcra.save(st)
+  local n, until_t = st.rule.nlimits, 0
+  for i = 1, n do
+    until_t = math.max(until_t, st.v[i])
+  end
+  save_numbers(st, n, until_t)
+end
+
+-- fixed_window: v holds w<i> (window number of limit i) and c<i> (its count) for each limit;

@@ -1,0 +1,345 @@
+-- admit.lua: decide a batch of inbound events against their rules' limits, record each decision
+-- and forward the accepted events (and write the rejected ones, when the rejected stream shares
+-- the call's slot), all in one step. The same algorithms as src/admission/*.rs,
+-- held to the same answers by tests/admit_differential.rs (which replays each call's now_us).
+-- Every key is in the forward stream's hash slot (src/keys.rs, InboundKeys).
+--
+-- KEYS[1]      the forward stream
+-- KEYS[2]      the rejected stream, when ARGV[3] is 1 (it shares the call's slot)
+-- KEYS[2 or 3..] s input streams whose entries this call may acknowledge (in its slot); then
+--              per event, in order: the hash its decision is recorded in (field: its owner),
+--              then its identities' limiter keys, one per check: every key field of every
+--              rule, rule by rule, in the order the rules list them
+-- ARGV[1]      decision time to live, ms (each decision hash lives that long after a write)
+-- ARGV[2]      approximate MAXLEN of the forward and rejected streams
+-- ARGV[3]      1: write rejections to KEYS[2] here; 0: the caller writes them
+-- ARGV[4]      entries per read: a sliding log whose cap is more than this many entries per
+--              command that reading it by entry takes is read by entry, else whole (see `log`)
+-- ARGV[5]      the consumer group of the input streams
+-- ARGV[6]      s, the number of input streams to acknowledge in
+-- ARGV[7]      stale_us: an entry this old with no decision on record may have had one expire:
+--              it is not decided (STALE)
+-- ARGV[8]      the oldest entry's milliseconds: when no entry can be too old, none is looked at
+-- ARGV[9]      r, the number of rules; then per rule:
+--                name, algorithm (sliding_log | gcra | fixed_window), shadow (0/1),
+--                count_rejected (0/1), spacing_us (0: none), spacing label, horizon_us,
+--                log cap (most entries a sliding log keeps), nkeys, the key field names,
+--                nlimits, then per limit: window_us, count, interval_us, tolerance_us (gcra),
+--                label
+-- then         n, the number of events; then per event:
+--                owner ("<entry id>@<stream>": its field in the decision hash),
+--                its input stream's index among the s (0: the worker acknowledges it),
+--                then the forward entry's fields: nfields, name1, value1, ...
+-- Returns { now_us, then per event: code, decision, verdicts } (the codes are lib.lua's):
+--   ADMITTED decided now: decision "A" (accepted, and written to the forward stream) or
+--            "r<retry_us>|<rule>|<limit>|<key field>" (rejected: the enforcing check that frees up
+--            last), "R…" the same when it was also written to the rejected stream; verdicts holds one character per rule, '1' passed, '0' over its limits
+--            (shadow rules included: their '0's are the would-be rejections)
+--   DECIDED  an earlier delivery decided it: decision is what it recorded, verdicts ''
+--   STALE    older than stale_us with no decision on record: decision is its age (µs),
+--            nothing charged or recorded, verdicts ''
+-- Entries whose output this call wrote (or an earlier delivery wrote, "A" and "R…") are
+-- acknowledged here where their stream is in reach. Nothing is written until every argument is
+-- checked, and outputs are written before the decisions that record them.
+--
+-- Checking comes before charging: every limit of every identity of every rule is checked, and
+-- only then is anything charged, so a rejected event uses up nothing (a rule with count_rejected
+-- charges every attempt). Redis's clock, read once, is the time of every event of the batch.
+--
+-- The inbound flow's speed rests on this script, and its cost is mostly per command and per
+-- value, so it spends few of either per event: the decisions of a batch are read (HMGET) and
+-- written (HSET) a hash at a time, the states of its identities read in one MGET and each
+-- written once, with numbers packed in binary (struct) rather than printed and parsed; the
+-- checks are implied by the rules instead of spelled out per event; an accepted event's fields
+-- go from ARGV to XADD without a copy; and an event an earlier delivery decided is not checked.
+
+local ttl, maxlen = num(1, 'ttl'), num(2, 'maxlen')
+-- Writing a rejection here, in the step that decides it, makes it atomic with its record: no
+-- write-once marker and no second call, which the rejected stream in another slot would need.
+local rejected = ARGV[3] == '1' and KEYS[2]
+local entries_per_read = num(4, 'entries per read')
+local group, nstreams = ARGV[5], num(6, 'streams')
+local stale, oldest = num(7, 'stale'), num(8, 'oldest')
+local stream_at = rejected and 3 or 2
+local at = 9
+
+local rules = {}
+local nrules = num(at, 'rules')
+at = at + 1
+local known = { sliding_log = true, gcra = true, fixed_window = true }
+for r = 1, nrules do
+  local rule = {
+    name = ARGV[at], alg = ARGV[at + 1], shadow = ARGV[at + 2] == '1',
+    count_rejected = ARGV[at + 3] == '1', spacing = num(at + 4, 'spacing'),
+    spacing_label = ARGV[at + 5], horizon = num(at + 6, 'horizon'), cap = num(at + 7, 'cap'),
+    fields = {}, limits = {},
+  }
+  if not known[rule.alg] then
+    bad('algorithm ' .. tostring(rule.alg))
+  end
+  at = at + 8
+  local nf = num(at, 'key count')
+  for f = 1, nf do
+    rule.fields[f] = ARGV[at + f]
+  end
+  at = at + nf + 1
+  local nl = num(at, 'limit count')
+  rule.nlimits = nl
+  at = at + 1
+  for l = 1, nl do
+    rule.limits[l] = {
+      window = num(at, 'window'), count = num(at + 1, 'count'),
+      interval = num(at + 2, 'interval'), tol = num(at + 3, 'tolerance'), label = ARGV[at + 4],
+    }
+    at = at + 5
+  end
+  -- Reading a log by entry takes a STRLEN, then a GETRANGE per limit and one for min_spacing.
+  local reads = 1 + nl + (rule.spacing > 0 and 1 or 0)
+  rule.by_entry = rule.alg == 'sliding_log' and rule.cap > entries_per_read * reads
+  rules[r] = rule
+end
+
+-- The checks every event makes, in order: (rule index, key field) for each key of each rule.
+local check_rule, check_field = {}, {}
+for r, rule in ipairs(rules) do
+  for _, field in ipairs(rule.fields) do
+    check_rule[#check_rule + 1] = r
+    check_field[#check_field + 1] = field
+  end
+end
+local nchecks = #check_rule
+
+local algorithms = { sliding_log = sliding_log, gcra = gcra, fixed_window = fixed_window }
+
+-- Runs `cmd` (on `key`, if not nil) with `args` appended, at most 1000 at a time (unpack has a
+-- stack limit that a big batch's argument list could pass); returns the replies, concatenated.
+local function chunked(cmd, key, args)
+  local out = {}
+  for from = 1, #args, 1000 do
+    local part = { cmd }
+    if key then
+      part[2] = key
+    end
+    for j = from, math.min(from + 999, #args) do
+      part[#part + 1] = args[j]
+    end
+    local r = redis.call(unpack(part))
+    if type(r) == 'table' then
+      for _, v in ipairs(r) do
+        out[#out + 1] = v
+      end
+    end
+  end
+  return out
+end
+
+-- The events: owner, decision hash and where its fields start, in flat arrays (a table per
+-- event would cost more than its use); event i's check x uses KEYS[key_at[i] + x].
+local n = num(at, 'events')
+at = at + 1
+local owner, hash, key_at, fields_at, ack_in = {}, {}, {}, {}, {}
+local hashes, in_hash = {}, {}
+local k = stream_at + nstreams
+for i = 1, n do
+  owner[i] = ARGV[at]
+  ack_in[i] = index(at + 1, nstreams, true, 'stream')
+  fields_at[i] = at + 2
+  at = fields_end(at + 2)
+  local h = KEYS[k]
+  hash[i], key_at[i] = h, k
+  k = k + 1 + nchecks
+  local members = in_hash[h]
+  if not members then
+    members = {}
+    in_hash[h] = members
+    hashes[#hashes + 1] = h
+  end
+  members[#members + 1] = i
+end
+if at - 1 ~= #ARGV then
+  bad('argument count')
+end
+if k - 1 ~= #KEYS then
+  bad('key count')
+end
+-- Check the streams this call writes or acknowledges before anything is written: a key of
+-- another type, or a group gone, fails the call here rather than halfway. (Reads only: after a
+-- script's first write Redis lets it write past maxmemory.)
+redis.call('XLEN', KEYS[1])
+if rejected then
+  redis.call('XLEN', rejected)
+end
+check_groups(stream_at, nstreams, group)
+
+-- Decisions earlier deliveries recorded: those stand, and nothing is charged for them. Read on
+-- every call, not only for redeliveries: a call that timed out on the client may still run
+-- after a retry or a fail_policy decision, and must then find the decision made.
+-- Kept by hash and owner, and updated as this call decides: an entry that comes twice in one
+-- call (a worker holding two deliveries of it) finds what its first copy decided.
+local prev, on_record = {}, {}
+for _, h in ipairs(hashes) do
+  local fields = {}
+  for j, i in ipairs(in_hash[h]) do
+    fields[j] = owner[i]
+  end
+  local got = chunked('HMGET', h, fields)
+  on_record[h] = {}
+  for j, i in ipairs(in_hash[h]) do
+    prev[i] = got[j]
+    on_record[h][owner[i]] = got[j] or nil
+  end
+end
+
+-- Entries older than stale_us with no decision on record may have had one expire: not decided
+-- (the worker dead-letters them as expired). Looked at only when the oldest could be that old.
+local stale_age = {}
+if now - oldest * 1000 > stale then
+  for i = 1, n do
+    if not prev[i] then
+      local age = now - tonumber(string.match(owner[i], '^%d+') or 0) * 1000
+      if age > stale then
+        stale_age[i] = age
+      end
+    end
+  end
+end
+
+-- Entries to acknowledge here, per input stream: those whose output this call writes, or an
+-- earlier delivery wrote ("A", "R…").
+local acks = lists(nstreams)
+local function ack(i)
+  local s = ack_in[i]
+  if s > 0 then
+    local list = acks[s]
+    list[#list + 1] = string.match(owner[i], '^[^@]+')
+  end
+end
+
+-- Each identity's state is read once per call (all of them in one MGET, but for logs read by
+-- entry) and written once at its end.
+local states, order = {}, {}
+local loading, texts = {}, {}
+for i = 1, n do
+  if not prev[i] and not stale_age[i] then
+    for x = 1, nchecks do
+      local key = KEYS[key_at[i] + x]
+      if texts[key] == nil and not rules[check_rule[x]].by_entry then
+        texts[key] = false
+        loading[#loading + 1] = key
+      end
+    end
+  end
+end
+for j, v in ipairs(chunked('MGET', nil, loading)) do
+  texts[loading[j]] = v
+end
+local function state(key, rule)
+  local st = states[key]
+  if not st then
+    st = algorithms[rule.alg].load(texts[key], rule, key)
+    states[key] = st
+    order[#order + 1] = st
+  end
+  return st
+end
+
+local out, o = { now }, 1
+local record, recorded = {}, {}
+local passed = {}
+local all_passed = string.rep('1', nrules)
+for i = 1, n do
+  local earlier = on_record[hash[i]][owner[i]]
+  if earlier then
+    out[o + 1], out[o + 2], out[o + 3] = DECIDED, earlier, ''
+    o = o + 3
+    local kind = string.sub(earlier, 1, 1)
+    if kind == 'A' or kind == 'R' then
+      ack(i)
+    end
+  elseif stale_age[i] then
+    out[o + 1], out[o + 2], out[o + 3] = STALE, stale_age[i], ''
+    o = o + 3
+  else
+    -- Check everything first.
+    local base = key_at[i]
+    local best, best_lim, binding = 0, 0, nil
+    local failed = false
+    for x = 1, nchecks do
+      local r = check_rule[x]
+      local rule = rules[r]
+      local st = state(KEYS[base + x], rule)
+      local retry, lim = st.alg.check(st, rule)
+      if retry > 0 then
+        if not failed then
+          failed = true
+          for q = 1, nrules do
+            passed[q] = '1'
+          end
+        end
+        passed[r] = '0'
+        if not rule.shadow and retry > best then
+          best, best_lim, binding = retry, lim, x
+        end
+      end
+    end
+    local accepted = binding == nil
+    local decision = 'A'
+    if not accepted then
+      local rule = rules[check_rule[binding]]
+      local label = (best_lim == 0 and rule.spacing_label) or rule.limits[best_lim].label
+      local field = check_field[binding]
+      local tail = int(best) .. '|' .. rule.name .. '|' .. label .. '|' .. field
+      if rejected then
+        -- The fields of src/event/inbound.rs's rejected_fields, in its order: the reasons,
+        -- then the forward entry's (the carried fields and where the entry came from).
+        local f = fields_at[i]
+        redis.call('XADD', rejected, 'MAXLEN', '~', maxlen, '*', 'pacer_reason', 'rate_limited',
+          'pacer_rule', rule.name, 'pacer_limit', label, 'pacer_key', field,
+          'pacer_retry_after_ms', int(math.ceil(best / 1000)), unpack(ARGV, f + 1, fields_end(f) - 1))
+        decision = 'R' .. tail
+        ack(i)
+      else
+        decision = 'r' .. tail
+      end
+    end
+    -- Then charge.
+    for x = 1, nchecks do
+      local r = check_rule[x]
+      local rule = rules[r]
+      local ok = accepted and (not failed or passed[r] == '1')
+      if ok or rule.count_rejected then
+        local st = states[KEYS[base + x]]
+        st.alg.charge(st, rule, ok)
+      end
+    end
+    if accepted then
+      local f = fields_at[i]
+      redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '*', unpack(ARGV, f + 1, fields_end(f) - 1))
+      ack(i)
+    end
+    local h = hash[i]
+    local rec, m = record[h], recorded[h]
+    if not rec then
+      rec, m = {}, 0
+      record[h] = rec
+    end
+    rec[m + 1], rec[m + 2] = owner[i], decision
+    recorded[h] = m + 2
+    on_record[h][owner[i]] = decision
+    out[o + 1], out[o + 2] = ADMITTED, decision
+    out[o + 3] = failed and table.concat(passed, '', 1, nrules) or all_passed
+    o = o + 3
+  end
+end
+
+for _, st in ipairs(order) do
+  st.alg.save(st)
+end
+for _, h in ipairs(hashes) do
+  if record[h] then
+    chunked('HSET', h, record[h])
+    redis.call('PEXPIRE', h, ttl)
+  end
+end
+ack_all(stream_at, group, acks)
+return out

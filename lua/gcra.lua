@@ -1,0 +1,114 @@
+-- gcra.lua: the leaky bucket that paces a route, as plain functions: the plan (slots) and the
+-- gate (the rate at the moment of dispatch), and saving the bucket. Prepended (after lib.lua)
+-- to the scripts that pace: schedule.lua and dispatch.lua. The same maths as src/pacing.rs,
+-- held to the same answers by tests/bucket_differential.rs. All times are microseconds of
+-- Redis's clock; integers below 2^53, so Lua's doubles compute them exactly.
+
+-- The slot of an event of `cost` planned at `now` against the plan `tat`, and the next plan. It
+-- needs room for all its units at once, so no window holds more than rate x W + burst units
+-- (src/pacing.rs `plan`); an event costing more than the burst never fits (`fits`).
+local function plan(tat, now, cost, interval, tol)
+  return math.max(now, tat - tol + (cost - 1) * interval), math.max(tat, now) + cost * interval
+end
+
+local function fits(cost, interval, tol)
+  return cost >= 1 and (cost - 1) * interval <= tol
+end
+
+-- The first whole millisecond (in µs) at or after `x`.
+local function ceil_ms(x)
+  return math.ceil(x / 1000) * 1000
+end
+
+-- Whether a dispatch judged at `tq` (a whole millisecond, see dispatch_clock) keeps the rate
+-- given the gate `dtat`: true and the next gate, or false and the first millisecond it would
+-- pass. An entry written in millisecond m is charged at tq - 999 µs (not below the gate), in the
+-- previous millisecond: ids in one window of W whole milliseconds are then charged less than W
+-- ms apart, so the window keeps the bound (src/pacing.rs `gate` has the argument), and a slot
+-- that falls inside a millisecond costs no drift.
+local function gate(dtat, tq, cost, interval, tol)
+  local earliest = dtat - tol + (cost - 1) * interval
+  if tq < earliest then
+    return false, ceil_ms(earliest)
+  end
+  return true, math.max(dtat, tq - 999) + cost * interval
+end
+
+-- How late (µs) the gate may make an event before its slot is re-planned (src/pacing.rs LATE_US).
+local LATE = 1000
+
+-- An event leaving the route gives its reservation at `slot` back if it is still the plan's
+-- last (any later one would have pushed the plan at least an interval further).
+local function give_back(tat, slot, cost, interval, tol)
+  if tat - slot <= tol + cost * interval then
+    return tat - cost * interval
+  end
+  return tat
+end
+
+-- What the gate says about one due event at dispatch (src/pacing.rs `judge`): one of
+-- 'pass' (go now, with the slot given: its own, or now if it was woken too late for it),
+-- 'wait' (sleep until `at`, the slot stands), 'replan' (the slot moves to `at`, the plan's next
+-- slot, within the deadline) or 'late' (not within the deadline), then `at` (or the slot, for
+-- a pass), then the gate and the plan for the next event of the call. The gate is charged for a
+-- pass, and as if it went at `at` for an event told to wait, so that events refused in one call
+-- queue one behind the other. A moved event takes its new slot from the plan's end, never a
+-- millisecond the plan gave another event: that would book it twice and cascade.
+local function judge(dtat, tat, t, tq, slot, deadline, cost, interval, tol)
+  if t < slot then
+    return 'wait', slot, dtat, tat
+  end
+  local missed = t > slot + LATE
+  if missed and t > deadline then
+    return 'late', t, dtat, give_back(tat, slot, cost, interval, tol)
+  end
+  local ok, g = gate(dtat, tq, cost, interval, tol)
+  if ok then
+    return 'pass', missed and t or slot, g, tat
+  end
+  if not missed and g <= slot + LATE then
+    local _, queued = gate(dtat, g, cost, interval, tol)
+    return 'wait', g, queued, tat
+  end
+  local new_slot, new_tat = plan(tat, g, cost, interval, tol)
+  new_slot = ceil_ms(new_slot)
+  if new_slot > deadline then
+    return 'late', new_slot, dtat, give_back(tat, slot, cost, interval, tol)
+  end
+  return 'replan', new_slot, dtat, new_tat
+end
+
+-- The time a dispatch happens at and the time the gate judges it by: the ready entry's id
+-- millisecond (in µs). The rate is promised on entry ids, so judging by them is exact for that
+-- promise, and a dispatch a fraction of a millisecond late does not hold back the next one.
+local function dispatch_clock(now, last)
+  local t = math.max(now, last)
+  return t, math.floor(t / 1000) * 1000
+end
+
+-- The newest ready entry's time (µs of its id's ms; 0 for an empty stream): a dispatch id must
+-- not go below it, or XADD would fail. Read in every pacing call before any write, which also
+-- checks that the ready stream is a stream.
+local function ready_top_us(stream)
+  local top = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
+  if top then
+    return tonumber(string.match(top[1], '^(%d+)')) * 1000
+  end
+  return 0
+end
+
+-- Reads a route's bucket (KEYS index `bucket`) and its ready stream's newest entry: the plan, the
+-- gate and the last dispatch time (never below the newest ready id).
+local function read_bucket(bucket, ready)
+  local st = redis.call('HMGET', KEYS[bucket], 'tat', 'dtat', 'last')
+  local last = math.max(tonumber(st[3]) or 0, ready_top_us(KEYS[ready]))
+  return tonumber(st[1]) or 0, tonumber(st[2]) or 0, last
+end
+
+-- Saves the bucket and lets it expire a minute after its last reservation falls due: an idle
+-- route leaves nothing behind, and a bucket is never dropped while slots are still ahead.
+local function save_bucket(key, now, tat, dtat, last)
+  redis.call('HSET', key, 'tat', int(tat), 'dtat', int(dtat), 'last', int(last))
+  local ahead_ms = math.floor((math.max(tat, dtat, now) - now) / 1000)
+  redis.call('PEXPIRE', key, int(ahead_ms + 60000))
+end

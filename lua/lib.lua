@@ -1,0 +1,180 @@
+-- lib.lua: the helpers every script shares, prepended to each one when pacer is built
+-- (src/scripts.rs joins the files). Nothing here decides anything: checking arguments, reading
+-- them, numbers as text, Redis's clock, the reply codes and the decision codec.
+--
+-- Every script follows one rule: everything that can fail (argument counts, numbers, sizes, key
+-- types) is checked before the first write, so a script that fails has changed nothing; and
+-- each output is written before the record that says it was written.
+
+-- Reply codes, one meaning each in every script that uses them. src/scripts.rs (`reply`) holds
+-- the same numbers, and a unit test there reads them from this file.
+local DISPATCHED = 1 -- written to the ready stream now
+local SLEEP = 2 -- a slot was reserved: sleep until it
+local TOO_LONG = 3 -- would wait longer than max_wait: nothing reserved
+local DECIDED = 4 -- an earlier delivery decided this entry: its recorded decision stands
+local NOT_BEFORE = 5 -- not yet: come back at the time given
+local SUPERSEDED = 6 -- the decision this call was to carry out is no longer the recorded one
+local ADMITTED = 7 -- an inbound event decided by this call
+local DUPLICATE = 8 -- its event id belongs to another entry (the owner given)
+local EXPIRED = 9 -- its entry was older than max_age when read: not placed
+local STALE = 10 -- its entry is older than dedupe_ttl and no decision is on record: not decided
+
+-- The most fields one event may carry through a script: Lua's unpack stops at about 8,000
+-- values, and an XADD of an event passes two per field and a few more (src/event.rs caps
+-- events well below, at outbound/inbound.max_event_fields).
+local MAX_FIELDS = 3500
+
+-- Fails the call, before anything was written, naming what is wrong.
+local function bad(what)
+  error('pacer: bad arguments: ' .. what)
+end
+
+-- ARGV[i] as a number (a whole one, unless `real`); fails the call if it is not one.
+local function num(i, what)
+  local v = tonumber(ARGV[i])
+  if v == nil or v ~= v then
+    bad(what .. ' (ARGV[' .. i .. '])')
+  end
+  return v
+end
+
+-- ARGV[i] as an index into a list of `n` (0 allowed when `zero`).
+local function index(i, n, zero, what)
+  local v = num(i, what)
+  if v ~= math.floor(v) or v > n or v < (zero and 0 or 1) then
+    bad(what .. ' out of range (ARGV[' .. i .. '])')
+  end
+  return v
+end
+
+-- Checks the fields of one event at ARGV[at] (their count, then name/value pairs) and returns
+-- the index just past them.
+local function fields_end(at)
+  local n = num(at, 'field count')
+  if n < 0 or n > MAX_FIELDS or n ~= math.floor(n) then
+    bad('field count ' .. tostring(ARGV[at]))
+  end
+  local stop = at + 1 + 2 * n
+  if stop - 1 > #ARGV then
+    bad('fields run past the arguments')
+  end
+  return stop
+end
+
+-- Integers as text. Lua's own number-to-string keeps 14 digits (1.7952982012077e+15), which
+-- would corrupt microsecond times in decisions and commands.
+local function int(n)
+  return string.format('%d', n)
+end
+
+-- Redis's own clock: the one clock every decision uses, whatever the workers' clocks say.
+local function redis_now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- Reads the fields list[from..to] of hash `key` in one HMGET (at most 1000 a time: unpack has
+-- a stack limit); returns their values in order (false where absent).
+local function hmget(key, list, from, to)
+  local out = {}
+  for a = from, to, 1000 do
+    local part = redis.call('HMGET', key, unpack(list, a, math.min(a + 999, to)))
+    for j = 1, #part do
+      out[#out + 1] = part[j]
+    end
+  end
+  return out
+end
+
+-- Writes name/value pairs to hash `key` (at most 500 pairs a time) and renews its time to live.
+local function hset(key, pairs, ttl)
+  for from = 1, #pairs, 1000 do
+    redis.call('HSET', key, unpack(pairs, from, math.min(from + 999, #pairs)))
+  end
+  redis.call('PEXPIRE', key, ttl)
+end
+
+-- Acknowledges entry ids of one input stream (at most 1000 a time).
+local function xack(stream, group, ids)
+  for from = 1, #ids, 1000 do
+    redis.call('XACK', stream, group, unpack(ids, from, math.min(from + 999, #ids)))
+  end
+end
+
+-- One empty list per index 1..n (per decision hash, per input stream).
+local function lists(n)
+  local t = {}
+  for k = 1, n do
+    t[k] = {}
+  end
+  return t
+end
+
+-- Checks that the s input streams KEYS[first..] have the consumer group, before any write: a
+-- stream or group gone fails the call here, not after its outputs. (A read: after a script's
+-- first write Redis lets it write past maxmemory, so no write may come before the outputs.)
+local function check_groups(first, s, group)
+  for k = 0, s - 1 do
+    redis.call('XPENDING', KEYS[first + k], group, '-', '+', 1)
+  end
+end
+
+-- Acknowledges, per input stream KEYS[first + k - 1], the entry ids in acks[k].
+local function ack_all(first, group, acks)
+  for k = 1, #acks do
+    if #acks[k] > 0 then
+      xack(KEYS[first + k - 1], group, acks[k])
+    end
+  end
+end
+
+-- What a call's h record hashes (KEYS[first..]) hold for its entries (entry i in hash
+-- hashes[i]), read in one HMGET per hash; `get` sees what this call `set` since, so an entry
+-- that comes twice in one call (a worker holding two deliveries of it) finds what the first
+-- copy decided, and `save` writes what changed, once, after the outputs it speaks of.
+local function records(first, h, hashes, entries)
+  local held, changed, per = lists(h), lists(h), lists(h)
+  for i = 1, #entries do
+    local list = per[hashes[i]]
+    list[#list + 1] = entries[i]
+  end
+  for k = 1, h do
+    if #per[k] > 0 then
+      for j, v in ipairs(hmget(KEYS[first + k - 1], per[k], 1, #per[k])) do
+        held[k][per[k][j]] = v or nil
+      end
+    end
+  end
+  return {
+    get = function(k, entry)
+      return held[k][entry]
+    end,
+    set = function(k, entry, value)
+      held[k][entry] = value
+      local c = changed[k]
+      c[#c + 1], c[#c + 2] = entry, value
+    end,
+    save = function(ttl)
+      for k = 1, h do
+        if #changed[k] > 0 then
+          hset(KEYS[first + k - 1], changed[k], ttl)
+        end
+      end
+    end,
+  }
+end
+
+-- Decisions, as recorded per input entry: "<kind><number>" or "s<slot>:<deadline>", the same
+-- codec as src/marker.rs. Kinds: s (slot reserved, µs, and the deadline it must go by), d
+-- (dispatched, the ready entry's ms), x (passed over, the wait it would have had, µs), v
+-- (voided: the entry was delivered too often).
+local function decision(kind, n, deadline)
+  if deadline then
+    return kind .. int(n) .. ':' .. int(deadline)
+  end
+  return kind .. int(n)
+end
+
+local function decision_kind(value)
+  return string.sub(value, 1, 1)
+end

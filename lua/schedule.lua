@@ -1,0 +1,220 @@
+-- schedule.lua: decide a batch of events on one route. Each is dispatched at once, given a slot
+-- to sleep until, or passed over because it would wait longer than it accepts; an event an
+-- earlier delivery decided gets that decision back, an event whose id another entry owns is a
+-- duplicate, and an entry read too old is not placed. Nothing is written until every argument
+-- is checked; then the ready entries, then the decisions that say they were written, then the
+-- bucket and the acknowledgements.
+--
+-- What an event passes costs Redis by the argument (each is parsed, then made a Lua string), so
+-- an event passes only its entry id, a usually empty string of exceptions and its own fields;
+-- what is the same for a whole group (its stream, the route, the defaults) is passed once.
+--
+-- KEYS[1]     the route's bucket (hash: tat = plan, dtat = gate, last = last dispatch; µs)
+-- KEYS[2]     the route's ready stream
+-- KEYS[3..]   h decision hashes (field: input entry id; value: its decision, lib.lua's codec),
+--             then s input streams whose entries this call may acknowledge (in its slot),
+--             then c id claims (string: the entry that owns an event id)
+-- ARGV[1]     interval_us: microseconds one unit of cost occupies
+-- ARGV[2]     tolerance_us: (burst - 1) * interval
+-- ARGV[3]     decision time to live, ms (also the id claims')
+-- ARGV[4]     approximate MAXLEN of the ready stream
+-- ARGV[5]     the consumer group of the input streams
+-- ARGV[6]     stale_us: an entry this old with no decision on record may have had one expire:
+--             it is not decided (STALE)
+-- ARGV[7]     max_age_us: an entry older than this when first decided is not placed (EXPIRED);
+--             0 for no limit
+-- ARGV[8]     the route's name (the ready entries' pacer_route)
+-- ARGV[9]     the events' max_wait_us unless an event says otherwise
+-- ARGV[10]    the oldest entry's milliseconds: when no entry can be too old, none is looked at
+-- ARGV[11..14] h, s, c, n (the number of events)
+-- then per decision hash, in KEYS order: its event count, the index of its input stream among
+--             the s (0: the worker acknowledges), and that stream's name
+-- then per event, grouped by decision hash in that order:
+--   entry     its input entry id
+--   extra     "" for the defaults, else "<cost>,<max_wait_us>,<claim index>,<expect>" where
+--             cost defaults to 1, max_wait_us to ARGV[9], claim (its id claim's index, if it
+--             carries an id) to 0, and expect (a decision on record it may replace) to ""
+--   nfields, name1, value1, ...   its own fields, carried to the ready entry
+-- Returns { now_us, tat_us, then per event a code and a value, then end_us } (lib.lua's codes),
+-- events in the order given; now_us is the route's time the call decided at (Redis's clock, or
+-- the route's last dispatch if that is later: see below) and tat_us the plan after the call:
+--   DISPATCHED, ready entry ms   dispatched now (decision "d<ms>")
+--   SLEEP, slot_us               slot reserved, to go by now + max_wait + gcra.lua's LATE
+--                                ("s<slot>:<deadline>")
+--   TOO_LONG, wait_us            would wait longer than max_wait ("x<wait>"); nothing reserved
+--   DECIDED, decision            an earlier delivery decided it: that decision stands
+--   DUPLICATE, owner             its id belongs to that other entry ("<entry id>@<stream>")
+--   EXPIRED, age_us              read older than max_age: not placed, nothing recorded
+--   STALE, age_us                older than stale_us with nothing on record: not decided
+-- end_us is Redis's clock as the script ends (what workers map their timers with). The ready
+-- entry holds pacer_route, pacer_source_stream, pacer_source_id, pacer_slot_us and
+-- pacer_wait_ms, then the event's own fields.
+
+-- Check everything first.
+local interval, tol = num(1, 'interval'), num(2, 'tolerance')
+local ttl, maxlen, group = num(3, 'ttl'), num(4, 'maxlen'), ARGV[5]
+local stale, max_age = num(6, 'stale'), num(7, 'max_age')
+local route, default_wait, oldest = ARGV[8], num(9, 'max_wait'), num(10, 'oldest')
+local h, s, c, n = num(11, 'h'), num(12, 's'), num(13, 'c'), num(14, 'n')
+if #KEYS ~= 2 + h + s + c then
+  bad('key count')
+end
+local at = 15
+-- Per event, in flat arrays (a table per event costs more than its use): its hash, stream
+-- index and name, entry id, exceptions, and where its fields start and stop.
+local ev_hash, ev_stream, ev_name, ev_entry = {}, {}, {}, {}
+local ev_cost, ev_wait, ev_claim, ev_expect, ev_fields, ev_stop = {}, {}, {}, {}, {}, {}
+local groups = {}
+for k = 1, h do
+  groups[k] = { count = num(at, 'count'), stream = index(at + 1, s, true, 'stream'), name = ARGV[at + 2] }
+  at = at + 3
+end
+local i = 0
+for k = 1, h do
+  for _ = 1, groups[k].count do
+    i = i + 1
+    ev_hash[i], ev_stream[i], ev_name[i] = k, groups[k].stream, groups[k].name
+    ev_entry[i] = ARGV[at]
+    local extra = ARGV[at + 1]
+    if extra == nil then
+      bad('events run past the arguments')
+    end
+    if extra == '' then
+      ev_cost[i], ev_wait[i], ev_claim[i], ev_expect[i] = 1, default_wait, 0, ''
+    else
+      local cost, wait, claim, expect = string.match(extra, '^(%d+),(%d+),(%d+),(.*)$')
+      cost, wait, claim = tonumber(cost), tonumber(wait), tonumber(claim)
+      if not (cost and wait and claim) or cost < 1 or claim > c then
+        bad('extra ' .. extra)
+      end
+      ev_cost[i], ev_wait[i], ev_claim[i], ev_expect[i] = cost, wait, claim, expect
+    end
+    ev_fields[i] = at + 2
+    ev_stop[i] = fields_end(at + 2)
+    at = ev_stop[i]
+  end
+end
+if i ~= n or at - 1 ~= #ARGV then
+  bad('argument count')
+end
+
+-- Then read: the bucket, the ready stream's newest entry, the decisions on record, the id
+-- claims (reading also checks every key's type, so nothing fails once writing starts).
+local now = redis_now_us()
+local tat, dtat, last = read_bucket(1, 2)
+check_groups(3 + h, s, group)
+local decided = records(3, h, ev_hash, ev_entry)
+local claimed = {}
+for k = 1, c do
+  claimed[k] = redis.call('GET', KEYS[2 + h + s + k])
+end
+
+-- Decide, in order; the plan and gate move as each event takes its share.
+local out = { 0, 0 }
+local changed = false
+local wrote = false
+local acks = lists(s) -- per input stream index: entry ids
+local claims = {} -- id claims to write: key index -> owner
+-- Pacer's time on this route never goes back: ready ids must increase, and a Redis clock
+-- stepped back leaves `last` ahead until it catches up.
+local t, tq = dispatch_clock(now, last)
+out[1] = t
+local id_ms = int(tq / 1000)
+local dispatched = decision('d', tq / 1000)
+-- Whether any entry of the call could be too old (the worker passes the oldest).
+local aged = t - oldest * 1000 > math.min(stale, max_age > 0 and max_age or stale)
+for i = 1, n do
+  local code, value
+  -- What is on record, or what an earlier copy of this entry in the call made of it.
+  local had, claim, expect = decided.get(ev_hash[i], ev_entry[i]), ev_claim[i], ev_expect[i]
+  local age = 0
+  if aged and expect == '' then
+    age = t - tonumber(string.match(ev_entry[i], '^%d+') or 0) * 1000
+  end
+  if had and had ~= expect then
+    code, value = DECIDED, had
+    if decision_kind(had) == 'd' and ev_stream[i] > 0 then
+      -- Dispatched by an earlier delivery that never got to acknowledge it.
+      local list = acks[ev_stream[i]]
+      list[#list + 1] = ev_entry[i]
+    end
+  elseif claim > 0 and claimed[claim] and claimed[claim] ~= ev_entry[i] .. '@' .. ev_name[i] then
+    code, value = DUPLICATE, claimed[claim]
+  elseif age > stale then
+    code, value = STALE, age
+  elseif max_age > 0 and age > max_age then
+    code, value = EXPIRED, age
+  elseif not fits(ev_cost[i], interval, tol) then
+    -- More units than the burst: it could never pass (the worker refuses such events first).
+    code, value = TOO_LONG, 2 ^ 53
+  else
+    local cost = ev_cost[i]
+    local slot, next_tat = plan(math.max(tat, dtat), t, cost, interval, tol)
+    -- A slot ahead is slept until the first millisecond it can be written in; the wait is
+    -- judged on that, so the recorded slot is never past the deadline.
+    if slot > t then
+      slot = ceil_ms(slot)
+    end
+    if slot - t > ev_wait[i] then
+      code, value = TOO_LONG, slot - t
+    elseif slot <= t then
+      local ok, g = gate(dtat, tq, cost, interval, tol)
+      if ok then
+        code, value = DISPATCHED, tq / 1000
+        redis.call('XADD', KEYS[2], id_ms .. '-*', 'pacer_route', route,
+          'pacer_source_stream', ev_name[i], 'pacer_source_id', ev_entry[i], 'pacer_slot_us',
+          int(slot), 'pacer_wait_ms', '0', unpack(ARGV, ev_fields[i] + 1, ev_stop[i] - 1))
+        dtat, last, tat, changed, wrote = g, t, next_tat, true, true
+        if ev_stream[i] > 0 then
+          local list = acks[ev_stream[i]]
+          list[#list + 1] = ev_entry[i]
+        end
+      elseif g - t <= ev_wait[i] then
+        -- An earlier slot went out late: this one waits until the gate lets it through.
+        code, value = SLEEP, g
+        tat, changed = math.max(next_tat, g + cost * interval), true
+      else
+        code, value = TOO_LONG, g - t
+      end
+    else
+      code, value = SLEEP, slot
+      tat, changed = next_tat, true
+    end
+    local made
+    if code == DISPATCHED then
+      made = dispatched
+    elseif code == SLEEP then
+      -- It must go by its wait, give or take the small lateness tolerance (gcra.lua LATE).
+      made = decision('s', value, t + ev_wait[i] + LATE)
+    else
+      made = decision('x', value)
+    end
+    decided.set(ev_hash[i], ev_entry[i], made)
+    if claim > 0 and not claimed[claim] then
+      -- Taken now: a later event of this call with the same id is its duplicate.
+      local owner = ev_entry[i] .. '@' .. ev_name[i]
+      claims[claim] = owner
+      claimed[claim] = owner
+    end
+  end
+  out[#out + 1] = code
+  out[#out + 1] = value
+end
+
+-- Record: the decisions (after the ready entries they speak of), the claims, the bucket, then
+-- the acknowledgements.
+decided.save(ttl)
+for k, owner in pairs(claims) do
+  redis.call('SET', KEYS[2 + h + s + k], owner, 'PX', ttl)
+end
+out[2] = tat
+if changed then
+  save_bucket(KEYS[1], now, tat, dtat, last)
+end
+if wrote then
+  -- Trimmed once per call rather than per entry (each MAXLEN is more arguments to convert).
+  redis.call('XTRIM', KEYS[2], 'MAXLEN', '~', maxlen)
+end
+ack_all(3 + h, group, acks)
+out[#out + 1] = redis_now_us()
+return out

@@ -1,0 +1,22 @@
+-- void.lua: settle a poison event's decision on one route, so that it can be dead-lettered
+-- without any worker still dispatching it.
+--
+-- KEYS[1]     the route's decision hash holding the event's input entry
+-- KEYS[2]     the event's id claim on this route (optional: only for events that carry an id)
+-- ARGV[1]     the input entry id (its field in the hash)
+-- ARGV[2]     decision time to live, ms
+-- Returns { decision before the call ("" if none), the id claim's owner ("" if none) }. The
+-- decision becomes "v0" (voided) unless it already records a final outcome: "d…" (dispatched)
+-- or "x…" (passed over for a fallback). A sleeping worker's dispatch then finds its "s…"
+-- decision gone and does nothing.
+
+if #KEYS < 1 or #KEYS > 2 then
+  bad('key count')
+end
+local ttl = num(2, 'ttl')
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+local owner = KEYS[2] and redis.call('GET', KEYS[2]) or false
+if not old or decision_kind(old) == 's' then
+  hset(KEYS[1], { ARGV[1], decision('v', 0) }, ttl)
+end
+return { old or '', owner or '' }

@@ -1,0 +1,185 @@
+//! Inbound admission in one call per batch (`admit.lua`): decide, record, forward, and write
+//! rejections where the slot allows.
+
+use super::{push_fields, reply, KeyIndex, Reply, Scripts};
+use crate::config::InboundRule;
+use crate::error::{Error, Result};
+use crate::event::Fields;
+use crate::keys::InboundKeys;
+use redis::aio::ConnectionLike;
+use redis::Value;
+
+/// Where an `admit` call writes, and how long what it records lasts.
+pub struct AdmitTargets<'a> {
+    pub keys: &'a InboundKeys,
+    /// The rejected stream, when the call writes rejections itself: it may only when the stream
+    /// shares the forward stream's slot, or Redis is not a cluster (`streams::same_slot`).
+    /// `None`: the caller writes them, in a second call.
+    pub rejected: Option<&'a str>,
+    pub decision_ttl_ms: u64,
+    /// Output streams are trimmed to about this many entries.
+    pub max_len: u64,
+    /// A sliding log is read entry by entry when its cap (largest limit) is more than this many
+    /// entries per command that takes (1 + a limit + min_spacing), else whole.
+    /// [`LOG_ENTRIES_PER_READ`] but in tests, which draw both ways (0: always by entry).
+    pub log_entries_per_read: i64,
+    /// The consumer group of the input streams (for acknowledging).
+    pub group: &'a str,
+    /// Whether the call may acknowledge entries of an input stream (it shares the forward
+    /// stream's slot, or Redis is not a cluster).
+    pub acks: &'a (dyn Fn(&str) -> bool + Sync),
+    /// An entry this old (µs) with no decision on record is not decided (`Admitted::Stale`).
+    pub stale_us: i64,
+}
+
+/// What one command costs `admit.lua` in log entries read whole: in Lua a string costs by its
+/// size (hashed byte by byte), a command by its count, and this is about where they cross (the
+/// README's "Inbound admission" has the measurements). A one-limit log is read whole up to a cap
+/// of 96 entries, one with three limits and min_spacing up to 240.
+pub const LOG_ENTRIES_PER_READ: i64 = 48;
+
+/// One inbound event offered to `admit`.
+pub struct AdmitItem<'a> {
+    /// `<entry id>@<input stream>`: the entry, its field in the decision hash.
+    pub owner: &'a str,
+    /// Its input stream and the milliseconds of its entry id.
+    pub stream: &'a str,
+    pub entry_ms: i64,
+    /// The hash its decision is recorded in (`InboundKeys::decisions`).
+    pub decisions: &'a str,
+    /// Its identities' limiter keys: one per key field of each rule, rule by rule, in the
+    /// order of `inbound.rules` and of each rule's `key` (how `event::inbound` finds them).
+    pub identities: Vec<&'a str>,
+    /// The forward entry's fields, written if it is accepted.
+    pub fields: &'a Fields,
+}
+
+/// What `admit` said about one event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admitted {
+    /// Decided by this call: the recorded decision (see `event::inbound::Decision`) and one
+    /// verdict per rule, true when the event passed it.
+    Now {
+        decision: String,
+        verdicts: Vec<bool>,
+    },
+    /// An earlier delivery decided it: what it recorded.
+    Earlier(String),
+    /// Older than `stale_us` with no decision on record (its age, µs): not decided.
+    Stale(i64),
+}
+
+#[derive(Debug, Clone)]
+pub struct AdmitReply {
+    /// Redis's clock, the time of every decision in the call.
+    pub now_us: i64,
+    pub items: Vec<Admitted>,
+}
+
+impl Scripts {
+    /// Decides, records and forwards (if accepted) a batch of inbound events in one call, and
+    /// writes the rejected ones too if `to.rejected` says so; see `lua/admit.lua`.
+    pub async fn admit<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        to: &AdmitTargets<'_>,
+        rules: &[InboundRule],
+        items: &[AdmitItem<'_>],
+    ) -> Result<AdmitReply> {
+        let mut streams = KeyIndex::default();
+        let ack_at: Vec<usize> = items
+            .iter()
+            .map(|i| {
+                if (to.acks)(i.stream) {
+                    streams.index(i.stream.to_string())
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let oldest = items.iter().map(|i| i.entry_ms).min().unwrap_or(0);
+        let mut call = self.admit.prepare_invoke();
+        call.key(&to.keys.forward);
+        if let Some(stream) = to.rejected {
+            call.key(stream);
+        }
+        for key in streams.keys() {
+            call.key(key);
+        }
+        call.arg(to.decision_ttl_ms)
+            .arg(to.max_len)
+            .arg(u8::from(to.rejected.is_some()))
+            .arg(to.log_entries_per_read)
+            .arg(to.group)
+            .arg(streams.len())
+            .arg(to.stale_us)
+            .arg(oldest)
+            .arg(rules.len());
+        for r in rules {
+            let rule = &r.rule;
+            call.arg(&r.name)
+                .arg(rule.algorithm.as_str())
+                .arg(u8::from(r.shadow))
+                .arg(u8::from(rule.count_rejected))
+                .arg(rule.spacing_us)
+                .arg(spacing_label(rule.spacing_us))
+                .arg(rule.horizon_us())
+                .arg(rule.log_cap())
+                .arg(r.key.len());
+            for field in &r.key {
+                call.arg(field);
+            }
+            call.arg(rule.limits.len());
+            for l in &rule.limits {
+                call.arg(l.window_us)
+                    .arg(l.count)
+                    .arg(l.interval_us)
+                    .arg(l.tolerance_us)
+                    .arg(&l.label);
+            }
+        }
+        let checks: usize = rules.iter().map(|r| r.key.len()).sum();
+        call.arg(items.len());
+        for (item, ack) in items.iter().zip(&ack_at) {
+            // The script reads the checks from the rules; a caller that built an event's
+            // identities some other way is a bug, not an outcome.
+            assert_eq!(
+                item.identities.len(),
+                checks,
+                "identities of {}",
+                item.owner
+            );
+            call.key(item.decisions);
+            for key in &item.identities {
+                call.key(*key);
+            }
+            call.arg(item.owner).arg(*ack);
+            push_fields(&mut call, item.fields);
+        }
+        let reply: Value = call.invoke_async(con).await?;
+        let mut values = Reply::new("admit", reply)?;
+        let now_us = values.int()?;
+        let mut out = Vec::with_capacity(items.len());
+        for _ in items {
+            let code = values.int()?;
+            let decision = values.text()?;
+            let verdicts = values.text()?;
+            out.push(match code {
+                reply::ADMITTED => Admitted::Now {
+                    decision,
+                    verdicts: verdicts.bytes().map(|b| b == b'1').collect(),
+                },
+                reply::DECIDED => Admitted::Earlier(decision),
+                reply::STALE => Admitted::Stale(decision.parse().unwrap_or(0)),
+                other => return Err(Error::reply("admit", format!("code {other}"))),
+            });
+        }
+        Ok(AdmitReply { now_us, items: out })
+    }
+}
+
+/// How a `min_spacing` limit reads in `pacer_limit`.
+pub fn spacing_label(spacing_us: i64) -> String {
+    let d = std::time::Duration::from_micros(spacing_us.max(0) as u64);
+    format!("min_spacing {}", humantime::format_duration(d))
+}

@@ -1,0 +1,121 @@
+//! Writing to shared output streams once (`emit.lua`), settling a poison event's decision
+//! (`void.lua`) and deleting departed consumers (`reap.lua`).
+
+use super::{push_fields, KeyIndex, Reply, Scripts};
+use crate::error::Result;
+use crate::event::Fields;
+use crate::keys::{OutputKeys, RouteKeys};
+use redis::aio::ConnectionLike;
+use redis::Value;
+
+/// Where an `emit` call writes.
+pub struct EmitCall<'a> {
+    pub keys: &'a OutputKeys,
+    /// How long the write-once records live, ms.
+    pub ttl_ms: u64,
+    pub max_len: u64,
+    /// The consumer group of the input streams (for acknowledging).
+    pub group: &'a str,
+    /// Whether this call may acknowledge entries of an input stream (it shares the output
+    /// stream's slot, or Redis is not a cluster).
+    pub acks: &'a (dyn Fn(&str) -> bool + Sync),
+}
+
+/// One entry written once to a shared output stream by `emit`.
+pub struct EmitItem<'a> {
+    pub source_stream: &'a str,
+    pub source_id: &'a str,
+    pub fields: &'a Fields,
+}
+
+impl Scripts {
+    /// Writes each item to the output stream unless an earlier delivery did, and acknowledges
+    /// the ones it may; returns which were written now (see `lua/emit.lua`).
+    pub async fn emit<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        call: &EmitCall<'_>,
+        items: &[EmitItem<'_>],
+    ) -> Result<Vec<bool>> {
+        let (mut hashes, mut streams) = (KeyIndex::default(), KeyIndex::default());
+        let at: Vec<(usize, usize)> = items
+            .iter()
+            .map(|i| {
+                let hash = hashes.index(call.keys.written(i.source_stream, i.source_id));
+                let stream = if (call.acks)(i.source_stream) {
+                    streams.index(i.source_stream.to_string())
+                } else {
+                    0
+                };
+                (hash, stream)
+            })
+            .collect();
+        let mut inv = self.emit.prepare_invoke();
+        inv.key(&call.keys.stream);
+        for key in hashes.keys().iter().chain(streams.keys()) {
+            inv.key(key);
+        }
+        inv.arg(call.ttl_ms)
+            .arg(call.max_len)
+            .arg(call.group)
+            .arg(hashes.len())
+            .arg(streams.len())
+            .arg(items.len());
+        for (item, (hash, stream)) in items.iter().zip(at) {
+            inv.arg(hash).arg(stream).arg(item.source_id);
+            push_fields(&mut inv, item.fields);
+        }
+        let reply: Value = inv.invoke_async(con).await?;
+        let mut values = Reply::new("emit", reply)?;
+        items.iter().map(|_| Ok(values.int()? == 1)).collect()
+    }
+}
+
+/// What `void` found on record before it voided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Voided {
+    /// The decision before ("" if none).
+    pub decision: String,
+    /// Who owned the event's id on the route ("" if no one, or the event carries no id).
+    pub owner: String,
+}
+
+impl Scripts {
+    /// Voids a poison event's undispatched decision on one route (its entry `entry_id` of
+    /// `stream`; `event_id` if it carries one); see `lua/void.lua`.
+    pub async fn void<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        keys: &RouteKeys,
+        (stream, entry_id): (&str, &str),
+        event_id: Option<&str>,
+        ttl_ms: u64,
+    ) -> Result<Voided> {
+        let mut inv = self.void.prepare_invoke();
+        inv.key(keys.decisions(stream, entry_id));
+        if let Some(id) = event_id {
+            inv.key(keys.claim(id));
+        }
+        inv.arg(entry_id).arg(ttl_ms);
+        let (decision, owner): (String, String) = inv.invoke_async(con).await?;
+        Ok(Voided { decision, owner })
+    }
+
+    /// Deletes the group's consumers that hold nothing and have been idle `min_idle` or more,
+    /// except `me`; returns how many (see `lua/reap.lua`).
+    pub async fn reap<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        stream: &str,
+        group: &str,
+        min_idle: std::time::Duration,
+        me: &str,
+    ) -> Result<i64> {
+        let mut call = self.reap.prepare_invoke();
+        call.key(stream)
+            .arg(group)
+            .arg(min_idle.as_millis() as u64)
+            .arg(me);
+        Ok(call.invoke_async(con).await?)
+    }
+}

@@ -1,0 +1,337 @@
+//! The pacing calls: `schedule.lua` (decide a route's share of a batch, dispatching what is due)
+//! and `dispatch.lua` (hand due events to the ready stream while the rate holds).
+
+use super::{reply, KeyIndex, Reply, Scripts};
+use crate::error::{Error, Result};
+use crate::event::OutboundEvent;
+use crate::keys::RouteKeys;
+use crate::pacing::BucketParams;
+use redis::aio::ConnectionLike;
+use redis::{ScriptInvocation, Value};
+
+/// What both pacing calls need to know about their route and its neighbours.
+pub struct RouteCall<'a> {
+    /// The route's name (the ready entries' `pacer_route`).
+    pub name: &'a str,
+    pub keys: &'a RouteKeys,
+    pub bucket: &'a BucketParams,
+    /// How long decisions and id claims live, ms.
+    pub ttl_ms: u64,
+    /// The ready stream is trimmed to about this many entries.
+    pub max_len: u64,
+    /// The consumer group of the input streams (for acknowledging).
+    pub group: &'a str,
+    /// Whether this call may acknowledge entries of an input stream: the stream shares the
+    /// route's slot, or Redis is not a cluster.
+    pub acks: &'a (dyn Fn(&str) -> bool + Sync),
+}
+
+/// One input entry's event as a pacing call sees it.
+pub struct EventRef<'a> {
+    pub stream: &'a str,
+    pub entry_id: &'a str,
+    pub entry_ms: i64,
+    pub cost: u64,
+    /// The event's own fields, carried to the ready entry (pacer's own are the script's).
+    pub fields: &'a [(&'a [u8], &'a [u8])],
+}
+
+impl<'a> EventRef<'a> {
+    /// An event with its own fields (`event.carried`, borrowed as pairs).
+    pub fn of(event: &'a OutboundEvent, fields: &'a [(&'a [u8], &'a [u8])]) -> Self {
+        EventRef {
+            stream: &event.stream,
+            entry_id: &event.id,
+            entry_ms: event.ms(),
+            cost: event.cost,
+            fields,
+        }
+    }
+}
+
+/// One event offered to a route by `schedule`.
+pub struct ScheduleItem<'a> {
+    pub event: EventRef<'a>,
+    /// The producer's `id`, if the event carries one: claimed on the route for its entry.
+    pub claim: Option<&'a str>,
+    /// The decision this one may replace (an unreadable one on record), else none.
+    pub expect: Option<&'a str>,
+    pub max_wait_us: i64,
+}
+
+/// What `schedule` decided for one event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scheduled {
+    /// Dispatched now, in the ready entry of this millisecond.
+    Dispatched {
+        ms: i64,
+    },
+    /// Sleep until the slot; it must go by the call's `now_us` plus the event's max_wait plus
+    /// `pacing::LATE_US`.
+    Sleep {
+        slot_us: i64,
+    },
+    TooLong {
+        wait_us: i64,
+    },
+    /// An earlier delivery decided this entry: its decision on record.
+    Decided(String),
+    /// The event's id belongs to this other entry.
+    Duplicate(String),
+    /// Read older than the route's max_age (µs of age): not placed.
+    Expired(i64),
+    /// Older than dedupe_ttl with no decision on record (µs of age): not decided.
+    Stale(i64),
+}
+
+#[derive(Debug, Clone)]
+pub struct ScheduleReply {
+    /// The route's time the call decided at (Redis's clock, or the route's last dispatch if
+    /// later, after Redis's clock stepped back).
+    pub now_us: i64,
+    /// Redis's clock as the script ended: the reply left Redis just after it.
+    pub end_us: i64,
+    /// The route's plan after this batch: how far ahead its next free slot is.
+    pub tat_us: i64,
+    pub items: Vec<Scheduled>,
+}
+
+/// One event whose slot has come, offered to `dispatch` (it was decided with the decision
+/// `s<slot>:<deadline>`).
+pub struct DispatchItem<'a> {
+    pub event: EventRef<'a>,
+    pub slot_us: i64,
+    pub deadline_us: i64,
+    /// When it was first decided on this route (its wait is counted from then).
+    pub decided_us: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Dispatched {
+    /// Written, in the ready entry of this millisecond.
+    Done { ms: i64 },
+    /// Not yet; the slot stands.
+    NotBefore { at_us: i64 },
+    /// Its slot could no longer be met: moved (and recorded) to this one.
+    Moved { slot_us: i64 },
+    /// Not even a later slot fits its deadline: passed over on this route.
+    TooLate { wait_us: i64 },
+    /// The decision on record is no longer the one it was made with ("" if none).
+    Superseded(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct DispatchReply {
+    pub now_us: i64,
+    pub end_us: i64,
+    pub items: Vec<Dispatched>,
+}
+
+/// The decision hashes of a call's events, each with its input stream (acknowledged in the
+/// call, or not) and the events it holds.
+struct Hashes {
+    keys: KeyIndex,
+    streams: KeyIndex,
+    /// Per hash (by index − 1): its input stream's index (0: not acknowledged here) and name.
+    of: Vec<(usize, String)>,
+    /// Per event: its hash's index.
+    at: Vec<usize>,
+}
+
+impl Hashes {
+    fn new<'e>(call: &RouteCall<'_>, events: impl Iterator<Item = &'e EventRef<'e>>) -> Self {
+        let mut h = Hashes {
+            keys: KeyIndex::default(),
+            streams: KeyIndex::default(),
+            of: Vec::new(),
+            at: Vec::new(),
+        };
+        for e in events {
+            let hash = h.keys.index(call.keys.decisions(e.stream, e.entry_id));
+            if hash > h.of.len() {
+                let stream = if (call.acks)(e.stream) {
+                    h.streams.index(e.stream.to_string())
+                } else {
+                    0
+                };
+                h.of.push((stream, e.stream.to_string()));
+            }
+            h.at.push(hash);
+        }
+        h
+    }
+
+    fn push_keys(&self, inv: &mut ScriptInvocation<'_>) {
+        for key in self.keys.keys().iter().chain(self.streams.keys()) {
+            inv.key(key);
+        }
+    }
+}
+
+fn push_pairs(inv: &mut ScriptInvocation<'_>, fields: &[(&[u8], &[u8])]) {
+    inv.arg(fields.len());
+    for (name, value) in fields {
+        inv.arg(*name).arg(*value);
+    }
+}
+
+impl Scripts {
+    /// Decides `items` on one route; see `lua/schedule.lua`. `stale_us`: an entry this old with
+    /// no decision on record is not decided; `max_age_us` (0: none): an entry this old is not
+    /// placed; `max_wait_us`: the events' wait unless an item says otherwise. The reply's items
+    /// are in the order of `items`.
+    pub async fn schedule<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        call: &RouteCall<'_>,
+        (stale_us, max_age_us, max_wait_us): (i64, i64, i64),
+        items: &[ScheduleItem<'_>],
+    ) -> Result<ScheduleReply> {
+        let hashes = Hashes::new(call, items.iter().map(|i| &i.event));
+        let mut claims = KeyIndex::default();
+        let claim_at: Vec<usize> = items
+            .iter()
+            .map(|i| i.claim.map_or(0, |id| claims.index(call.keys.claim(id))))
+            .collect();
+        // The script takes the events grouped by hash, in order within each.
+        let mut order: Vec<usize> = (0..items.len()).collect();
+        order.sort_by_key(|&i| hashes.at[i]);
+        let mut counts = vec![0usize; hashes.of.len()];
+        for &h in &hashes.at {
+            counts[h - 1] += 1;
+        }
+        let oldest = items.iter().map(|i| i.event.entry_ms).min().unwrap_or(0);
+        let mut inv = self.schedule.prepare_invoke();
+        inv.key(&call.keys.bucket).key(&call.keys.ready);
+        hashes.push_keys(&mut inv);
+        for key in claims.keys() {
+            inv.key(key);
+        }
+        inv.arg(call.bucket.interval_us)
+            .arg(call.bucket.tolerance_us)
+            .arg(call.ttl_ms)
+            .arg(call.max_len)
+            .arg(call.group)
+            .arg(stale_us)
+            .arg(max_age_us)
+            .arg(call.name)
+            .arg(max_wait_us)
+            .arg(oldest)
+            .arg(hashes.keys.len())
+            .arg(hashes.streams.len())
+            .arg(claims.len())
+            .arg(items.len());
+        for ((stream, name), count) in hashes.of.iter().zip(&counts) {
+            inv.arg(*count).arg(*stream).arg(name);
+        }
+        for &i in &order {
+            let item = &items[i];
+            inv.arg(item.event.entry_id);
+            let plain = item.event.cost == 1
+                && item.max_wait_us == max_wait_us
+                && claim_at[i] == 0
+                && item.expect.is_none();
+            if plain {
+                inv.arg("");
+            } else {
+                inv.arg(format!(
+                    "{},{},{},{}",
+                    item.event.cost,
+                    item.max_wait_us.max(0),
+                    claim_at[i],
+                    item.expect.unwrap_or("")
+                ));
+            }
+            push_pairs(&mut inv, item.event.fields);
+        }
+        let reply: Value = inv.invoke_async(con).await?;
+        let mut values = Reply::new("schedule", reply)?;
+        let now_us = values.int()?;
+        let tat_us = values.int()?;
+        let mut out: Vec<Option<Scheduled>> = vec![None; items.len()];
+        for &i in &order {
+            out[i] = Some(match values.int()? {
+                reply::DISPATCHED => Scheduled::Dispatched { ms: values.int()? },
+                reply::SLEEP => Scheduled::Sleep {
+                    slot_us: values.int()?,
+                },
+                reply::TOO_LONG => Scheduled::TooLong {
+                    wait_us: values.int()?,
+                },
+                reply::DECIDED => Scheduled::Decided(values.text()?),
+                reply::DUPLICATE => Scheduled::Duplicate(values.text()?),
+                reply::EXPIRED => Scheduled::Expired(values.int()?),
+                reply::STALE => Scheduled::Stale(values.int()?),
+                other => return Err(Error::reply("schedule", format!("code {other}"))),
+            });
+        }
+        Ok(ScheduleReply {
+            now_us,
+            end_us: values.int()?,
+            tat_us,
+            items: out
+                .into_iter()
+                .map(|o| o.expect("every item answered"))
+                .collect(),
+        })
+    }
+
+    /// Dispatches due `items` (in slot order) on one route; see `lua/dispatch.lua`.
+    pub async fn dispatch<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        call: &RouteCall<'_>,
+        items: &[DispatchItem<'_>],
+    ) -> Result<DispatchReply> {
+        let hashes = Hashes::new(call, items.iter().map(|i| &i.event));
+        let mut inv = self.dispatch.prepare_invoke();
+        inv.key(&call.keys.bucket).key(&call.keys.ready);
+        hashes.push_keys(&mut inv);
+        inv.arg(call.bucket.interval_us)
+            .arg(call.bucket.tolerance_us)
+            .arg(call.ttl_ms)
+            .arg(call.max_len)
+            .arg(call.group)
+            .arg(call.name)
+            .arg(hashes.keys.len())
+            .arg(hashes.streams.len())
+            .arg(items.len());
+        for (stream, name) in &hashes.of {
+            inv.arg(*stream).arg(name);
+        }
+        for (item, hash) in items.iter().zip(&hashes.at) {
+            inv.arg(*hash)
+                .arg(item.event.entry_id)
+                .arg(item.slot_us)
+                .arg(item.deadline_us)
+                .arg(item.decided_us)
+                .arg(item.event.cost);
+            push_pairs(&mut inv, item.event.fields);
+        }
+        let reply: Value = inv.invoke_async(con).await?;
+        let mut values = Reply::new("dispatch", reply)?;
+        let now_us = values.int()?;
+        let mut out = Vec::with_capacity(items.len());
+        for _ in items {
+            out.push(match values.int()? {
+                reply::DISPATCHED => Dispatched::Done { ms: values.int()? },
+                reply::NOT_BEFORE => Dispatched::NotBefore {
+                    at_us: values.int()?,
+                },
+                reply::SLEEP => Dispatched::Moved {
+                    slot_us: values.int()?,
+                },
+                reply::TOO_LONG => Dispatched::TooLate {
+                    wait_us: values.int()?,
+                },
+                reply::SUPERSEDED => Dispatched::Superseded(values.text()?),
+                other => return Err(Error::reply("dispatch", format!("code {other}"))),
+            });
+        }
+        Ok(DispatchReply {
+            now_us,
+            end_us: values.int()?,
+            items: out,
+        })
+    }
+}
