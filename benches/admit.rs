@@ -67,7 +67,7 @@ fn show(label: &str, m: &Measured) {
 }
 
 fn main() {
-    let bin = Path::new(env!("CARGO_BIN_EXE_pacer"));
+    let bin = &common::pacer_bin();
     let workers = arg("--workers", 3);
     let events = arg("--events", 200_000);
     let sources = arg("--sources", 1000);

@@ -5,7 +5,7 @@
 //!    including those run inside scripts, from `INFO commandstats`) and Redis CPU µs per event
 //!    (from `INFO cpu`).
 //! 2. Lateness of a paced run: 500 events/s spread over 10 routes, arriving in bursts that the
-//!    routes must pace; prints (ready entry id ms − pacer_slot_ms) percentiles.
+//!    routes must pace; prints (ready entry id ms − pacer_slot_us / 1000) percentiles.
 //!
 //! `cargo bench --bench pace -- [--workers 3] [--events 200000] [--paced-seconds 10]`
 
@@ -96,7 +96,7 @@ fn lateness(bin: &Path, workers: u64, seconds: u64) {
                 .await
                 .unwrap()
             {
-                late.push(e.ms - e.field("pacer_slot_ms").unwrap().parse::<i64>().unwrap());
+                late.push(e.ms - e.field("pacer_slot_us").unwrap().parse::<i64>().unwrap() / 1000);
             }
         }
         late
@@ -105,7 +105,7 @@ fn lateness(bin: &Path, workers: u64, seconds: u64) {
     let waited = late.len();
     println!("lateness: {workers} workers, {pushed} events at 500/s over 10 routes of 100/s (burst 1), {seconds} s");
     println!(
-        "  ready id ms − pacer_slot_ms: p50 {} ms, p99 {} ms, p99.9 {} ms, max {} ms ({waited} entries)",
+        "  ready id ms − pacer_slot_us / 1000: p50 {} ms, p99 {} ms, p99.9 {} ms, max {} ms ({waited} entries)",
         quantile(&late, 0.5).unwrap(),
         quantile(&late, 0.99).unwrap(),
         quantile(&late, 0.999).unwrap(),
@@ -123,7 +123,7 @@ fn lateness(bin: &Path, workers: u64, seconds: u64) {
 }
 
 fn main() {
-    let bin = Path::new(env!("CARGO_BIN_EXE_pacer"));
+    let bin = &common::pacer_bin();
     let workers = arg("--workers", 3);
     throughput(bin, workers, arg("--events", 200_000));
     lateness(bin, workers, arg("--paced-seconds", 10));

@@ -25,3 +25,4 @@ if [[ -x deploy/check.sh ]]; then
   cargo build --bin pacer
   PACER_BIN="$PWD/target/debug/pacer" deploy/check.sh
 fi
+echo "test.sh: everything passed in $((SECONDS / 60))m $((SECONDS % 60))s"

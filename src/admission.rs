@@ -16,7 +16,7 @@
 //! **Checking is separate from charging.** An event is decided by checking every limit of every
 //! identity of every rule first; only then is anything charged, so a rejected event uses up
 //! nothing (unless its rule sets `count_rejected`, see [`Rule::charges`]). [`Engine`] is that
-//! composition, in memory: the model `scripts/admit.lua` is held to by `tests/admit_differential.rs`.
+//! composition, in memory: the model `lua/admit.lua` is held to by `tests/admit_differential.rs`.
 //!
 //! Every time is a whole number of microseconds of Redis's clock (integers below 2^53, exact in
 //! Lua's doubles). Nothing here talks to Redis.

@@ -7,11 +7,24 @@ pub enum Error {
     Redis(#[from] redis::RedisError),
     #[error("unexpected reply from Redis to {op}: {detail}")]
     Reply { op: &'static str, detail: String },
+    /// Redis cannot be used as configured (credentials refused, TLS, a bad address): retrying
+    /// would not help.
+    #[error(transparent)]
+    Connect(#[from] crate::connection::ConnectError),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// Whether retrying cannot help: Redis refused pacer's credentials or TLS setup.
+    pub fn is_fatal(&self) -> bool {
+        match self {
+            Error::Redis(e) => crate::connection::is_fatal(e),
+            Error::Connect(e) => e.is_fatal(),
+            Error::Reply { .. } => false,
+        }
+    }
+
     pub fn reply(op: &'static str, detail: impl Into<String>) -> Self {
         Error::Reply {
             op,

@@ -4,7 +4,9 @@
 //!
 //! - `read`: entries are read (pending to this consumer), no decision recorded yet;
 //! - `scheduled`: decisions are recorded, the events sleep in this process;
-//! - `dispatched`: an event is in its ready stream, its input entry not yet acknowledged;
+//! - `dispatched`: a dispatch call wrote events to their ready streams; their input entries are
+//!   acknowledged in that same call where the input stream shares the route's slot (always on a
+//!   Redis that is not a cluster), otherwise not yet;
 //! - `admitted`: inbound events are decided and charged (accepted ones forwarded), their
 //!   rejections not yet written, their entries not acknowledged.
 //!

@@ -4,10 +4,11 @@
 //! next `}` when that text is non-empty, else the whole key. A Lua script may only touch keys of one
 //! slot, so each script call's keys are built around one tag:
 //!
-//! - a route's keys (its bucket, its decision markers) take the tag of the route's ready stream,
-//!   `pacer:{carrier-a}:ready` by default, so the dispatch XADD and its marker are one atomic step;
-//! - a shared output stream (rejected, dead letters) gets companion marker keys `{<its tag>}:…`,
-//!   which land in the stream's own slot even when the stream's name carries no braces;
+//! - a route's keys (its bucket, its decision hashes, its id claims) take the tag of the route's
+//!   ready stream, `pacer:{carrier-a}:ready` by default, so the dispatch XADD and its decision are
+//!   one atomic step;
+//! - a shared output stream (rejected, dead letters) gets companion write-once hashes
+//!   `{<its tag>}:…`, which land in the stream's own slot even when its name carries no braces;
 //! - every inbound key (each identity's limiter state, each input entry's decision marker) takes
 //!   the tag of the inbound forward stream, so one admission call decides a whole batch, records
 //!   each decision and forwards the accepted entries atomically (`InboundKeys`).
@@ -22,6 +23,24 @@ pub fn hash_tag(key: &str) -> &str {
         }
     }
     key
+}
+
+/// The Redis Cluster slot of `key`: CRC16 (XMODEM) of its hash tag, mod 16384. Computed here
+/// so that a worker knows which of its keys share a slot without asking Redis each time
+/// (`tests/cluster.rs` checks it against CLUSTER KEYSLOT).
+pub fn slot(key: &str) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in hash_tag(key).as_bytes() {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
 }
 
 /// Why a stream name cannot be used: a `{` that does not open a usable hash tag makes Redis hash
@@ -43,13 +62,34 @@ pub fn default_ready_stream(route: &str) -> String {
     format!("pacer:{{{route}}}:ready")
 }
 
+/// The span of entry-id milliseconds whose records (decisions, write-once marks) share a hash.
+///
+/// A hash per span, not a key per entry: a batch's records are then read with one HMGET and
+/// written with one HSET (a key per entry took a command per event, a large part of an event's
+/// cost), and a hash of small fields is smaller than as many keys with TTLs. Each write renews
+/// the hash's TTL, so every record lives at least its time to live. The span keeps each hash
+/// small enough to expire without a pause (a few thousand fields at most, at tens of thousands
+/// of events per second).
+pub const DECISION_HASH_MS: u64 = 100;
+
+/// The span an entry id's records live in: its milliseconds / [`DECISION_HASH_MS`] (an id that
+/// is not a stream id gets a hash of its own).
+fn span(entry_id: &str) -> String {
+    let ms = entry_id.split('-').next().unwrap_or(entry_id);
+    match ms.parse::<u64>() {
+        Ok(ms) => (ms / DECISION_HASH_MS).to_string(),
+        Err(_) => ms.to_string(),
+    }
+}
+
 /// Keys of one route, all in the slot of its ready stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RouteKeys {
     pub ready: String,
     /// Hash of the plan and gate state (`tat`, `dtat`, `last`).
     pub bucket: String,
-    marker_prefix: String,
+    decisions: String,
+    claims: String,
 }
 
 impl RouteKeys {
@@ -58,40 +98,45 @@ impl RouteKeys {
         RouteKeys {
             ready: ready_stream.to_string(),
             bucket: format!("pacer:{{{tag}}}:bucket:{route}"),
-            marker_prefix: format!("pacer:{{{tag}}}:ev:{route}:"),
+            decisions: format!("pacer:{{{tag}}}:dec:{route}:"),
+            claims: format!("pacer:{{{tag}}}:id:{route}:"),
         }
     }
 
-    /// The decision marker of one event on this route: the slot it was given, or that it was
-    /// dispatched, or that it was passed over for a fallback.
-    pub fn marker(&self, event_id: &str) -> String {
-        format!("{}{event_id}", self.marker_prefix)
+    /// The hash recording, for the input entries of `stream` whose ids fall in one span, the
+    /// decision each has on this route (field: the entry id; value: `src/marker.rs`).
+    pub fn decisions(&self, stream: &str, entry_id: &str) -> String {
+        format!("{}{stream}:{}", self.decisions, span(entry_id))
+    }
+
+    /// Which input entry owns an event id (a producer's `id`) on this route: a second entry
+    /// with the same id is a duplicate.
+    pub fn claim(&self, event_id: &str) -> String {
+        format!("{}{event_id}", self.claims)
     }
 }
 
-/// A shared output stream (rejected or dead letters) and its write-once markers.
+/// A shared output stream (rejected or dead letters) and its write-once records.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutputKeys {
     pub stream: String,
-    marker_prefix: String,
+    prefix: String,
 }
 
 impl OutputKeys {
     pub fn new(stream: &str) -> Self {
         OutputKeys {
             stream: stream.to_string(),
-            marker_prefix: format!("{{{}}}:pacer:emitted:", hash_tag(stream)),
+            prefix: format!("{{{}}}:pacer:emitted:", hash_tag(stream)),
         }
     }
 
-    /// Marks one input entry as written to this stream, so a redelivery writes it only once.
-    pub fn marker(&self, source_stream: &str, source_id: &str) -> String {
-        format!("{}{source_stream}:{source_id}", self.marker_prefix)
+    /// The hash marking which input entries of `source_stream` (in one span of ids) were
+    /// written to this stream, so a redelivery writes each only once.
+    pub fn written(&self, source_stream: &str, source_id: &str) -> String {
+        format!("{}{source_stream}:{}", self.prefix, span(source_id))
     }
 }
-
-/// The span of entry-id milliseconds whose inbound decisions share a hash.
-pub const DECISION_HASH_MS: u64 = 100;
 
 /// Keys of the inbound flow, all in the slot of the forward stream's hash tag.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,23 +153,11 @@ impl InboundKeys {
         }
     }
 
-    /// The hash that records the decisions of input entries whose ids fall in one
-    /// `DECISION_HASH_MS` span, each under its owner (`<entry id>@<stream>`), so that a
-    /// redelivery gets its decision back instead of being charged again.
-    ///
-    /// A hash per span, not a key per entry: a batch's decisions are then read with one HMGET
-    /// and written with one HSET (a key per entry took a command per event, a fifth of a
-    /// decision's cost), and a hash of small fields is smaller than as many keys with TTLs.
-    /// Each write renews the hash's TTL, so every decision lives at least `dedupe_ttl`. The span
-    /// keeps each hash small enough to expire without a pause (a few thousand fields at most,
-    /// at tens of thousands of events per second).
+    /// The hash that records the decisions of input entries whose ids fall in one span
+    /// (`DECISION_HASH_MS`), each under its owner (`<entry id>@<stream>`), so that a redelivery
+    /// gets its decision back instead of being charged again.
     pub fn decisions(&self, source_id: &str) -> String {
-        let ms = source_id.split('-').next().unwrap_or(source_id);
-        match ms.parse::<u64>() {
-            Ok(ms) => format!("{}decided:{}", self.prefix, ms / DECISION_HASH_MS),
-            // Not a stream id; still one fixed hash per id.
-            Err(_) => format!("{}decided:{ms}", self.prefix),
-        }
+        format!("{}decided:{}", self.prefix, span(source_id))
     }
 
     /// One identity's limiter state under one rule, like
@@ -159,7 +192,12 @@ mod tests {
     fn route_keys_share_the_ready_streams_tag() {
         let keys = RouteKeys::new("carrier-a", &default_ready_stream("carrier-a"));
         assert_eq!(keys.ready, "pacer:{carrier-a}:ready");
-        for key in [&keys.bucket, &keys.marker("42")] {
+        let decisions = keys.decisions("pacer:out", "1700000000123-4");
+        assert_eq!(
+            decisions,
+            "pacer:{carrier-a}:dec:carrier-a:pacer:out:17000000001"
+        );
+        for key in [&keys.bucket, &decisions, &keys.claim("call-42")] {
             assert_eq!(hash_tag(key), "carrier-a", "{key}");
         }
         let custom = RouteKeys::new("b", "out-b");
@@ -167,11 +205,18 @@ mod tests {
     }
 
     #[test]
-    fn output_markers_land_in_the_streams_slot() {
+    fn output_records_land_in_the_streams_slot() {
         let keys = OutputKeys::new("pacer:rejected");
-        assert_eq!(hash_tag(&keys.marker("pacer:out", "1-0")), "pacer:rejected");
+        assert_eq!(
+            hash_tag(&keys.written("pacer:out", "1-0")),
+            "pacer:rejected"
+        );
         let tagged = OutputKeys::new("x:{dead}:y");
-        assert_eq!(hash_tag(&tagged.marker("s", "1-0")), "dead");
+        assert_eq!(hash_tag(&tagged.written("s", "1-0")), "dead");
+        assert_eq!(
+            keys.written("in", "1700000000199-0"),
+            keys.written("in", "1700000000100-9")
+        );
     }
 
     #[test]
@@ -204,6 +249,15 @@ mod tests {
             keys.decisions("1700000000200-0")
         );
         assert_eq!(keys.decisions("odd"), "pacer:in:{fwd}:decided:odd");
+    }
+
+    #[test]
+    fn slots_are_redis_clusters() {
+        // Values CLUSTER KEYSLOT gives.
+        assert_eq!(slot("123456789"), 12739);
+        assert_eq!(slot("foo"), 12182);
+        assert_eq!(slot("{foo}:anything"), 12182);
+        assert_eq!(slot("pacer:{carrier-a}:ready"), slot("carrier-a"));
     }
 
     #[test]

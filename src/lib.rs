@@ -5,12 +5,16 @@
 //! The binary (`src/main.rs`) only parses the command line and calls into this library.
 
 pub mod admission;
+pub mod backoff;
 pub mod clock;
 pub mod config;
+pub mod connection;
 pub mod error;
 pub mod event;
 pub mod fault;
+pub mod health;
 pub mod keys;
+pub mod marker;
 pub mod pacing;
 pub mod produce;
 pub mod rate;

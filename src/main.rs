@@ -2,7 +2,8 @@
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
-use pacer::config::{Config, Overrides};
+use pacer::config::{Config, Overrides, Sourced};
+use pacer::connection::RedisConn;
 use pacer::telemetry::{self, LogFormat};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -36,12 +37,22 @@ struct ConfigArg {
     config: PathBuf,
 }
 
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// Serve /metrics, /healthz and /readyz here instead of the config's metrics.listen (also
+    /// PACER_METRICS_LISTEN; this flag wins).
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<String>,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Run the daemon until SIGTERM or SIGINT.
-    Run(ConfigArg),
+    Run(RunArgs),
     /// Check the config: print every problem with its path, exit non-zero if there is any.
-    CheckConfig(ConfigArg),
+    CheckConfig(RunArgs),
     /// Push demo events onto the first input stream.
     Produce {
         #[command(flatten)]
@@ -61,15 +72,19 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let overrides = Overrides {
-        redis_url: std::env::var("PACER_REDIS_URL")
-            .ok()
-            .filter(|u| !u.is_empty()),
+    let (path, metrics_flag) = match &cli.command {
+        Command::Run(r) | Command::CheckConfig(r) => (&r.config.config, r.metrics_listen.clone()),
+        Command::Report(c) => (&c.config, None),
+        Command::Produce { config, .. } => (&config.config, None),
     };
-    let path = match &cli.command {
-        Command::Run(c) | Command::CheckConfig(c) | Command::Report(c) => &c.config,
-        Command::Produce { config, .. } => &config.config,
-    };
+    let mut overrides = Overrides::from_env();
+    if let Some(value) = metrics_flag {
+        // The flag wins over the environment.
+        overrides.metrics_listen = Some(Sourced {
+            value,
+            source: "--metrics-listen",
+        });
+    }
     let cfg = match Config::load(path, &overrides) {
         Ok(cfg) => cfg,
         Err(e) => {
@@ -80,11 +95,13 @@ fn main() -> ExitCode {
     if let Command::CheckConfig(_) = cli.command {
         let inbound = cfg.inbound.as_ref();
         println!(
-            "{}: ok ({} routes, {} inbound rules, {} input streams)",
+            "{}: ok ({} routes, {} inbound rules, {} input streams; redis: {} {})",
             path.display(),
             cfg.outbound.routes.len(),
             inbound.map_or(0, |i| i.rules.len()),
-            cfg.outbound.streams.len() + inbound.map_or(0, |i| i.streams.len())
+            cfg.outbound.streams.len() + inbound.map_or(0, |i| i.streams.len()),
+            cfg.redis.mode,
+            cfg.redis.url.redacted(),
         );
         return ExitCode::SUCCESS;
     }
@@ -137,17 +154,19 @@ async fn async_main(command: Command, cfg: Config) -> anyhow::Result<()> {
     }
 }
 
-async fn connect(cfg: &Config) -> anyhow::Result<redis::aio::MultiplexedConnection> {
-    let client = redis::Client::open(cfg.redis.url.as_str())?;
-    client
-        .get_multiplexed_async_connection()
-        .await
-        .with_context(|| format!("connecting to {}", cfg.redis.url))
+/// A connection for the one-shot commands, checked now: they should fail at once with a clear
+/// message (a refused password, a certificate that does not verify, nothing listening), where
+/// the daemon waits. Every message names the Redis redacted.
+async fn connect(cfg: &Config) -> anyhow::Result<RedisConn> {
+    let mut con = RedisConn::new(&cfg.redis, cfg.redis.timeout)?;
+    con.check().await?;
+    Ok(con)
 }
 
 async fn run(cfg: Config) -> anyhow::Result<()> {
     let metrics = telemetry::install_metrics().map_err(anyhow::Error::msg)?;
-    let health = Arc::new(telemetry::Health::default());
+    telemetry::register(&cfg);
+    let health = Arc::new(pacer::health::Health::default());
     let listener = tokio::net::TcpListener::bind(cfg.metrics.listen)
         .await
         .with_context(|| format!("binding metrics.listen {}", cfg.metrics.listen))?;
@@ -162,10 +181,10 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     ));
     tokio::spawn(wait_for_signal(shutdown.clone()));
     let worker = pacer::worker::Worker::new(cfg, health)?;
-    worker.run(shutdown).await;
+    let ran = worker.run(shutdown).await;
     server_stop.cancel();
     let _ = server.await;
-    Ok(())
+    Ok(ran?)
 }
 
 /// Cancels `shutdown` on SIGTERM or SIGINT.

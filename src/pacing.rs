@@ -14,7 +14,7 @@
 //! holds, in any rolling window `W`, at most `W / interval + burst` entries: after an accepted
 //! dispatch at `t`, the next `n` accepted ones are at or after `t + n × interval − tolerance`.
 //!
-//! `scripts/bucket.lua` is the same maths in Lua; `tests/bucket_differential.rs` holds the two to
+//! `lua/gcra.lua` is the same maths in Lua; `tests/bucket_differential.rs` holds the two to
 //! the same answers and checks this file against a brute-force rolling-window count.
 
 use crate::rate::Rate;
@@ -54,14 +54,22 @@ pub struct Planned {
 
 /// Plans an event of `cost` units arriving at `now` against a plan at `tat`.
 ///
-/// The cost is paid *after* the event: it goes at its slot and pushes the following ones back by
-/// `cost × interval`. Every event therefore moves the plan by at least one interval, which is what
-/// bounds the count of entries in a window whatever the costs.
+/// The event needs room for all its units at once (GCRA with a weight): it goes when the bucket
+/// holds `cost` units, and pushes the following ones back by `cost × interval`. So an event of
+/// cost `c ≤ burst` on an idle route goes at once and the next unit one `interval` later, and no
+/// window ever holds more than `rate × W + burst` units. An event costing more than the burst can
+/// never fit; callers refuse it first ([`fits`]).
 pub fn plan(tat_us: i64, now_us: i64, cost: i64, p: &BucketParams) -> Planned {
     Planned {
-        slot_us: now_us.max(tat_us - p.tolerance_us),
+        slot_us: now_us.max(tat_us - p.tolerance_us + (cost - 1) * p.interval_us),
         tat_us: tat_us.max(now_us) + cost * p.interval_us,
     }
+}
+
+/// Whether an event of `cost` units can ever pass a bucket with these parameters: its cost is at
+/// most the burst.
+pub fn fits(cost: i64, p: &BucketParams) -> bool {
+    cost >= 1 && (cost - 1) * p.interval_us <= p.tolerance_us
 }
 
 /// The time a dispatch happens at (never before the route's last one) and the time the gate
@@ -88,15 +96,20 @@ pub fn ceil_ms(x_us: i64) -> i64 {
 }
 
 /// Checks a dispatch of `cost` units judged at `tq` (a whole millisecond, see
-/// [`dispatch_clock`]) against the gate at `dtat`.
+/// [`dispatch_clock`]) against the gate at `dtat`: it passes when the gate has room for all its
+/// units (see [`plan`]).
 ///
-/// An entry written in millisecond `m` stands for the earliest instant it could have had in that
-/// millisecond (`tq − 999 µs`), but not below the gate. Those instants keep exact GCRA, and an
-/// entry's id lies at most 999 µs after its instant, so every window of whole milliseconds on the
-/// ids holds at most `W / interval + burst` entries; and a slot that falls inside a millisecond
-/// costs no drift.
+/// The dispatch is charged at `tq − 999 µs` (but not below the gate), which lies in the
+/// *previous* millisecond, 999 µs before the start of the entry's own. Why that keeps the bound:
+/// two entries whose ids fall in one window of `W` whole milliseconds have ids at most `W − 1` ms
+/// apart, so their charged instants are less than `W` ms apart (`W − 1` ms plus the 999 µs), and
+/// GCRA on the charged instants lets at most `W / interval + burst` of them into less than `W`.
+/// Charging at `tq` itself would be just as safe but would make a slot that falls inside a
+/// millisecond drift the next one by up to a millisecond; charging earlier than `tq − 999` would
+/// let `W` ms of ids hold more than the bound.
 pub fn gate(dtat_us: i64, tq_us: i64, cost: i64, p: &BucketParams) -> Gate {
-    let earliest = dtat_us - p.tolerance_us;
+    // Room for all `cost` units: the same weighted rule as `plan`.
+    let earliest = dtat_us - p.tolerance_us + (cost - 1) * p.interval_us;
     if tq_us < earliest {
         Gate::NotBefore {
             at_us: ceil_ms(earliest),
@@ -106,6 +119,115 @@ pub fn gate(dtat_us: i64, tq_us: i64, cost: i64, p: &BucketParams) -> Gate {
             dtat_us: dtat_us.max(tq_us - 999) + cost * p.interval_us,
         }
     }
+}
+
+/// How late the gate may make an event before its slot is moved rather than kept: up to this,
+/// the event sleeps until the gate lets it through and its slot stands; past it, the slot can no
+/// longer be met and is re-planned (recorded anew), so that an event never goes out later than
+/// its recorded slot by more than this plus the wake-up's own precision.
+pub const LATE_US: i64 = 1_000;
+
+/// What the gate says about one event whose slot has come, at dispatch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Judged {
+    /// Dispatch now, with this slot: its own, or (woken more than [`LATE_US`] after it, a slot
+    /// that could no longer be met) the time it goes, recorded as its new slot.
+    Pass { slot_us: i64 },
+    /// Not yet; sleep until `at_us`, the slot stands (woken early, or the gate's delay is within
+    /// [`LATE_US`]).
+    Wait { at_us: i64 },
+    /// The slot can no longer be met: the event moves to `at_us`, still within its deadline.
+    Replan { at_us: i64 },
+    /// Not even the next time the gate allows is within the event's deadline: it leaves the
+    /// route.
+    TooLate { at_us: i64 },
+}
+
+/// What judging one event leaves for the rest of its call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Judging {
+    /// The gate as the call's next event finds it.
+    pub dtat_us: i64,
+    /// The plan as the call's next event (and the route, once the call ends) finds it.
+    pub tat_us: i64,
+}
+
+/// An event leaving the route gives its reservation at `slot_us` back if it is still the plan's
+/// last (any later one would have pushed the plan at least an interval further); otherwise it
+/// stays a gap.
+fn give_back(at: Judging, slot_us: i64, cost: i64, p: &BucketParams) -> Judging {
+    if at.tat_us - slot_us <= p.tolerance_us + cost * p.interval_us {
+        Judging {
+            tat_us: at.tat_us - cost * p.interval_us,
+            ..at
+        }
+    } else {
+        at
+    }
+}
+
+/// Judges one due event of a dispatch call: slot `slot_us`, latest allowed time `deadline_us`,
+/// the call's dispatch clock `(t, tq)` (see [`dispatch_clock`]) and the gate and plan `at` as
+/// left by the events before it in the call. An event goes no later than [`LATE_US`] after its
+/// recorded slot: one that cannot is moved (within its deadline) or leaves the route.
+///
+/// A moved event takes a new slot *from the plan*, at its end (or when the gate next allows, if
+/// the plan is idle), never a slot another event holds: on a saturated route, moving it to the
+/// gate's next millisecond would book that millisecond twice, the event holding it would be
+/// moved in turn, and the moves would cascade (measured: six moves per event and a backlog that
+/// stopped draining). Its own millisecond goes to the events behind it.
+///
+/// Returns the verdict and what the next event finds: the gate really charged for a pass, and
+/// for an event told to come back within its slot, charged as if it went at that time, so that
+/// the events refused in one call queue one behind the other instead of all coming back at once.
+pub fn judge(
+    at: Judging,
+    (t_us, tq_us): (i64, i64),
+    slot_us: i64,
+    deadline_us: i64,
+    cost: i64,
+    p: &BucketParams,
+) -> (Judged, Judging) {
+    if t_us < slot_us {
+        // Woken early: nothing is owed to the gate yet.
+        return (Judged::Wait { at_us: slot_us }, at);
+    }
+    // Woken too late for its slot (a stalled worker): it can only go as a new slot, now or when
+    // the gate allows, and only within its deadline.
+    let missed = t_us > slot_us + LATE_US;
+    if missed && t_us > deadline_us {
+        return (
+            Judged::TooLate { at_us: t_us },
+            give_back(at, slot_us, cost, p),
+        );
+    }
+    let g = match gate(at.dtat_us, tq_us, cost, p) {
+        Gate::Pass { dtat_us } => {
+            let slot_us = if missed { t_us } else { slot_us };
+            return (Judged::Pass { slot_us }, Judging { dtat_us, ..at });
+        }
+        Gate::NotBefore { at_us } => at_us,
+    };
+    if !missed && g <= slot_us + LATE_US {
+        let dtat_us = match gate(at.dtat_us, g, cost, p) {
+            Gate::Pass { dtat_us } => dtat_us,
+            Gate::NotBefore { .. } => unreachable!("the gate passes at the time it named"),
+        };
+        return (Judged::Wait { at_us: g }, Judging { dtat_us, ..at });
+    }
+    let planned = plan(at.tat_us, g, cost, p);
+    let new_slot = ceil_ms(planned.slot_us);
+    if new_slot > deadline_us {
+        return (
+            Judged::TooLate { at_us: new_slot },
+            give_back(at, slot_us, cost, p),
+        );
+    }
+    let moved = Judging {
+        tat_us: planned.tat_us,
+        ..at
+    };
+    (Judged::Replan { at_us: new_slot }, moved)
 }
 
 #[cfg(test)]
@@ -134,11 +256,19 @@ mod tests {
     }
 
     #[test]
-    fn cost_pushes_the_following_events_back() {
-        let p = params("10/s", 1);
-        let first = plan(0, 0, 3, &p);
-        assert_eq!(first.slot_us, 0);
-        assert_eq!(plan(first.tat_us, 0, 1, &p).slot_us, 300_000);
+    fn cost_needs_room_for_every_unit_and_pushes_the_following_events_back() {
+        let p = params("10/s", 3);
+        // An idle route has room for 3 units: a cost-3 event goes at once...
+        let first = plan(0, 1_000_000, 3, &p);
+        assert_eq!(first.slot_us, 1_000_000);
+        // ...and the next unit one interval later, as three unit events would have left it.
+        assert_eq!(plan(first.tat_us, 1_000_000, 1, &p).slot_us, 1_100_000);
+        // After one unit, a cost-3 event waits until three units are free again.
+        let one = plan(0, 1_000_000, 1, &p);
+        assert_eq!(plan(one.tat_us, 1_000_000, 3, &p).slot_us, 1_100_000);
+        assert!(fits(3, &p));
+        assert!(!fits(4, &p));
+        assert!(!fits(0, &p));
     }
 
     #[test]
@@ -179,6 +309,80 @@ mod tests {
         assert_eq!(ids, vec![0, 167, 334, 501, 667, 834, 1001]);
         assert_eq!(ceil_ms(166_667), 167_000);
         assert_eq!(ceil_ms(167_000), 167_000);
+    }
+
+    fn gate_at(dtat_us: i64) -> Judging {
+        Judging { dtat_us, tat_us: 0 }
+    }
+
+    #[test]
+    fn events_refused_in_one_call_wait_behind_each_other_or_move_to_the_plans_end() {
+        let p = params("1000/s", 1);
+        // Two events whose slots are 5 ms (a burst-1 route's slots share a millisecond after a
+        // move), the call at 5.2 ms, the gate at 5 ms: the first goes, the second comes back at
+        // 6 ms with its slot kept (6 ms is within LATE_US of it).
+        let clock = dispatch_clock(5_200, 0);
+        let far = 1_000_000_000;
+        let plan_end = Judging {
+            dtat_us: 5_000,
+            tat_us: 9_000,
+        };
+        let (a, at) = judge(plan_end, clock, 5_000, far, 1, &p);
+        assert_eq!(a, Judged::Pass { slot_us: 5_000 });
+        let (b, at) = judge(at, clock, 5_000, far, 1, &p);
+        assert_eq!(b, Judged::Wait { at_us: 6_000 });
+        // Charged as if it went in millisecond 6: the gate (6 000) plus one interval.
+        assert_eq!(at.dtat_us, 7_000);
+        // A third, whose slot (4 ms) the gate can no longer meet within LATE_US, is not put on
+        // 7 ms, which the plan gave another event: it takes the plan's next slot, at its end.
+        let (c, at) = judge(at, clock, 4_000, far, 1, &p);
+        assert_eq!(c, Judged::Replan { at_us: 9_000 });
+        assert_eq!(at.tat_us, 10_000);
+        assert_eq!(at.dtat_us, 7_000, "a moved event does not hold the gate");
+        // On an idle plan it takes the gate's next millisecond.
+        let (d, _) = judge(gate_at(8_000), dispatch_clock(7_500, 0), 5_000, far, 1, &p);
+        assert_eq!(d, Judged::Replan { at_us: 8_000 });
+    }
+
+    #[test]
+    fn a_slot_past_its_deadline_leaves_the_route_and_an_early_wake_owes_nothing() {
+        let p = params("10/s", 1);
+        let clock = dispatch_clock(1_000_000, 0);
+        let (v, at) = judge(gate_at(1_300_000), clock, 999_500, 1_200_000, 1, &p);
+        assert_eq!(v, Judged::TooLate { at_us: 1_300_000 });
+        assert_eq!(at.dtat_us, 1_300_000);
+        let (v, at) = judge(gate_at(0), clock, 1_000_500, 2_000_000, 1, &p);
+        assert_eq!(v, Judged::Wait { at_us: 1_000_500 });
+        assert_eq!(at.dtat_us, 0);
+    }
+
+    #[test]
+    fn a_worker_waking_long_after_a_slot_moves_it_to_now_or_gives_it_up() {
+        let p = params("10/s", 1);
+        let clock = dispatch_clock(3_000_000, 0);
+        // Three seconds after its slot, the gate open: it goes now, as a new slot.
+        let (v, _) = judge(gate_at(0), clock, 0, 5_000_000, 1, &p);
+        assert_eq!(v, Judged::Pass { slot_us: 3_000_000 });
+        // Past its deadline: it leaves the route whatever the gate says, and gives its
+        // reservation back when it is the plan's last.
+        let last = Judging {
+            dtat_us: 0,
+            tat_us: 100_000,
+        };
+        let (v, at) = judge(last, clock, 0, 1_000_000, 1, &p);
+        assert_eq!(v, Judged::TooLate { at_us: 3_000_000 });
+        assert_eq!(at.tat_us, 0);
+        // The gate closed until 3.2 s: moved there, within its deadline.
+        let (v, _) = judge(gate_at(3_200_000), clock, 0, 5_000_000, 1, &p);
+        assert_eq!(v, Judged::Replan { at_us: 3_200_000 });
+        // The plan's end past its deadline: it leaves the route, saying when it could have gone.
+        let busy = Judging {
+            dtat_us: 3_200_000,
+            tat_us: 9_000_000,
+        };
+        let (v, at) = judge(busy, clock, 0, 5_000_000, 1, &p);
+        assert_eq!(v, Judged::TooLate { at_us: 9_000_000 });
+        assert_eq!(at, busy);
     }
 
     #[test]

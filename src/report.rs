@@ -119,7 +119,7 @@ pub async fn report<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Repo
         let times: Vec<i64> = entries.iter().map(|e| e.ms).collect();
         let mut late: Vec<i64> = entries
             .iter()
-            .filter_map(|e| Some(e.ms - e.field("pacer_slot_ms")?.parse::<i64>().ok()?))
+            .filter_map(|e| Some(e.ms - e.field("pacer_slot_us")?.parse::<i64>().ok()? / 1000))
             .collect();
         late.sort_unstable();
         report.routes.push(RouteReport {

@@ -4,7 +4,7 @@
 //! Three fixed GET routes do not need an HTTP framework; each connection gets one response and
 //! is closed.
 
-use crate::telemetry::Health;
+use crate::health::Health;
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::sync::Arc;
 use std::time::Duration;
@@ -65,12 +65,14 @@ async fn answer(
     let (status, content_type, body) = match (method, path) {
         ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", metrics.render()),
         ("GET", "/healthz") => ("200 OK", "text/plain", "ok\n".to_string()),
-        ("GET", "/readyz") if health.ready() => ("200 OK", "text/plain", "ready\n".to_string()),
-        ("GET", "/readyz") => (
-            "503 Service Unavailable",
-            "text/plain",
-            "not ready: Redis unreachable or scripts not loaded\n".to_string(),
-        ),
+        ("GET", "/readyz") => match health.why_not() {
+            None => ("200 OK", "text/plain", "ready\n".to_string()),
+            Some(why) => (
+                "503 Service Unavailable",
+                "text/plain",
+                format!("not ready: {why}\n"),
+            ),
+        },
         ("GET", _) => (
             "404 Not Found",
             "text/plain",

@@ -26,31 +26,21 @@ pub async fn ensure_group<C: ConnectionLike>(con: &mut C, stream: &str, group: &
     }
 }
 
-/// Whether one script call may touch both keys: always on a Redis that is not a cluster; on a
-/// cluster, when Redis puts them in the same slot (asked of Redis, which owns the hashing).
-pub async fn same_slot<C: ConnectionLike>(con: &mut C, a: &str, b: &str) -> Result<bool> {
+/// Whether Redis is a cluster: then one script may only touch keys of one slot (`keys::slot`).
+pub async fn is_cluster<C: ConnectionLike>(con: &mut C) -> Result<bool> {
     let info: String = redis::cmd("INFO").arg("cluster").query_async(con).await?;
-    if !info.contains("cluster_enabled:1") {
-        return Ok(true);
-    }
-    let mut slots = Vec::with_capacity(2);
-    for key in [a, b] {
-        let slot: i64 = redis::cmd("CLUSTER")
-            .arg("KEYSLOT")
-            .arg(key)
-            .query_async(con)
-            .await?;
-        slots.push(slot);
-    }
-    Ok(slots[0] == slots[1])
+    Ok(info.contains("cluster_enabled:1"))
 }
 
-/// Reads up to `count` new entries across `streams` for `consumer`, blocking up to `block`.
+/// Reads up to `count` entries across `streams` for `consumer`, blocking up to `block`: new ones
+/// when `from` is `">"`, or else the consumer's own pending entries after the id `from` (which
+/// Redis returns at once).
 pub async fn read_group<C: ConnectionLike>(
     con: &mut C,
     group: &str,
     consumer: &str,
     streams: &[Arc<str>],
+    from: &str,
     count: usize,
     block: Duration,
 ) -> Result<Vec<Entry>> {
@@ -67,7 +57,7 @@ pub async fn read_group<C: ConnectionLike>(
         cmd.arg(s.as_ref());
     }
     for _ in streams {
-        cmd.arg(">");
+        cmd.arg(from);
     }
     let reply: Value = cmd.query_async(con).await?;
     let mut out = Vec::new();

@@ -6,7 +6,6 @@
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 pub const EVENTS_TOTAL: &str = "pacer_events_total";
@@ -21,26 +20,44 @@ pub const STREAM_LAG: &str = "pacer_stream_lag";
 pub const CLAIMED_TOTAL: &str = "pacer_claimed_total";
 pub const INBOUND_DECISIONS_TOTAL: &str = "pacer_inbound_decisions_total";
 pub const LIMITER_UNAVAILABLE_TOTAL: &str = "pacer_inbound_limiter_unavailable_total";
-pub const READY: &str = "pacer_ready";
+pub const REPLANNED_TOTAL: &str = "pacer_replanned_total";
+pub const INPUT_DELETED_TOTAL: &str = "pacer_input_deleted_total";
+pub const KEYS_KEPT: &str = "pacer_redis_keys_kept";
+pub const REPLICATION_SHORT_TOTAL: &str = "pacer_replication_short_total";
 pub const BUILD_INFO: &str = "pacer_build_info";
+pub use crate::health::READY;
 
 /// How an outbound event ended, the `outcome` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     Dispatched,
-    /// Dispatched on a fallback route (counted as well as `dispatched`, on the route it left).
+    /// Dispatched on a fallback route: counted as well as `dispatched`, on that fallback (where
+    /// it came out, as `pacer report` counts it).
     Rerouted,
     Rejected,
+    /// Rejected because it was read older than its route's `max_age`.
+    Expired,
     DeadLettered,
     Duplicate,
 }
 
 impl Outcome {
+    /// Every outcome (for registering each at zero).
+    pub const ALL: [Outcome; 6] = [
+        Outcome::Dispatched,
+        Outcome::Rerouted,
+        Outcome::Rejected,
+        Outcome::Expired,
+        Outcome::DeadLettered,
+        Outcome::Duplicate,
+    ];
+
     fn as_str(self) -> &'static str {
         match self {
             Outcome::Dispatched => "dispatched",
             Outcome::Rerouted => "rerouted",
             Outcome::Rejected => "rejected",
+            Outcome::Expired => "expired",
             Outcome::DeadLettered => "dead_lettered",
             Outcome::Duplicate => "duplicate",
         }
@@ -116,8 +133,31 @@ pub fn scheduled_wait(route: &str, wait_us: i64) {
     histogram!(WAIT_SECONDS, "route" => route.to_string()).record(wait_us.max(0) as f64 / 1e6);
 }
 
-pub fn lateness(route: &str, late_ms: i64) {
-    histogram!(LATENESS_SECONDS, "route" => route.to_string()).record(late_ms.max(0) as f64 / 1e3);
+/// How long after its slot an event's ready entry was written (µs; the entry's id is a whole
+/// millisecond, so up to 999 µs of it is the id's own rounding).
+pub fn lateness(route: &str, late_us: i64) {
+    histogram!(LATENESS_SECONDS, "route" => route.to_string()).record(late_us.max(0) as f64 / 1e6);
+}
+
+/// A slot that could no longer be met was moved (recorded anew, within the event's deadline).
+pub fn replanned(route: &str) {
+    counter!(REPLANNED_TOTAL, "route" => route.to_string()).increment(1);
+}
+
+/// Entries of an input stream deleted (trimmed by a producer) while they were pending: they are
+/// gone, and dropped from the group.
+pub fn input_deleted(stream: &str, n: usize) {
+    counter!(INPUT_DELETED_TOTAL, "stream" => stream.to_string()).increment(n as u64);
+}
+
+/// Writes that `redis.wait_replicas` replicas did not confirm in time (the worker went on).
+pub fn replication_short() {
+    counter!(REPLICATION_SHORT_TOTAL).increment(1);
+}
+
+/// Whether Redis keeps pacer's keys, by its `maxmemory-policy`.
+pub fn keys_kept(policy: &str, kept: bool) {
+    gauge!(KEYS_KEPT, "policy" => policy.to_string()).set(if kept { 1.0 } else { 0.0 });
 }
 
 pub fn route_queue(route: &str, ahead_us: i64) {
@@ -155,10 +195,74 @@ where
     result
 }
 
+/// Registers every counter and gauge this config can produce, at zero, so that dashboards and
+/// `absent()`-style alerts see a series from the start rather than "no data" until the first
+/// event of each kind.
+pub fn register(cfg: &crate::config::Config) {
+    let ops = [
+        "read",
+        "claim",
+        "schedule",
+        "dispatch",
+        "deadletter",
+        "reject",
+        "ack",
+        "info",
+        "admit",
+        "record",
+        "forward",
+        "prepare",
+        "void",
+    ];
+    for op in ops {
+        counter!(REDIS_ERRORS_TOTAL, "op" => op).absolute(0);
+    }
+    for route in cfg.outbound.routes.keys() {
+        for outcome in Outcome::ALL {
+            counter!(EVENTS_TOTAL, "flow" => "outbound", "route" => route.clone(), "outcome" => outcome.as_str())
+                .absolute(0);
+        }
+        counter!(REPLANNED_TOTAL, "route" => route.clone()).absolute(0);
+        gauge!(ROUTE_QUEUE_SECONDS, "route" => route.clone()).set(0.0);
+    }
+    for outcome in [Outcome::DeadLettered, Outcome::Duplicate] {
+        counter!(EVENTS_TOTAL, "flow" => "outbound", "route" => "none", "outcome" => outcome.as_str())
+            .absolute(0);
+    }
+    let inbound = cfg.inbound.iter().flat_map(|i| i.streams.iter());
+    for stream in cfg.outbound.streams.iter().chain(inbound) {
+        counter!(CLAIMED_TOTAL, "stream" => stream.clone()).absolute(0);
+        counter!(INPUT_DELETED_TOTAL, "stream" => stream.clone()).absolute(0);
+        let labels = [
+            ("stream", stream.clone()),
+            ("group", cfg.worker.group.clone()),
+        ];
+        gauge!(STREAM_PENDING, &labels).set(0.0);
+        gauge!(STREAM_LAG, &labels).set(0.0);
+    }
+    if let Some(inbound) = &cfg.inbound {
+        for outcome in InboundOutcome::ALL {
+            counter!(EVENTS_TOTAL, "flow" => "inbound", "route" => "none", "outcome" => outcome.as_str())
+                .absolute(0);
+        }
+        for rule in &inbound.rules {
+            let mode = if rule.shadow { "shadow" } else { "enforce" };
+            for outcome in ["accepted", "rejected"] {
+                counter!(INBOUND_DECISIONS_TOTAL, "rule" => rule.name.clone(), "outcome" => outcome, "mode" => mode)
+                    .absolute(0);
+            }
+        }
+        counter!(LIMITER_UNAVAILABLE_TOTAL, "policy" => inbound.fail_policy.as_str()).absolute(0);
+    }
+    gauge!(SLEEPING_EVENTS).set(0.0);
+    counter!(REPLICATION_SHORT_TOTAL).absolute(0);
+}
+
 /// Installs the Prometheus recorder, with buckets fit for what each histogram holds.
 pub fn install_metrics() -> Result<PrometheusHandle, String> {
+    // Lateness is mostly under a millisecond (the id's own rounding included): sub-ms buckets.
     let lateness = [
-        0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+        0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1, 1.0,
     ];
     let waits = [
         0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
@@ -186,44 +290,17 @@ pub enum LogFormat {
     Json,
 }
 
-/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`); colour only on a terminal.
 pub fn init_tracing(format: LogFormat) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
-    }
-}
-
-/// What `/readyz` reports: Redis answered the last command, scripts and groups are in place.
-#[derive(Debug, Default)]
-pub struct Health {
-    redis_ok: AtomicBool,
-    prepared: AtomicBool,
-}
-
-impl Health {
-    pub fn set_redis_ok(&self, ok: bool) {
-        if self.redis_ok.swap(ok, Ordering::Relaxed) != ok {
-            self.publish();
-        }
-    }
-
-    /// Scripts loaded and consumer groups present.
-    pub fn set_prepared(&self, ok: bool) {
-        self.prepared.store(ok, Ordering::Relaxed);
-        self.publish();
-    }
-
-    pub fn ready(&self) -> bool {
-        self.redis_ok.load(Ordering::Relaxed) && self.prepared.load(Ordering::Relaxed)
-    }
-
-    fn publish(&self) {
-        gauge!(READY).set(if self.ready() { 1.0 } else { 0.0 });
     }
 }

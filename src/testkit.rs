@@ -1,5 +1,20 @@
 //! Support for tests and the benchmark: a real `redis-server` on a free loopback port (installed
 //! with apt-get when missing), pacer processes, scratch directories. Not used by the daemon.
+//!
+//! Production-shaped Redis lives in the submodules: a Redis Cluster with replicas (`cluster`),
+//! a master, a replica and three sentinels (`sentinel`), certificates and a TLS-only server
+//! (`tls`).
+//!
+//! Over 400 lines: the process-level kit (redis-server, pacer processes, ports, temporary
+//! directories), many small helpers.
+
+mod cluster;
+mod sentinel;
+mod tls;
+
+pub use cluster::{Cluster, ClusterNode, NodeInfo};
+pub use sentinel::Sentinels;
+pub use tls::TlsFiles;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -49,22 +64,55 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// Installs `redis-server` with apt-get if it is not on the PATH (once per process).
+/// Installs `redis-server` (and `redis-cli`, which cluster set-up uses) with apt-get if either is
+/// not on the PATH (once per process). Sentinels run as `redis-server --sentinel`, so the
+/// redis-sentinel package is not needed.
 pub fn ensure_redis_installed() {
     static INSTALL: Once = Once::new();
     INSTALL.call_once(|| {
-        if Command::new("redis-server").arg("--version").output().is_ok() {
-            return;
-        }
-        eprintln!("redis-server is missing: installing it with apt-get");
-        let ok = Command::new("sh")
-            .arg("-c")
-            .arg("(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >&2")
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-        assert!(ok, "could not install redis-server; install it (apt-get install redis-server) and retry");
+        ensure_tools(&[
+            ("redis-server", "redis-server"),
+            ("redis-cli", "redis-tools"),
+        ])
     });
+}
+
+/// Installs `openssl` (certificates for the TLS tests) with apt-get if it is missing.
+pub fn ensure_openssl_installed() {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| ensure_tools(&[("openssl", "openssl")]));
+}
+
+/// apt-get installs the package of each (command, package) whose command is not on the PATH.
+fn ensure_tools(tools: &[(&str, &str)]) {
+    let missing: Vec<&str> = tools
+        .iter()
+        .filter(|(cmd, _)| Command::new(cmd).arg("--version").output().is_err())
+        .map(|(_, package)| *package)
+        .collect();
+    if missing.is_empty() {
+        return;
+    }
+    eprintln!("{} missing: installing with apt-get", missing.join(" "));
+    apt_install(&missing);
+}
+
+/// apt-get installs `packages`, output to stderr; panics if it fails. One install at a time in
+/// the process: tests run in parallel threads, and two dpkg runs at once fail on its lock.
+pub fn apt_install(packages: &[&str]) {
+    static APT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = APT.lock().unwrap_or_else(|e| e.into_inner());
+    let packages = packages.join(" ");
+    let ok = Command::new("sh")
+        .arg("-c")
+        .arg(format!("(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq {packages}) >&2"))
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(
+        ok,
+        "could not install {packages}; install it (apt-get install {packages}) and retry"
+    );
 }
 
 /// A `redis-server` child process on a free port, killed on drop.
@@ -82,19 +130,63 @@ impl RedisServer {
 
     /// Starts with extra `redis-server` arguments (like `--appendonly yes`).
     pub fn start_with(extra: &[&str]) -> Self {
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let server = Self::spawn_on(free_port(), &extra);
+        server.wait_ready();
+        server
+    }
+
+    /// Starts on `port` without waiting for it to answer a plain-text PING: for servers that
+    /// only speak TLS (`--port 0 --tls-port <port>`); the caller waits its own way.
+    pub fn spawn_on(port: u16, extra: &[String]) -> Self {
         ensure_redis_installed();
         let dir = TempDir::new("redis");
-        let port = free_port();
-        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-        let child = spawn_redis(port, dir.path(), &extra);
-        let server = RedisServer {
+        let child = spawn_redis(port, dir.path(), extra);
+        RedisServer {
             child,
             port,
             dir,
-            extra,
-        };
-        server.wait_ready();
-        server
+            extra: extra.to_vec(),
+        }
+    }
+
+    /// The server's directory (its config files, `nodes.conf` for a cluster node).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Freezes the process (SIGSTOP): it keeps its connections but answers nothing, like a
+    /// replica that lags far behind or a stalled master. `resume` undoes it.
+    pub fn pause(&self) {
+        signal_pid(self.pid(), "STOP");
+    }
+
+    pub fn resume(&self) {
+        signal_pid(self.pid(), "CONT");
+    }
+
+    /// An ACL user `name` with `password` and every permission (`ACL SETUSER`).
+    pub fn add_acl_user(&self, name: &str, password: &str) {
+        let _: () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg(name)
+            .arg("reset")
+            .arg("on")
+            .arg(format!(">{password}"))
+            .arg("~*")
+            .arg("&*")
+            .arg("+@all")
+            .query(&mut self.con())
+            .expect("ACL SETUSER");
     }
 
     /// A single-node Redis Cluster owning every slot: it refuses, like any cluster, a script
@@ -163,6 +255,13 @@ impl RedisServer {
         self.wait_ready();
     }
 
+    /// Starts the server again after `kill`, without waiting for it (a cluster node answers
+    /// PING before it has rejoined; the cluster helpers wait for that).
+    pub fn respawn(&mut self) {
+        self.kill();
+        self.child = spawn_redis(self.port, self.dir.path(), &self.extra);
+    }
+
     fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -202,8 +301,17 @@ fn spawn_redis(port: u16, dir: &Path, extra: &[String]) -> Child {
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
+        // SIGKILL ends a paused (SIGSTOPped) server too.
         self.kill();
     }
+}
+
+fn signal_pid(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .stderr(Stdio::null())
+        .status();
 }
 
 /// A `pacer` child process, killed on drop.
@@ -289,6 +397,19 @@ impl Drop for Pacer {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Creates consumer group `group` on `stream` (made if missing) at its start, so that workers
+/// started later read what is pushed before them from the first entry.
+pub fn create_group(con: &mut redis::Connection, stream: &str, group: &str) {
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(stream)
+        .arg(group)
+        .arg("0")
+        .arg("MKSTREAM")
+        .query(con)
+        .unwrap();
 }
 
 /// Polls `check` every 20 ms until it returns true or `limit` passes; whether it did.

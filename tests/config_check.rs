@@ -10,6 +10,10 @@ fn pacer(args: &[&str]) -> (i32, String, String) {
         .args(args)
         .env_remove("PACER_CONFIG")
         .env_remove("PACER_REDIS_URL")
+        .env_remove("PACER_METRICS_LISTEN")
+        .env_remove("PACER_REDIS_MODE")
+        .env_remove("PACER_REDIS_PASSWORD")
+        .env_remove("PACER_REDIS_SENTINEL_PASSWORD")
         .output()
         .expect("running pacer");
     (
@@ -91,4 +95,43 @@ fn pacer_config_names_the_file_and_a_missing_file_is_a_clear_error() {
         stderr.contains("/nonexistent/pacer.yaml: cannot read the config file"),
         "{stderr}"
     );
+}
+
+#[test]
+fn a_bad_metrics_listen_override_is_refused_naming_its_source() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.yaml");
+    let path = path.to_str().unwrap();
+    let check = |flag: Option<&str>, env: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pacer"));
+        cmd.args(["check-config", "--config", path])
+            .env_remove("PACER_CONFIG")
+            .env_remove("PACER_REDIS_URL")
+            .env_remove("PACER_METRICS_LISTEN");
+        if let Some(f) = flag {
+            cmd.args(["--metrics-listen", f]);
+        }
+        if let Some(e) = env {
+            cmd.env("PACER_METRICS_LISTEN", e);
+        }
+        let out = cmd.output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stderr) = check(None, Some("localhost-9464"));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("metrics.listen (from PACER_METRICS_LISTEN): invalid socket address"),
+        "{stderr}"
+    );
+    let (code, stderr) = check(Some("9464"), None);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("metrics.listen (from --metrics-listen): invalid socket address"),
+        "{stderr}"
+    );
+    // The flag wins over the environment.
+    assert_eq!(check(Some("127.0.0.1:9500"), Some("bad")).0, Some(0));
+    assert_eq!(check(None, Some("127.0.0.1:9500")).0, Some(0));
 }

@@ -7,7 +7,8 @@
 //! `PROPTEST_CASES=100000 cargo test --release --test fuzz`.
 
 use pacer::config::{Config, Overrides};
-use pacer::event::{self, dead_letter_fields, parse_marker, Entry, Fields};
+use pacer::event::{self, dead_letter_fields, Entry, Fields};
+use pacer::marker::Marker;
 use proptest::prelude::*;
 use redis::Value;
 use std::sync::Arc;
@@ -147,12 +148,18 @@ proptest! {
         };
         match event::parse_outbound(entry, &cfg) {
             Ok(ev) => {
-                prop_assert!(cfg.routes.contains_key(&ev.routes[0]));
+                prop_assert!(ev.route < cfg.routes.len());
                 prop_assert!(ev.cost >= 1);
-                prop_assert_eq!(&ev.entry.fields, &fields);
+                // Everything but pacer's own fields is carried, byte for byte and in order.
+                let carried: Vec<(Vec<u8>, Vec<u8>)> = fields
+                    .iter()
+                    .filter(|(k, _)| !k.starts_with(b"pacer_"))
+                    .cloned()
+                    .collect();
+                prop_assert_eq!(&ev.entry().fields, &carried);
                 // What a parsed event becomes: its ready and rejected entries.
-                event::ready_fields(&ev, &ev.routes[0]);
-                event::rejected_fields(&ev, event::Reason::QueueFull, 1);
+                let route = &cfg.route_at(ev.route).name;
+                event::rejected_fields(&ev, route, event::Reason::QueueFull, "full", 1);
             }
             Err((entry, refused)) => {
                 // Handed back whole, with a reason and a detail for the dead letter.
@@ -192,8 +199,8 @@ proptest! {
     }
 
     #[test]
-    fn any_marker_value_parses_or_is_refused(text in "\\PC{0,30}|[sdxvAr][0-9-]{0,20}\\|\\PC{0,10}(\\|\\PC{0,6}){0,3}") {
-        parse_marker(&text);
+    fn any_marker_value_parses_or_is_refused(text in "\\PC{0,30}|[sdxvAr][0-9:-]{0,30}(\\|\\PC{0,6}){0,3}") {
+        Marker::parse(&text);
         event::inbound::Decision::parse(&text);
     }
 

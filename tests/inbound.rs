@@ -1,6 +1,8 @@
 //! Inbound admission against a real redis-server: the admission script called directly (exact
 //! counts, retry times, memory), and real `pacer run` processes end to end (forwarding,
 //! rejections, dead letters, shadow mode, fail policy, Redis Cluster).
+//!
+//! Over 400 lines: one subject's process-level tests sharing one rig.
 
 mod common;
 
@@ -82,17 +84,23 @@ impl Rig {
             .enumerate()
             .map(|(i, e)| AdmitItem {
                 owner: &owners[i],
+                stream: &e.entry.stream,
+                entry_ms: e.entry.ms(),
                 decisions: &hashes[i],
                 identities: e.identities.iter().map(String::as_str).collect(),
                 fields: &fields[i],
             })
             .collect();
+        let no_acks = |_: &str| false;
         let to = AdmitTargets {
             keys: &self.cfg.keys,
             rejected: self.rejects_here.then_some("rej"),
             decision_ttl_ms: 600_000,
             max_len: 100_000,
             log_entries_per_read: self.log_entries_per_read,
+            group: "pacer",
+            acks: &no_acks,
+            stale_us: i64::MAX / 4,
         };
         self.rt
             .block_on(
@@ -127,6 +135,7 @@ fn decisions(reply: &AdmitReply) -> Vec<Decision> {
             Admitted::Now { decision, .. } | Admitted::Earlier(decision) => {
                 Decision::parse(decision).expect("a readable decision")
             }
+            Admitted::Stale(age) => panic!("nothing here is stale: {age}"),
         })
         .collect()
 }
@@ -426,6 +435,18 @@ fn a_redelivered_entry_gets_its_recorded_decision_and_is_not_charged_again() {
         .query(&mut con)
         .unwrap();
     assert!(pttl > 590_000 && pttl <= 600_000, "{pttl}");
+
+    // One entry twice in one call (a worker holding two deliveries of it): decided, charged and
+    // forwarded once; the second copy gets the first's decision.
+    let one = rig.event(&[("source", "b")]);
+    let twice = rig.admit(&[one.clone(), one]);
+    assert!(matches!(twice.items[0], Admitted::Now { .. }), "{twice:?}");
+    assert!(matches!(twice.items[1], Admitted::Earlier(_)), "{twice:?}");
+    assert_eq!(decisions(&twice)[0], decisions(&twice)[1]);
+    let charged = log_entries(&mut con, "pacer:in:{fwd}:r:log:source=b");
+    assert_eq!(charged.len(), 1, "charged once");
+    let forwarded: i64 = redis::cmd("XLEN").arg("fwd").query(&mut con).unwrap();
+    assert_eq!(forwarded, 3, "forwarded once more");
 }
 
 // ------------------------------------------------------------------------ real pacer processes

@@ -1,4 +1,6 @@
 //! The outbound daemon end to end: real pacer processes against a real redis-server.
+//!
+//! Over 400 lines: one subject's process-level tests sharing one rig.
 
 mod common;
 
@@ -32,7 +34,10 @@ fn three_workers_hold_the_rate_reroute_reject_and_place_every_entry_once() {
     let n = 400;
     let events: Vec<_> = (0..n)
         .map(|i| {
-            let route = if i % 4 == 3 { "spare" } else { "primary" };
+            // Few direct events for the spare, so its 2 s queue (about 41 slots) always has room
+            // for primary's overflow whatever order the route placers run in; with a quarter of
+            // the events sent there directly, the spare could fill before primary overflowed.
+            let route = if i % 20 == 19 { "spare" } else { "primary" };
             event(&[
                 ("route", route),
                 ("id", &format!("call-{i}")),
@@ -94,7 +99,7 @@ fn three_workers_hold_the_rate_reroute_reject_and_place_every_entry_once() {
     for (route, reach_ms, times) in [("primary", 3 * 20, &primary), ("spare", 50, &spare)] {
         let last_slot: i64 = read(&redis, &format!("pacer:{{{route}}}:ready"))
             .iter()
-            .map(|e| e.field("pacer_slot_ms").unwrap().parse::<i64>().unwrap())
+            .map(|e| e.field("pacer_slot_us").unwrap().parse::<i64>().unwrap() / 1000)
             .max()
             .unwrap();
         let tat: i64 = redis::cmd("HGET")
@@ -103,9 +108,25 @@ fn three_workers_hold_the_rate_reroute_reject_and_place_every_entry_once() {
             .query(&mut redis.con())
             .unwrap();
         let ahead_ms = tat / 1000 - last_slot;
+        let tail: Vec<(String, String, String)> = read(&redis, &format!("pacer:{{{route}}}:ready"))
+            .iter()
+            .rev()
+            .take(4)
+            .map(|e| {
+                (
+                    e.id.clone(),
+                    e.field("pacer_slot_us").unwrap().to_string(),
+                    e.field("pacer_wait_ms").unwrap().to_string(),
+                )
+            })
+            .collect();
+        let bucket: Vec<(String, String)> = redis::cmd("HGETALL")
+            .arg(format!("pacer:{{{route}}}:bucket:{route}"))
+            .query(&mut redis.con())
+            .unwrap();
         assert!(
             (0..=reach_ms + 1).contains(&ahead_ms),
-            "{route}: plan {ahead_ms} ms past its last slot"
+            "{route}: plan {ahead_ms} ms past its last slot {tail:?} {bucket:?}"
         );
         assert!(!times.is_empty());
     }
@@ -167,7 +188,7 @@ fn bad_input_is_dead_lettered_with_its_reason_and_the_rest_flows() {
             "cost",
         ),
         (
-            event(&[("route", "fast"), ("max_wait_ms", "1.5")]),
+            event(&[("route", "fast"), ("max_wait_ms", "soon")]),
             "malformed",
             "max_wait_ms",
         ),
@@ -280,13 +301,14 @@ fn sigterm_dispatches_what_falls_due_within_drain_and_leaves_the_rest_pending() 
 
     let ready = read(&redis, "pacer:{slow}:ready");
     let after_term = ready.iter().filter(|e| e.ms > term_ms).count();
-    // The drain dispatched about a second's worth (10/s) after SIGTERM, none due later.
+    // The drain dispatched what fell due within it (10/s): the drain is 1 s less its margin for
+    // the last calls (200 ms), so 7 to 9, give or take the one in flight at SIGTERM.
     assert!(
-        (8..=12).contains(&after_term),
+        (7..=12).contains(&after_term),
         "{after_term} dispatched during the drain (before: {before})"
     );
     for e in &ready {
-        let slot: i64 = e.field("pacer_slot_ms").unwrap().parse().unwrap();
+        let slot: i64 = e.field("pacer_slot_us").unwrap().parse::<i64>().unwrap() / 1000;
         assert!(
             slot <= term_ms + 1000 + 20,
             "slot {slot} is past the drain (term {term_ms})"
@@ -348,7 +370,7 @@ fn a_worker_with_a_skewed_clock_paces_exactly_like_the_rest() {
     // Had it used its own clock it would dispatch 45 s off; by Redis's clock it is on time.
     let mut late: Vec<i64> = read(&redis, "pacer:{shared}:ready")
         .iter()
-        .map(|e| e.ms - e.field("pacer_slot_ms").unwrap().parse::<i64>().unwrap())
+        .map(|e| e.ms - e.field("pacer_slot_us").unwrap().parse::<i64>().unwrap() / 1000)
         .collect();
     late.sort();
     assert!(late[0] >= 0, "dispatched {} ms before its slot", -late[0]);

@@ -6,6 +6,14 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+/// The pacer binary to run: `PACER_BENCH_BIN` if set (so two builds can be measured side by
+/// side on the same day), else the one cargo built with this benchmark.
+pub fn pacer_bin() -> std::path::PathBuf {
+    std::env::var_os("PACER_BENCH_BIN")
+        .map(Into::into)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_pacer").into())
+}
+
 /// The value after `name` on the command line, or `default`.
 pub fn arg(name: &str, default: u64) -> u64 {
     let args: Vec<String> = std::env::args().collect();
@@ -180,14 +188,7 @@ pub fn measure(
     let redis = RedisServer::start();
     let mut con = redis.con();
     let dir = TempDir::new("bench");
-    let _: () = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg("in")
-        .arg("pacer")
-        .arg("0")
-        .arg("MKSTREAM")
-        .query(&mut con)
-        .unwrap();
+    pacer::testkit::create_group(&mut con, "in", "pacer");
     preload(&mut con, events, fields);
     let cpu0 = cpu_seconds(&mut con);
     let start = Instant::now();
@@ -237,8 +238,9 @@ pub fn outbound_throughput(bin: &Path, workers: u64, events: u64) -> Measured {
 
 /// A worker config with outbound `routes` (YAML lines under `routes:`) reading `in`.
 pub fn outbound_config(url: &str, port: u16, routes: &str) -> String {
+    let batch = arg("--batch", 256);
     format!(
-        "redis: {{url: \"{url}\"}}\nmetrics: {{listen: \"127.0.0.1:{port}\"}}\nworker: {{batch: 256, max_inflight: 100000}}\noutbound:\n  streams: [\"in\"]\n  routes:\n{routes}"
+        "redis: {{url: \"{url}\"}}\nmetrics: {{listen: \"127.0.0.1:{port}\"}}\nworker: {{batch: {batch}, max_inflight: 100000}}\noutbound:\n  streams: [\"in\"]\n  routes:\n{routes}"
     )
 }
 

@@ -13,7 +13,7 @@
 //! known failure of other limiters; this one never holds more than its largest limit.
 //!
 //! In Redis the log is one string, the times packed as little-endian doubles oldest first
-//! (`scripts/admit.lua`; [`unpack`] reads it). A large log (a cap above
+//! (`lua/admit.lua`; [`unpack`] reads it). A large log (a cap above
 //! [`crate::scripts::LOG_ENTRIES_PER_READ`] per command) is read entry by entry and appended to,
 //! so entries past the horizon may stay in it until the cap makes a rewrite drop them: older
 //! than every window, they change no decision, and the cap bounds the log all the same.

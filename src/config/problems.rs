@@ -41,6 +41,9 @@ impl fmt::Display for ConfigError {
     }
 }
 
+/// The longest duration any setting may hold.
+pub const DURATION_MAX: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// Collects problems while a config is read.
 #[derive(Debug, Default)]
 pub struct Problems(pub Vec<Problem>);
@@ -153,13 +156,22 @@ impl Problems {
         }
     }
 
+    /// A duration like `250ms` or `2s`, at most [`DURATION_MAX`]: the daemon adds and multiplies
+    /// durations (deadlines, claim_idle × max_deliveries), which a bound keeps from overflowing.
     pub fn duration(&mut self, path: &str, v: &Option<Value>, default: Duration) -> Duration {
         match v {
             None | Some(Value::Null) => default,
-            Some(Value::String(s)) => humantime::parse_duration(s).unwrap_or_else(|e| {
-                self.push(path, format!("{e}: write a duration like 250ms, 2s or 1m"));
-                default
-            }),
+            Some(Value::String(s)) => match humantime::parse_duration(s) {
+                Ok(d) if d <= DURATION_MAX => d,
+                Ok(_) => {
+                    self.push(path, "must be at most 365 days");
+                    default
+                }
+                Err(e) => {
+                    self.push(path, format!("{e}: write a duration like 250ms, 2s or 1m"));
+                    default
+                }
+            },
             Some(other) => {
                 self.push(
                     path,

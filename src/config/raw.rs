@@ -25,7 +25,35 @@ pub struct RawConfig {
 #[serde(default)]
 pub struct RawRedis {
     pub url: Leaf,
+    pub mode: Leaf,
     pub timeout: Leaf,
+    pub accept_eviction_risk: Leaf,
+    pub username: Leaf,
+    pub password_file: Leaf,
+    pub tls: Leaf,
+    pub sentinel: Leaf,
+    pub wait_replicas: Leaf,
+    pub wait_timeout: Leaf,
+    #[serde(flatten)]
+    pub unknown: Mapping,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct RawTls {
+    pub ca_file: Leaf,
+    pub cert_file: Leaf,
+    pub key_file: Leaf,
+    #[serde(flatten)]
+    pub unknown: Mapping,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct RawSentinel {
+    pub master_name: Leaf,
+    pub username: Leaf,
+    pub password_file: Leaf,
     #[serde(flatten)]
     pub unknown: Mapping,
 }
@@ -61,6 +89,8 @@ pub struct RawOutbound {
     pub max_len: Leaf,
     pub dedupe_ttl: Leaf,
     pub max_event_bytes: Leaf,
+    pub max_event_fields: Leaf,
+    pub max_age: Leaf,
     pub routes: Leaf,
     #[serde(flatten)]
     pub unknown: Mapping,
@@ -72,6 +102,7 @@ pub struct RawRoute {
     pub rate: Leaf,
     pub burst: Leaf,
     pub max_wait: Leaf,
+    pub max_age: Leaf,
     pub fallbacks: Leaf,
     pub ready_stream: Leaf,
     #[serde(flatten)]
@@ -88,6 +119,7 @@ pub struct RawInbound {
     pub max_len: Leaf,
     pub dedupe_ttl: Leaf,
     pub max_event_bytes: Leaf,
+    pub max_event_fields: Leaf,
     pub fail_policy: Leaf,
     pub limiter_attempts: Leaf,
     pub rules: Leaf,

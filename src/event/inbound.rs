@@ -45,16 +45,7 @@ pub fn parse_inbound(entry: Entry, cfg: &InboundConfig) -> Result<InboundEvent, 
 }
 
 fn identities(entry: &Entry, cfg: &InboundConfig) -> Result<Vec<String>, Refused> {
-    if entry.fields.is_empty() {
-        return Err(Refused::malformed("the entry has no fields"));
-    }
-    let size: usize = entry.fields.iter().map(|(k, v)| k.len() + v.len()).sum();
-    if size > cfg.max_event_bytes {
-        return Err(Refused::malformed(format!(
-            "the event is {size} bytes, more than inbound.max_event_bytes ({})",
-            cfg.max_event_bytes
-        )));
-    }
+    super::check_size(entry, cfg.max_event_fields, cfg.max_event_bytes, "inbound")?;
     let mut checks = Vec::new();
     for rule in &cfg.rules {
         for field in &rule.key {
@@ -150,7 +141,7 @@ pub fn rejected_fields(event: &InboundEvent, decision: &Decision) -> Fields {
 /// What a fail-closed rejection tells the producer to wait.
 pub const FAIL_CLOSED_RETRY_MS: u64 = 1000;
 
-/// The decision recorded for an input entry (its marker's value, see `scripts/admit.lua`).
+/// The decision recorded for an input entry (its marker's value, see `lua/admit.lua`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
     /// `A`: accepted; the admission script wrote it to the forward stream in the same step.

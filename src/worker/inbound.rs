@@ -14,7 +14,9 @@
 //! repeated admission can never decide the entry a second way. Writing outputs and acks still
 //! retries with backoff until it succeeds.
 
-use super::{Shared, BACKOFF_MAX, BACKOFF_MIN};
+use super::context::Context;
+use super::outputs;
+use crate::backoff::Backoff;
 use crate::config::{FailPolicy, InboundConfig};
 use crate::error::Result;
 use crate::event::inbound::{self as ev, Decision, InboundEvent};
@@ -28,324 +30,342 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-impl Shared {
-    /// Takes the entries of inbound streams out of a batch and finishes them; returns the rest
-    /// (outbound entries, with their permits) untouched.
-    pub(super) async fn admit_inbound(
-        self: &Arc<Self>,
-        entries: Vec<Entry>,
-        permits: Vec<OwnedSemaphorePermit>,
-        stop: &CancellationToken,
-    ) -> (Vec<Entry>, Vec<OwnedSemaphorePermit>) {
-        let Some(cfg) = &self.cfg.inbound else {
-            return (entries, permits);
-        };
-        let (inbound, rest): (Vec<_>, Vec<_>) = entries
-            .into_iter()
-            .zip(permits)
-            .partition(|(e, _)| cfg.streams.iter().any(|s| *s == *e.stream));
-        if !inbound.is_empty() {
-            // The permits are held until the entries are finished (or left pending).
-            let (entries, _held): (Vec<Entry>, Vec<OwnedSemaphorePermit>) =
-                inbound.into_iter().unzip();
-            self.handle_inbound(cfg, entries, stop).await;
+/// Takes the entries of inbound streams out of a batch and finishes them; returns the rest
+/// (outbound entries, with their permits) untouched.
+pub(super) async fn admit(
+    ctx: &Arc<Context>,
+    entries: Vec<Entry>,
+    permits: Vec<OwnedSemaphorePermit>,
+    stop: &CancellationToken,
+) -> (Vec<Entry>, Vec<OwnedSemaphorePermit>) {
+    let Some(cfg) = &ctx.cfg.inbound else {
+        return (entries, permits);
+    };
+    let (inbound, rest): (Vec<_>, Vec<_>) = entries
+        .into_iter()
+        .zip(permits)
+        .partition(|(e, _)| cfg.streams.iter().any(|s| *s == *e.stream));
+    if !inbound.is_empty() {
+        // The permits are held until the entries are finished (or left pending).
+        let (entries, _held): (Vec<Entry>, Vec<OwnedSemaphorePermit>) = inbound.into_iter().unzip();
+        handle(ctx, cfg, entries, stop).await;
+    }
+    rest.into_iter().unzip()
+}
+
+async fn handle(ctx: &Context, cfg: &InboundConfig, entries: Vec<Entry>, stop: &CancellationToken) {
+    let max = ctx.cfg.worker.max_deliveries;
+    let mut dead: Vec<(Entry, Refused)> = Vec::new();
+    let mut fresh: Vec<InboundEvent> = Vec::new();
+    let mut over: Vec<InboundEvent> = Vec::new();
+    for entry in entries {
+        match ev::parse_inbound(entry, cfg) {
+            Ok(e) if e.entry.deliveries > max => over.push(e),
+            Ok(e) => fresh.push(e),
+            // An entry that cannot be decided is dead-lettered for that, however often it came.
+            Err((entry, refused)) => dead.push((entry, refused)),
         }
-        rest.into_iter().unzip()
+    }
+    let mut decided: Vec<(InboundEvent, Decision)> = Vec::new();
+
+    // Delivered too often (each delivery's worker died on it): void it unless a decision
+    // was recorded, in which case that decision is carried out.
+    if !over.is_empty() {
+        let Some(prev) = record(ctx, cfg, &over, Decision::Voided, stop).await else {
+            return;
+        };
+        for (e, prev) in over.into_iter().zip(prev) {
+            warn!(entry = %e.entry.id, stream = %e.entry.stream, deliveries = e.entry.deliveries, "poison inbound entry");
+            decided.push((e, prev.unwrap_or(Decision::Voided)));
+        }
     }
 
-    async fn handle_inbound(
-        &self,
-        cfg: &InboundConfig,
-        entries: Vec<Entry>,
-        stop: &CancellationToken,
-    ) {
-        let max = self.cfg.worker.max_deliveries;
-        let mut dead: Vec<(Entry, Refused)> = Vec::new();
-        let mut fresh: Vec<InboundEvent> = Vec::new();
-        let mut over: Vec<InboundEvent> = Vec::new();
-        for entry in entries {
-            match ev::parse_inbound(entry, cfg) {
-                Ok(e) if e.entry.deliveries > max => over.push(e),
-                Ok(e) => fresh.push(e),
-                // An entry that cannot be decided is dead-lettered for that, however often it came.
-                Err((entry, refused)) => dead.push((entry, refused)),
-            }
-        }
-        let mut decided: Vec<(InboundEvent, Decision)> = Vec::new();
-
-        // Delivered too often (each delivery's worker died on it): void it unless a decision
-        // was recorded, in which case that decision is carried out.
-        if !over.is_empty() {
-            let Some(prev) = self.record(cfg, &over, Decision::Voided, stop).await else {
-                return;
-            };
-            for (e, prev) in over.into_iter().zip(prev) {
-                warn!(entry = %e.entry.id, stream = %e.entry.stream, deliveries = e.entry.deliveries, "poison inbound entry");
-                decided.push((e, prev.unwrap_or(Decision::Voided)));
-            }
-        }
-
-        if !fresh.is_empty() {
-            // Per rule: events it passed, events it failed.
-            let mut verdicts_by_rule = vec![(0, 0); cfg.rules.len()];
-            let fields: Vec<Fields> = fresh.iter().map(ev::forward_fields).collect();
-            match self.admit_batch(cfg, &fresh, &fields, stop).await {
-                None => return,
-                Some(Ok(reply)) => {
-                    for (e, item) in fresh.into_iter().zip(reply.items) {
-                        let (value, fresh_verdicts) = match item {
-                            Admitted::Now { decision, verdicts } => (decision, Some(verdicts)),
-                            Admitted::Earlier(decision) => (decision, None),
-                        };
-                        for (count, passed) in verdicts_by_rule
-                            .iter_mut()
-                            .zip(fresh_verdicts.into_iter().flatten())
-                        {
-                            if passed {
-                                count.0 += 1;
-                            } else {
-                                count.1 += 1;
-                            }
+    if !fresh.is_empty() {
+        // Per rule: events it passed, events it failed.
+        let mut verdicts_by_rule = vec![(0, 0); cfg.rules.len()];
+        let fields: Vec<Fields> = fresh.iter().map(ev::forward_fields).collect();
+        match admit_batch(ctx, cfg, &fresh, &fields, stop).await {
+            None => return,
+            Some(Ok(reply)) => {
+                for (e, item) in fresh.into_iter().zip(reply.items) {
+                    let (value, fresh_verdicts) = match item {
+                        Admitted::Now { decision, verdicts } => (decision, Some(verdicts)),
+                        Admitted::Earlier(decision) => (decision, None),
+                        Admitted::Stale(age_us) => {
+                            let detail = format!(
+                                "pending {} s with no decision on record, longer than inbound.dedupe_ttl: a decision may have expired, so it is not decided again",
+                                age_us / 1_000_000
+                            );
+                            dead.push((
+                                e.entry,
+                                Refused {
+                                    reason: Reason::Expired,
+                                    detail,
+                                },
+                            ));
+                            continue;
                         }
-                        match Decision::parse(&value) {
-                            Some(d) => decided.push((e, d)),
-                            None => {
-                                warn!(entry = %e.entry.id, marker = %value, "unreadable inbound decision");
-                                let detail = format!("unreadable recorded decision {value:?}");
-                                dead.push((
-                                    e.entry,
-                                    Refused {
-                                        reason: Reason::Malformed,
-                                        detail,
-                                    },
-                                ));
-                            }
+                    };
+                    for (count, passed) in verdicts_by_rule
+                        .iter_mut()
+                        .zip(fresh_verdicts.into_iter().flatten())
+                    {
+                        if passed {
+                            count.0 += 1;
+                        } else {
+                            count.1 += 1;
                         }
                     }
-                    for (rule, (passed, failed)) in cfg.rules.iter().zip(verdicts_by_rule) {
-                        telemetry::inbound_decisions(&rule.name, rule.shadow, passed, failed);
+                    match Decision::parse(&value) {
+                        Some(d) => decided.push((e, d)),
+                        None => {
+                            warn!(entry = %e.entry.id, marker = %value, "unreadable inbound decision");
+                            let detail = format!("unreadable recorded decision {value:?}");
+                            dead.push((
+                                e.entry,
+                                Refused {
+                                    reason: Reason::Malformed,
+                                    detail,
+                                },
+                            ));
+                        }
                     }
                 }
-                Some(Err(e)) => {
-                    let policy = cfg.fail_policy;
-                    warn!(error = %e, policy = policy.as_str(), events = fresh.len(), "admission failed; applying inbound.fail_policy");
-                    telemetry::limiter_unavailable(policy.as_str(), fresh.len());
-                    let decision = match policy {
-                        FailPolicy::FailOpen => Decision::FailedOpen,
-                        FailPolicy::FailClosed => Decision::FailedClosed,
-                    };
-                    let Some(prev) = self.record(cfg, &fresh, decision.clone(), stop).await else {
-                        return;
-                    };
-                    for (e, prev) in fresh.into_iter().zip(prev) {
-                        // A decision already there: the admission did run (its reply was lost).
-                        decided.push((e, prev.unwrap_or_else(|| decision.clone())));
-                    }
+                for (rule, (passed, failed)) in cfg.rules.iter().zip(verdicts_by_rule) {
+                    telemetry::inbound_decisions(&rule.name, rule.shadow, passed, failed);
                 }
             }
-        }
-        if !decided.is_empty() {
-            crate::fault::point("admitted");
-        }
-        self.finish_inbound(cfg, decided, dead, stop).await;
-    }
-
-    /// One admission call for the batch, tried up to `limiter_attempts` times with backoff.
-    /// `None` if shutdown came first; `Some(Err)` when every attempt failed.
-    async fn admit_batch(
-        &self,
-        cfg: &InboundConfig,
-        events: &[InboundEvent],
-        fields: &[Fields],
-        stop: &CancellationToken,
-    ) -> Option<Result<AdmitReply>> {
-        let owners: Vec<String> = events.iter().map(|e| e.entry.owner()).collect();
-        let hashes: Vec<String> = events
-            .iter()
-            .map(|e| cfg.keys.decisions(&e.entry.id))
-            .collect();
-        let items: Vec<AdmitItem<'_>> = events
-            .iter()
-            .zip(&owners)
-            .zip(&hashes)
-            .zip(fields)
-            .map(|(((e, owner), decisions), fields)| AdmitItem {
-                owner,
-                decisions,
-                identities: e.identities.iter().map(String::as_str).collect(),
-                fields,
-            })
-            .collect();
-        let in_admission = self.rejects_in_admission.load(Ordering::Relaxed);
-        let to = AdmitTargets {
-            keys: &cfg.keys,
-            rejected: in_admission.then_some(cfg.rejected_stream.as_str()),
-            decision_ttl_ms: cfg.dedupe_ttl.as_millis() as u64,
-            max_len: cfg.max_len,
-            log_entries_per_read: LOG_ENTRIES_PER_READ,
-        };
-        let mut backoff = BACKOFF_MIN;
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let mut con = self.con.clone();
-            let call = self.scripts.admit(&mut con, &to, &cfg.rules, &items);
-            match telemetry::timed("admit", call).await {
-                Ok(reply) => {
-                    self.health.set_redis_ok(true);
-                    return Some(Ok(reply));
-                }
-                Err(e) => {
-                    self.health.set_redis_ok(false);
-                    if attempt >= cfg.limiter_attempts {
-                        return Some(Err(e));
-                    }
-                    debug!(error = %e, attempt, "admission call failed; retrying");
+            Some(Err(e)) => {
+                let policy = cfg.fail_policy;
+                warn!(error = %e, policy = policy.as_str(), events = fresh.len(), "admission failed; applying inbound.fail_policy");
+                telemetry::limiter_unavailable(policy.as_str(), fresh.len());
+                let decision = match policy {
+                    FailPolicy::FailOpen => Decision::FailedOpen,
+                    FailPolicy::FailClosed => Decision::FailedClosed,
+                };
+                let Some(prev) = record(ctx, cfg, &fresh, decision.clone(), stop).await else {
+                    return;
+                };
+                for (e, prev) in fresh.into_iter().zip(prev) {
+                    // A decision already there: the admission did run (its reply was lost).
+                    decided.push((e, prev.unwrap_or_else(|| decision.clone())));
                 }
             }
-            tokio::select! {
-                _ = stop.cancelled() => return None,
-                _ = tokio::time::sleep(backoff) => {}
-            }
-            backoff = (backoff * 2).min(BACKOFF_MAX);
         }
     }
+    if !decided.is_empty() {
+        crate::fault::point("admitted");
+    }
+    finish(ctx, cfg, decided, dead, stop).await;
+}
 
-    /// Records `decision` for each event unless one is recorded already; returns what was
-    /// there before (`None` where `decision` now stands). Retried until it succeeds; `None` if
-    /// shutdown came first.
-    async fn record(
-        &self,
-        cfg: &InboundConfig,
-        events: &[InboundEvent],
-        decision: Decision,
-        stop: &CancellationToken,
-    ) -> Option<Vec<Option<Decision>>> {
-        let targets: Vec<(String, String)> = events
-            .iter()
-            .map(|e| (cfg.keys.decisions(&e.entry.id), e.entry.owner()))
-            .collect();
-        let ttl_ms = cfg.dedupe_ttl.as_millis() as u64;
-        let value = decision.marker();
-        // In one MULTI (the hashes share the forward stream's slot): set where unset, read what
-        // stands, renew each hash's time to live.
-        let now: Vec<Option<String>> = self
-            .retry("record", stop, || {
-                let mut con = self.con.clone();
-                let targets = &targets;
-                async move {
-                    let mut pipe = redis::pipe();
-                    pipe.atomic();
-                    for (hash, owner) in targets {
-                        pipe.cmd("HSETNX").arg(hash).arg(owner).arg(value).ignore();
-                        pipe.cmd("HGET").arg(hash).arg(owner);
-                    }
-                    let mut renewed: Vec<&String> = targets.iter().map(|(h, _)| h).collect();
-                    renewed.dedup();
-                    for hash in renewed {
-                        pipe.cmd("PEXPIRE").arg(hash).arg(ttl_ms).ignore();
-                    }
-                    Ok(pipe.query_async(&mut con).await?)
+/// One admission call for the batch, tried up to `limiter_attempts` times with backoff.
+/// `None` if shutdown came first; `Some(Err)` when every attempt failed.
+async fn admit_batch(
+    ctx: &Context,
+    cfg: &InboundConfig,
+    events: &[InboundEvent],
+    fields: &[Fields],
+    stop: &CancellationToken,
+) -> Option<Result<AdmitReply>> {
+    let owners: Vec<String> = events.iter().map(|e| e.entry.owner()).collect();
+    let hashes: Vec<String> = events
+        .iter()
+        .map(|e| cfg.keys.decisions(&e.entry.id))
+        .collect();
+    let items: Vec<AdmitItem<'_>> = events
+        .iter()
+        .zip(&owners)
+        .zip(&hashes)
+        .zip(fields)
+        .map(|(((e, owner), decisions), fields)| AdmitItem {
+            owner,
+            stream: &e.entry.stream,
+            entry_ms: e.entry.ms(),
+            decisions,
+            identities: e.identities.iter().map(String::as_str).collect(),
+            fields,
+        })
+        .collect();
+    let in_admission = ctx.rejects_in_admission.load(Ordering::Relaxed);
+    let acks = ctx.acks_in_script(&cfg.forward_stream);
+    let to = AdmitTargets {
+        keys: &cfg.keys,
+        rejected: in_admission.then_some(cfg.rejected_stream.as_str()),
+        decision_ttl_ms: cfg.dedupe_ttl.as_millis() as u64,
+        max_len: cfg.max_len,
+        log_entries_per_read: LOG_ENTRIES_PER_READ,
+        group: &ctx.cfg.worker.group,
+        acks: &acks,
+        stale_us: cfg.dedupe_ttl.as_micros() as i64,
+    };
+    let mut backoff = Backoff::default();
+    loop {
+        let mut con = ctx.con.clone();
+        let call = ctx.scripts.admit(&mut con, &to, &cfg.rules, &items);
+        match telemetry::timed("admit", call).await {
+            Ok(reply) => {
+                ctx.health.succeeded();
+                ctx.replicated(&cfg.forward_stream).await;
+                return Some(Ok(reply));
+            }
+            Err(e) => {
+                ctx.health.failed("admit", &e);
+                let delay = backoff.fail();
+                if backoff.failures() >= cfg.limiter_attempts {
+                    return Some(Err(e));
                 }
+                debug!(error = %e, attempt = backoff.failures(), "admission call failed; retrying");
+                tokio::select! {
+                    _ = stop.cancelled() => return None,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Records `decision` for each event unless one is recorded already; returns what was
+/// there before (`None` where `decision` now stands). Retried until it succeeds; `None` if
+/// shutdown came first.
+async fn record(
+    ctx: &Context,
+    cfg: &InboundConfig,
+    events: &[InboundEvent],
+    decision: Decision,
+    stop: &CancellationToken,
+) -> Option<Vec<Option<Decision>>> {
+    let targets: Vec<(String, String)> = events
+        .iter()
+        .map(|e| (cfg.keys.decisions(&e.entry.id), e.entry.owner()))
+        .collect();
+    let ttl_ms = cfg.dedupe_ttl.as_millis() as u64;
+    let value = decision.marker();
+    // In one MULTI (the hashes share the forward stream's slot): set where unset, read what
+    // stands, renew each hash's time to live.
+    let now: Vec<Option<String>> = ctx
+        .retry("record", stop, || {
+            let mut con = ctx.con.clone();
+            let targets = &targets;
+            async move {
+                let mut pipe = redis::pipe();
+                pipe.atomic();
+                for (hash, owner) in targets {
+                    pipe.cmd("HSETNX").arg(hash).arg(owner).arg(value).ignore();
+                    pipe.cmd("HGET").arg(hash).arg(owner);
+                }
+                let mut renewed: Vec<&String> = targets.iter().map(|(h, _)| h).collect();
+                renewed.dedup();
+                for hash in renewed {
+                    pipe.cmd("PEXPIRE").arg(hash).arg(ttl_ms).ignore();
+                }
+                Ok(pipe.query_async(&mut con).await?)
+            }
+        })
+        .await?;
+    // The same decision standing already (an earlier delivery recorded it too) is this one.
+    Some(
+        now.into_iter()
+            .map(|v| match v {
+                Some(v) if v != value => Some(Decision::parse(&v).unwrap_or(Decision::Voided)),
+                _ => None,
             })
-            .await?;
-        // The same decision standing already (an earlier delivery recorded it too) is this one.
-        Some(
-            now.into_iter()
-                .map(|v| match v {
-                    Some(v) if v != value => Some(Decision::parse(&v).unwrap_or(Decision::Voided)),
-                    _ => None,
-                })
-                .collect(),
+            .collect(),
+    )
+}
+
+/// Carries out each decision: writes (once each) what the admission script did not, counts,
+/// then acknowledges.
+async fn finish(
+    ctx: &Context,
+    cfg: &InboundConfig,
+    decided: Vec<(InboundEvent, Decision)>,
+    mut dead: Vec<(Entry, Refused)>,
+    stop: &CancellationToken,
+) {
+    let mut acks: Vec<(Arc<str>, String)> = Vec::new();
+    // The admission call acknowledged what it wrote where the stream was in its reach.
+    let in_call = ctx.acks_in_script(&cfg.forward_stream);
+    let ack_unless_done = |acks: &mut Vec<(Arc<str>, String)>, e: &InboundEvent| {
+        if !in_call(&e.entry.stream) {
+            acks.push((e.entry.stream.clone(), e.entry.id.clone()));
+        }
+    };
+    let mut forward: Vec<(&Entry, Fields)> = Vec::new();
+    let mut rejected: Vec<(&Entry, Fields)> = Vec::new();
+    // Events per outcome, indexed as InboundOutcome::ALL.
+    let mut counts = [0u64; InboundOutcome::ALL.len()];
+    let max = ctx.cfg.worker.max_deliveries;
+    for (e, d) in &decided {
+        match d {
+            Decision::Accepted => {
+                ack_unless_done(&mut acks, e);
+                counts[InboundOutcome::Accepted as usize] += 1;
+            }
+            Decision::FailedOpen => {
+                forward.push((&e.entry, ev::forward_fields(e)));
+                counts[InboundOutcome::FailedOpen as usize] += 1;
+            }
+            // Written by the admission call, in the step that decided it.
+            Decision::Rejected { written: true, .. } => {
+                ack_unless_done(&mut acks, e);
+                counts[InboundOutcome::Rejected as usize] += 1;
+            }
+            Decision::Rejected { .. } => {
+                rejected.push((&e.entry, ev::rejected_fields(e, d)));
+                counts[InboundOutcome::Rejected as usize] += 1;
+            }
+            Decision::FailedClosed => {
+                rejected.push((&e.entry, ev::rejected_fields(e, d)));
+                counts[InboundOutcome::FailedClosed as usize] += 1;
+            }
+            Decision::Voided => {
+                let detail = format!(
+                    "delivered {} times, more than worker.max_deliveries ({max}), before any decision",
+                    e.entry.deliveries
+                );
+                dead.push((
+                    e.entry.clone(),
+                    Refused {
+                        reason: Reason::TooManyDeliveries,
+                        detail,
+                    },
+                ));
+            }
+        }
+    }
+    let dead_fields: Vec<(&Entry, Fields)> = dead
+        .iter()
+        .map(|(e, r)| (e, event::dead_letter_fields(e, r)))
+        .collect();
+    let writes = [
+        ("forward", &cfg.forward_stream, &forward),
+        ("reject", &cfg.rejected_stream, &rejected),
+        ("deadletter", &cfg.dead_letter_stream, &dead_fields),
+    ];
+    for (op, stream, items) in writes {
+        let Some(unacked) = outputs::emit(
+            ctx,
+            op,
+            &OutputKeys::new(stream),
+            (cfg.dedupe_ttl.as_millis() as u64, cfg.max_len),
+            items,
+            stop,
         )
+        .await
+        else {
+            return;
+        };
+        acks.extend(unacked);
     }
-
-    /// Carries out each decision: writes (once each) what the admission script did not, counts,
-    /// then acknowledges.
-    async fn finish_inbound(
-        &self,
-        cfg: &InboundConfig,
-        decided: Vec<(InboundEvent, Decision)>,
-        mut dead: Vec<(Entry, Refused)>,
-        stop: &CancellationToken,
-    ) {
-        let mut acks: Vec<(Arc<str>, String)> = Vec::new();
-        let mut forward: Vec<(&Entry, Fields)> = Vec::new();
-        let mut rejected: Vec<(&Entry, Fields)> = Vec::new();
-        // Events per outcome, indexed as InboundOutcome::ALL.
-        let mut counts = [0u64; InboundOutcome::ALL.len()];
-        let max = self.cfg.worker.max_deliveries;
-        for (e, d) in &decided {
-            match d {
-                Decision::Accepted => {
-                    acks.push((e.entry.stream.clone(), e.entry.id.clone()));
-                    counts[InboundOutcome::Accepted as usize] += 1;
-                }
-                Decision::FailedOpen => {
-                    forward.push((&e.entry, ev::forward_fields(e)));
-                    counts[InboundOutcome::FailedOpen as usize] += 1;
-                }
-                // Written by the admission call, in the step that decided it.
-                Decision::Rejected { written: true, .. } => {
-                    acks.push((e.entry.stream.clone(), e.entry.id.clone()));
-                    counts[InboundOutcome::Rejected as usize] += 1;
-                }
-                Decision::Rejected { .. } => {
-                    rejected.push((&e.entry, ev::rejected_fields(e, d)));
-                    counts[InboundOutcome::Rejected as usize] += 1;
-                }
-                Decision::FailedClosed => {
-                    rejected.push((&e.entry, ev::rejected_fields(e, d)));
-                    counts[InboundOutcome::FailedClosed as usize] += 1;
-                }
-                Decision::Voided => {
-                    let detail = format!(
-                        "delivered {} times, more than worker.max_deliveries ({max}), before any decision",
-                        e.entry.deliveries
-                    );
-                    dead.push((
-                        e.entry.clone(),
-                        Refused {
-                            reason: Reason::TooManyDeliveries,
-                            detail,
-                        },
-                    ));
-                }
-            }
-        }
-        let dead_fields: Vec<(&Entry, Fields)> = dead
-            .iter()
-            .map(|(e, r)| (e, event::dead_letter_fields(e, r)))
-            .collect();
-        let writes = [
-            ("forward", &cfg.forward_stream, &forward),
-            ("reject", &cfg.rejected_stream, &rejected),
-            ("deadletter", &cfg.dead_letter_stream, &dead_fields),
-        ];
-        for (op, stream, items) in writes {
-            if !self
-                .emit(
-                    op,
-                    &OutputKeys::new(stream),
-                    (cfg.dedupe_ttl.as_millis() as u64, cfg.max_len),
-                    items,
-                    stop,
-                )
-                .await
-            {
-                return;
-            }
-            acks.extend(items.iter().map(|(e, _)| (e.stream.clone(), e.id.clone())));
-        }
-        for (entry, refused) in &dead {
-            debug!(entry = %entry.id, reason = refused.reason.as_str(), detail = %refused.detail, "inbound entry dead-lettered");
-        }
-        counts[InboundOutcome::DeadLettered as usize] += dead.len() as u64;
-        for (outcome, n) in InboundOutcome::ALL.into_iter().zip(counts) {
-            telemetry::inbound_events(outcome, n);
-        }
-        self.ack(acks, stop).await;
+    for (entry, refused) in &dead {
+        debug!(entry = %entry.id, reason = refused.reason.as_str(), detail = %refused.detail, "inbound entry dead-lettered");
     }
+    counts[InboundOutcome::DeadLettered as usize] += dead.len() as u64;
+    for (outcome, n) in InboundOutcome::ALL.into_iter().zip(counts) {
+        telemetry::inbound_events(outcome, n);
+    }
+    outputs::ack(ctx, acks, stop).await;
 }
 
 /// Every input stream a worker reads: the outbound ones, then the inbound ones.

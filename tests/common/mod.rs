@@ -193,3 +193,51 @@ pub fn log_entries(con: &mut redis::Connection, key: &str) -> Vec<i64> {
     let bytes: Vec<u8> = redis::cmd("GET").arg(key).query(con).unwrap();
     pacer::admission::sliding_log::unpack(&bytes).expect("a packed log")
 }
+
+pub mod pressure;
+
+/// Like `assert_each_once`, for entries of several input streams (`(stream, ids)`), whose ids
+/// may coincide: each ends in exactly one of `outputs`, once, told apart by the
+/// `pacer_source_stream` every output entry carries. Nothing is left pending in the group.
+pub fn assert_each_once_by_stream(
+    redis: &RedisServer,
+    inputs: &[(&str, &[String])],
+    outputs: &[&str],
+) {
+    let mut at: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
+    for stream in outputs {
+        for e in read(redis, stream) {
+            let source = (
+                e.field("pacer_source_stream")
+                    .expect("pacer_source_stream")
+                    .to_string(),
+                e.field("pacer_source_id")
+                    .expect("pacer_source_id")
+                    .to_string(),
+            );
+            at.entry(source).or_default().push(stream.to_string());
+        }
+    }
+    let mut expected = 0;
+    for (input, ids) in inputs {
+        for id in ids.iter() {
+            let ended = at.get(&(input.to_string(), id.clone()));
+            assert_eq!(
+                ended.map(Vec::len),
+                Some(1),
+                "{input} entry {id} ended in {ended:?}"
+            );
+        }
+        expected += ids.len();
+        assert_eq!(
+            pending(redis, input, "pacer"),
+            0,
+            "entries left pending in {input}"
+        );
+    }
+    assert_eq!(
+        at.len(),
+        expected,
+        "outputs hold entries that were never pushed"
+    );
+}

@@ -1,0 +1,151 @@
+//! Pacing under pressure, measured: the scenarios of `tests/pressure.rs` at full size, several
+//! rounds each, printing every round and the median.
+//!
+//! 1. Backlog drain: a route of R/s with burst 1, 4 × R events queued before the workers start;
+//!    the worst whole second after the first, as a share of R, and the overall rate.
+//! 2. Stall: one worker on a 1000/s route fed at 1200/s, paused (SIGSTOP) for 1 s and for 5 s;
+//!    the worst of seconds 2–4 after it is continued, and the slots it had to move.
+//! 3. Waits through a 3 s stall on a 10/s route with max_wait 1 s: the longest recorded wait.
+//! 4. Memory: one worker holding 100,000 sleeping events (100-byte payloads, a 10/s route with
+//!    max_wait 3 h): its RSS, and its CPU over 10 s while they sleep.
+//!
+//! `cargo bench --bench pressure -- [--rounds 3] [--rates 1000,5000] [--only drain|stall|memory|waits]`
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use common::pressure::{drain_backlog, stall, waits_through_a_stall};
+use common::{config, event, push, start};
+use pacer::testkit::{free_port, http_get, metric, wait_until, RedisServer, TempDir};
+use std::time::Duration;
+
+/// The worker's RSS (KiB) and CPU seconds so far, from /proc.
+fn rss_and_cpu(pid: u32) -> (u64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = stat.rsplit_once(')').unwrap().1;
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // utime and stime, in clock ticks (100 per second on Linux).
+    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    (rss, ticks / 100.0)
+}
+
+/// One worker holding `n` sleeping events: its RSS (MiB) and CPU (% of a core) while they sleep.
+fn memory(n: usize) -> (f64, f64) {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("memory");
+    let payload = "x".repeat(100);
+    for chunk in (0..n).collect::<Vec<_>>().chunks(5000) {
+        let events: Vec<_> = chunk
+            .iter()
+            .map(|i| event(&[("route", "r"), ("n", &i.to_string()), ("payload", &payload)]))
+            .collect();
+        push(&redis, "in", &events);
+    }
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  dedupe_ttl: 48h\n  routes:\n    r: {rate: 10/s, burst: 1, max_wait: 3h}\n";
+    let worker = format!("  max_inflight: {n}\n  claim_idle: 4h");
+    let cfg = config(&dir, "m.yaml", &redis, port, &worker, body);
+    let pacer = start(&cfg, port);
+    let held = wait_until(Duration::from_secs(120), || {
+        http_get(port, "/metrics")
+            .is_some_and(|(_, t)| metric(&t, "pacer_sleeping_events") >= (n - n / 100) as f64)
+    });
+    assert!(held, "the worker never held {n} sleeping events");
+    std::thread::sleep(Duration::from_secs(3));
+    let (_, cpu0) = rss_and_cpu(pacer.pid());
+    std::thread::sleep(Duration::from_secs(10));
+    let (rss, cpu1) = rss_and_cpu(pacer.pid());
+    (rss as f64 / 1024.0, (cpu1 - cpu0) / 10.0 * 100.0)
+}
+
+fn arg(name: &str, default: &str) -> String {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_else(|| default.to_string())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn main() {
+    let rounds: usize = arg("--rounds", "3").parse().expect("--rounds N");
+    let rates: Vec<u32> = arg("--rates", "1000,5000")
+        .split(',')
+        .map(|r| r.parse().expect("--rates R,R"))
+        .collect();
+    let only = arg("--only", "all");
+    let runs = |part: &str| only == "all" || only == part;
+    for &rate in rates.iter().filter(|_| runs("drain")) {
+        for workers in [1, 3] {
+            let (mut worst, mut overall) = (Vec::new(), Vec::new());
+            for round in 1..=rounds {
+                let d = drain_backlog(&[], rate, 4 * rate as usize, workers);
+                println!(
+                    "drain {rate}/s, {workers} worker(s), round {round}: per second {:?}, worst after the first {:.1}%, overall {:.0}/s",
+                    d.per_second,
+                    d.worst_share() * 100.0,
+                    d.overall
+                );
+                worst.push(d.worst_share() * 100.0);
+                overall.push(d.overall);
+            }
+            println!(
+                "drain {rate}/s, {workers} worker(s): median worst second {:.1}% of R, median overall {:.0}/s",
+                median(worst),
+                median(overall)
+            );
+        }
+    }
+    for pause_s in [1u64, 5].into_iter().filter(|_| runs("stall")) {
+        let mut worst = Vec::new();
+        for round in 1..=rounds {
+            let s = stall(
+                1000,
+                1200,
+                Duration::from_secs(pause_s),
+                (pause_s + 8) as f64,
+            );
+            let counted = s.after.iter().skip(2).take(3).copied().min().unwrap_or(0);
+            println!(
+                "stall {pause_s} s, round {round}: seconds after {:?}, worst of 2–4 {counted}/s, moved {}",
+                s.after, s.replanned
+            );
+            worst.push(counted as f64 / 10.0);
+        }
+        println!(
+            "stall {pause_s} s: median worst of seconds 2–4 after it {:.1}% of R",
+            median(worst)
+        );
+    }
+    let (mut rss, mut cpu) = (Vec::new(), Vec::new());
+    for round in (1..=rounds).filter(|_| runs("memory")) {
+        let (r, c) = memory(100_000);
+        println!(
+            "memory, round {round}: 100,000 sleeping events, RSS {r:.1} MiB, CPU {c:.1}% of a core"
+        );
+        rss.push(r);
+        cpu.push(c);
+    }
+    if !rss.is_empty() {
+        println!(
+            "memory: median RSS {:.1} MiB, median CPU while sleeping {:.1}% of a core",
+            median(rss),
+            median(cpu)
+        );
+    }
+    for round in (1..=rounds).filter(|_| runs("waits")) {
+        let w = waits_through_a_stall(10, 1000, Duration::from_secs(3), 7.0);
+        println!("waits through a 3 s stall (max_wait 1 s), round {round}: {w:?}");
+    }
+}

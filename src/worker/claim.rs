@@ -1,0 +1,157 @@
+//! Claiming: every `claim_idle / 2`, the entries other consumers left pending longer than
+//! `claim_idle` (a killed, stuck or drained worker) are claimed and finished through the same
+//! path as a new batch, where a recorded decision is carried on, not taken again. Every few
+//! rounds the group's departed consumers are deleted.
+
+use super::context::Context;
+use super::placers::Placers;
+use super::reader;
+use crate::backoff::Backoff;
+use crate::error::Result;
+use crate::event::Entry;
+use crate::streams;
+use crate::telemetry;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+/// Most claim rounds one tick runs per stream, so that a stream full of entries another worker
+/// keeps claiming first cannot hold this loop.
+const CLAIM_ROUNDS: usize = 100;
+
+/// Every how many claim ticks the group's departed consumers are deleted.
+const REAP_EVERY_TICKS: u64 = 10;
+
+pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: CancellationToken) {
+    let idle = ctx.cfg.worker.claim_idle;
+    let every = (idle / 2).clamp(Duration::from_millis(50), Duration::from_secs(10));
+    let batch = ctx.cfg.worker.batch;
+    // Counts failures only to say the first one: the reader and the dispatcher report Redis
+    // trouble too, and the next tick tries again anyway.
+    let mut failures = Backoff::default();
+    for tick in 0u64.. {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        if tick % REAP_EVERY_TICKS == 0 {
+            reap(&ctx).await;
+        }
+        for stream in &ctx.streams {
+            for _ in 0..CLAIM_ROUNDS {
+                let mut permits = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    p = ctx.permits.clone().acquire_many_owned(batch as u32) => p.expect("never closed"),
+                };
+                let claimed = telemetry::timed("claim", claim(&ctx, stream, idle, batch)).await;
+                let (listed, entries) = match claimed {
+                    Ok(c) => {
+                        failures.succeed();
+                        c
+                    }
+                    Err(e) => {
+                        failures.fail();
+                        if failures.failures() == 1 {
+                            warn!(error = %e, %stream, "claiming pending entries failed");
+                        }
+                        break;
+                    }
+                };
+                if !entries.is_empty() {
+                    info!(%stream, count = entries.len(), "claimed entries left pending by another consumer");
+                    telemetry::claimed(stream, entries.len());
+                    let held: Vec<OwnedSemaphorePermit> = entries
+                        .iter()
+                        .map(|_| permits.split(1).expect("one permit per entry claimed"))
+                        .collect();
+                    drop(permits);
+                    reader::handle(&ctx, entries, held, &placers, &shutdown).await;
+                }
+                if listed < batch {
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Lists up to `count` entries of `stream` idle longer than `idle` and claims them; returns how
+/// many were listed and the entries this worker won.
+async fn claim(
+    ctx: &Context,
+    stream: &Arc<str>,
+    idle: Duration,
+    count: usize,
+) -> Result<(usize, Vec<Entry>)> {
+    let mut con = ctx.con.clone();
+    let group = &ctx.cfg.worker.group;
+    let listed = streams::pending_idle(&mut con, stream, group, idle, count).await?;
+    if listed.is_empty() {
+        return Ok((0, Vec::new()));
+    }
+    let mut entries = streams::claim(&mut con, stream, group, &ctx.consumer, idle, &listed).await?;
+    // An entry deleted from the stream while pending (a producer trimmed it) is gone: Redis 7
+    // drops it from the group when claimed (older versions return it without fields). The
+    // others listed but not claimed went to another worker meanwhile, or were acknowledged.
+    let mut deleted: Vec<String> = Vec::new();
+    entries.retain(|e| {
+        let gone = e.fields.is_empty();
+        if gone {
+            deleted.push(e.id.clone());
+        }
+        !gone
+    });
+    for (id, _) in &listed {
+        if !entries.iter().any(|e| e.id == *id) && !deleted.contains(id) {
+            let left: redis::Value = redis::cmd("XRANGE")
+                .arg(stream.as_ref())
+                .arg(id)
+                .arg(id)
+                .query_async(&mut con)
+                .await?;
+            if matches!(&left, redis::Value::Array(a) if a.is_empty()) {
+                deleted.push(id.clone());
+            }
+        }
+    }
+    if !deleted.is_empty() {
+        // Acknowledged so that no claimer meets them again (a no-op where Redis dropped them).
+        let ids: Vec<&str> = deleted.iter().map(String::as_str).collect();
+        streams::ack(&mut con, stream, group, &ids).await?;
+        telemetry::input_deleted(stream, deleted.len());
+        warn!(
+            %stream,
+            count = deleted.len(),
+            first = %deleted[0],
+            "pending entries were deleted from the input stream before they were finished (trimmed by a producer?); they are lost to pacer"
+        );
+    }
+    Ok((listed.len(), entries))
+}
+
+/// Deletes consumers of departed workers (each run joins under a new name) once they hold
+/// nothing and have been idle for twice `claim_idle`: without this the group's consumer list
+/// would grow with every restart. Best effort; the next tick tries again.
+async fn reap(ctx: &Context) {
+    let min_idle = (ctx.cfg.worker.claim_idle.saturating_mul(2)).max(Duration::from_secs(1));
+    for stream in &ctx.streams {
+        let mut con = ctx.con.clone();
+        let reaped = ctx
+            .scripts
+            .reap(
+                &mut con,
+                stream,
+                &ctx.cfg.worker.group,
+                min_idle,
+                &ctx.consumer,
+            )
+            .await;
+        match reaped {
+            Ok(0) => {}
+            Ok(n) => info!(%stream, consumers = n, "deleted departed consumers holding nothing"),
+            Err(e) => debug!(%stream, error = %e, "deleting departed consumers failed"),
+        }
+    }
+}

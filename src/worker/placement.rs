@@ -1,0 +1,395 @@
+//! Placement: which route an outbound event goes to and when. A route's share of what was read
+//! is offered to `schedule.lua` in one call (`place_on`, run by the route's own task in
+//! `placers`); an event is dispatched at once, given a slot to sleep until, or passed on to its
+//! next route (its fallbacks, in order), and rejected when no route can take it within its wait
+//! (`route_onward`). A decision an earlier delivery recorded is carried on (`next_step`), never
+//! taken twice.
+
+use super::context::Context;
+use super::dispatcher::Sleeper;
+use super::outputs::{count_dispatch, Finished, Rejection};
+use crate::config::Route;
+use crate::event::{OutboundEvent, Reason, Refused};
+use crate::marker::Marker;
+use crate::pacing;
+use crate::scripts::{EventRef, ScheduleItem, ScheduleReply, Scheduled};
+use crate::telemetry::{self, Outcome};
+use std::collections::BTreeMap;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+/// An event on its way to a route.
+pub(crate) struct Placing {
+    pub(crate) event: OutboundEvent,
+    /// Index in the event's route chain (its own route, then its fallbacks) of the next to try.
+    next: usize,
+    /// Shortest wait any route offered (for `pacer_retry_after_ms`), µs.
+    best_wait_us: Option<i64>,
+    /// An unreadable decision on record that this one may replace.
+    expect: Option<String>,
+    pub(crate) permit: OwnedSemaphorePermit,
+}
+
+impl Placing {
+    pub(crate) fn new(event: OutboundEvent, permit: OwnedSemaphorePermit) -> Self {
+        Placing {
+            event,
+            next: 0,
+            best_wait_us: None,
+            expect: None,
+            permit,
+        }
+    }
+
+    /// The same event, to be decided anew on `route` (its decision there is gone).
+    pub(crate) fn again_on(
+        event: OutboundEvent,
+        ctx: &Context,
+        route: usize,
+        permit: OwnedSemaphorePermit,
+    ) -> Self {
+        let next = position(ctx, &event, route);
+        Placing {
+            next,
+            ..Placing::new(event, permit)
+        }
+    }
+
+    /// The same event after `route` gave it up (its wait there would be `wait_us`): on to the
+    /// route after it.
+    pub(crate) fn after(
+        event: OutboundEvent,
+        ctx: &Context,
+        route: usize,
+        wait_us: i64,
+        permit: OwnedSemaphorePermit,
+    ) -> Self {
+        let mut p = Placing::again_on(event, ctx, route, permit);
+        p.offered(wait_us);
+        p.next += 1;
+        p
+    }
+
+    fn offered(&mut self, wait_us: i64) {
+        self.best_wait_us = Some(self.best_wait_us.map_or(wait_us, |b| b.min(wait_us)));
+    }
+}
+
+/// Where `route` is in the event's route chain.
+fn position(ctx: &Context, event: &OutboundEvent, route: usize) -> usize {
+    ctx.cfg
+        .outbound
+        .chain(event.route)
+        .iter()
+        .position(|r| r.index == route)
+        .unwrap_or(0)
+}
+
+/// What one route's call decided: the events that sleep until their slots, those passed on to
+/// their next route, and the rest.
+#[derive(Default)]
+pub(crate) struct Placed {
+    pub(crate) sleepers: Vec<Sleeper>,
+    /// Passed over here: on to the next route of their chain.
+    pub(crate) onward: Vec<Placing>,
+    pub(crate) finished: Finished,
+}
+
+/// Splits events by the route each tries next; an event out of routes is rejected into `done`
+/// with the shortest wait any route offered.
+pub(crate) fn route_onward(
+    ctx: &Context,
+    events: Vec<Placing>,
+    done: &mut Finished,
+) -> BTreeMap<usize, Vec<Placing>> {
+    let mut by_route: BTreeMap<usize, Vec<Placing>> = BTreeMap::new();
+    for p in events {
+        let chain = ctx.cfg.outbound.chain(p.event.route);
+        match chain.get(p.next) {
+            Some(route) => by_route.entry(route.index).or_default().push(p),
+            None => reject_full(p, done),
+        }
+    }
+    by_route
+}
+
+/// Offers `group` to `route` in one `schedule` call, retried with backoff until Redis answers;
+/// `None` if `stop` came first (the entries stay pending for another worker).
+pub(crate) async fn place_on(
+    ctx: &Context,
+    route: &Route,
+    group: Vec<Placing>,
+    stop: &CancellationToken,
+) -> Option<Placed> {
+    let (group, mut reply) = schedule_on(ctx, route, group, stop).await;
+    let mut reply = reply.take()?;
+    ctx.replicated(&route.keys.ready).await;
+    let mut placed = Placed::default();
+    ctx.clock.observe(reply.end_us, ctx.time.now());
+    telemetry::route_queue(&route.name, reply.tat_us - reply.now_us);
+    let acked = ctx.acks_in_script(&route.keys.ready);
+    let items = std::mem::take(&mut reply.items);
+    for (p, outcome) in group.into_iter().zip(items) {
+        let stream_acked = acked(&p.event.stream);
+        decided(ctx, route, p, outcome, &reply, stream_acked, &mut placed);
+    }
+    Some(placed)
+}
+
+/// Carries out what `schedule` decided for one event.
+fn decided(
+    ctx: &Context,
+    route: &Route,
+    mut p: Placing,
+    outcome: Scheduled,
+    reply: &ScheduleReply,
+    acked: bool,
+    placed: &mut Placed,
+) {
+    let max_wait = max_wait_us(route, &p.event);
+    match outcome {
+        Scheduled::Dispatched { .. } => {
+            telemetry::scheduled_wait(&route.name, 0);
+            telemetry::lateness(&route.name, 0);
+            count_dispatch(&p.event, route);
+            if !acked {
+                placed.finished.ack_event(&p.event);
+            }
+        }
+        Scheduled::Sleep { slot_us } => {
+            telemetry::scheduled_wait(&route.name, slot_us - reply.now_us);
+            // As `schedule.lua` records it: its wait, give or take the lateness tolerance.
+            let deadline = reply.now_us + max_wait + pacing::LATE_US;
+            placed.sleepers.push(Sleeper::new(
+                p.event,
+                p.permit,
+                route.index,
+                slot_us,
+                deadline,
+                reply.now_us,
+            ));
+        }
+        Scheduled::TooLong { wait_us } => {
+            p.offered(wait_us);
+            p.next += 1;
+            p.expect = None;
+            placed.onward.push(p);
+        }
+        Scheduled::Duplicate(owner) => {
+            let detail = format!(
+                "event id {:?} was already taken by entry {owner}",
+                p.event.event_id.as_deref().unwrap_or_default()
+            );
+            telemetry::outbound_event(&primary(ctx, &p.event).name, Outcome::Duplicate);
+            placed.finished.dead.push((
+                p.event.entry(),
+                Refused {
+                    reason: Reason::Duplicate,
+                    detail,
+                },
+            ));
+        }
+        Scheduled::Expired(age_us) => {
+            let detail = format!(
+                "read {} ms after it was added, more than route {}'s max_age",
+                age_us / 1000,
+                route.name
+            );
+            placed.finished.rejected.push(Rejection {
+                event: p.event,
+                reason: Reason::Expired,
+                detail,
+                retry_after_ms: 0,
+            });
+        }
+        Scheduled::Stale(age_us) => {
+            let detail = format!(
+                "pending {} s with no decision on record, longer than dedupe_ttl: a decision may have expired, so it is not decided again",
+                age_us / 1_000_000
+            );
+            placed.finished.dead.push((
+                p.event.entry(),
+                Refused {
+                    reason: Reason::Expired,
+                    detail,
+                },
+            ));
+        }
+        Scheduled::Decided(value) => match next_step(&value) {
+            Step::Acknowledge => {
+                debug!(entry = %p.event.id, route = %route.name, "already dispatched by an earlier delivery");
+                if !acked {
+                    placed.finished.ack_event(&p.event);
+                }
+            }
+            Step::NextRoute { wait_us } => {
+                p.offered(wait_us);
+                p.next += 1;
+                p.expect = None;
+                placed.onward.push(p);
+            }
+            Step::Voided => {
+                // A poison check voided it while this delivery was on its way: the entry is
+                // being dead-lettered (write-once, so writing it here too cannot double it).
+                let detail = format!(
+                    "delivered more than worker.max_deliveries ({}) times",
+                    ctx.cfg.worker.max_deliveries
+                );
+                placed.finished.dead.push((
+                    p.event.entry(),
+                    Refused {
+                        reason: Reason::TooManyDeliveries,
+                        detail,
+                    },
+                ));
+            }
+            Step::Sleep {
+                slot_us,
+                deadline_us,
+            } => {
+                // Its slot stands (the dispatch call judges whether it can still be met).
+                placed.sleepers.push(Sleeper::new(
+                    p.event,
+                    p.permit,
+                    route.index,
+                    slot_us,
+                    deadline_us,
+                    (deadline_us - max_wait - pacing::LATE_US).min(slot_us),
+                ));
+            }
+            Step::Redecide => {
+                warn!(entry = %p.event.id, route = %route.name, decision = value, "unreadable decision on record; deciding anew");
+                p.expect = Some(value);
+                placed.onward.push(p);
+            }
+        },
+    }
+}
+
+/// No route could take the event within its wait: reject it with the shortest wait offered.
+fn reject_full(p: Placing, done: &mut Finished) {
+    let wait_us = p.best_wait_us.unwrap_or(0).max(0);
+    let detail = format!(
+        "no route could take it within its wait; the shortest wait offered was {} ms",
+        wait_us / 1000
+    );
+    done.rejected.push(Rejection {
+        event: p.event,
+        reason: Reason::QueueFull,
+        detail,
+        retry_after_ms: (wait_us as u64).div_ceil(1000) as i64,
+    });
+}
+
+fn primary<'c>(ctx: &'c Context, event: &OutboundEvent) -> &'c Route {
+    ctx.cfg.outbound.route_at(event.route)
+}
+
+async fn schedule_on(
+    ctx: &Context,
+    route: &Route,
+    group: Vec<Placing>,
+    stop: &CancellationToken,
+) -> (Vec<Placing>, Option<ScheduleReply>) {
+    let reply = {
+        let pairs: Vec<Vec<(&[u8], &[u8])>> = group
+            .iter()
+            .map(|p| p.event.carried.iter().collect())
+            .collect();
+        let items: Vec<ScheduleItem<'_>> = group
+            .iter()
+            .zip(&pairs)
+            .map(|(p, fields)| ScheduleItem {
+                event: EventRef::of(&p.event, fields),
+                claim: p.event.event_id.as_deref(),
+                expect: p.expect.as_deref(),
+                max_wait_us: max_wait_us(route, &p.event),
+            })
+            .collect();
+        let acks = ctx.acks_in_script(&route.keys.ready);
+        let call = ctx.route_call(route, &acks);
+        let ages = (
+            ctx.marker_ttl_ms as i64 * 1000,
+            route.max_age.map_or(0, |a| a.as_micros() as i64),
+            route.max_wait.as_micros() as i64,
+        );
+        ctx.retry("schedule", stop, || {
+            let mut con = ctx.con.clone();
+            let (items, call) = (&items, &call);
+            async move { ctx.scripts.schedule(&mut con, call, ages, items).await }
+        })
+        .await
+    };
+    (group, reply)
+}
+
+/// What to do with an event whose earlier delivery left a decision on a route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Dispatched by an earlier delivery: only acknowledge.
+    Acknowledge,
+    /// Passed over here already: try the next route.
+    NextRoute { wait_us: i64 },
+    /// Voided by a poison check: dead-letter it.
+    Voided,
+    /// The slot stands: sleep until it (the dispatch judges whether it can still be met).
+    Sleep { slot_us: i64, deadline_us: i64 },
+    /// Unreadable: decide anew, replacing exactly this value (compare-and-set).
+    Redecide,
+}
+
+/// Reads the decision an earlier delivery left on a route.
+pub(crate) fn next_step(decision: &str) -> Step {
+    match Marker::parse(decision) {
+        Some(Marker::Dispatched(_)) => Step::Acknowledge,
+        Some(Marker::Skipped(wait_us)) => Step::NextRoute { wait_us },
+        Some(Marker::Voided) => Step::Voided,
+        Some(Marker::Slot {
+            slot_us,
+            deadline_us,
+        }) => Step::Sleep {
+            slot_us,
+            deadline_us,
+        },
+        None => Step::Redecide,
+    }
+}
+
+/// The longest an event accepts to wait on `route`: the route's `max_wait`, or less if the
+/// event asks for less.
+pub(crate) fn max_wait_us(route: &Route, event: &OutboundEvent) -> i64 {
+    let cap = route.max_wait;
+    let wait = event.max_wait.map_or(cap, |w| w.min(cap));
+    wait.as_micros() as i64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn final_decisions_are_carried_on() {
+        assert_eq!(next_step("d5"), Step::Acknowledge);
+        assert_eq!(next_step("x700"), Step::NextRoute { wait_us: 700 });
+        assert_eq!(next_step("v0"), Step::Voided);
+    }
+
+    #[test]
+    fn a_slot_is_slept_on_with_its_deadline() {
+        assert_eq!(
+            next_step("s10000000:11000000"),
+            Step::Sleep {
+                slot_us: 10_000_000,
+                deadline_us: 11_000_000
+            }
+        );
+    }
+
+    #[test]
+    fn an_unreadable_decision_is_decided_anew() {
+        for junk in ["garbage", "s5", "d5|1-0@in"] {
+            assert_eq!(next_step(junk), Step::Redecide, "{junk}");
+        }
+    }
+}

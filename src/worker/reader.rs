@@ -1,0 +1,145 @@
+//! Reading input batches with the consumer group, and the path every batch takes, read or
+//! claimed: inbound entries are admitted, outbound ones parsed, poison settled, the rest handed
+//! to their routes' placement tasks (`placers`), then rejections, dead letters and acks.
+
+use super::context::Context;
+use super::outputs::{self, Finished};
+use super::placement::Placing;
+use super::placers::Placers;
+use super::{inbound, poison};
+use crate::backoff::Backoff;
+use crate::connection::RedisConn;
+use crate::event;
+use crate::event::Entry;
+use crate::fault;
+use crate::streams;
+use crate::telemetry;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info};
+
+/// How long one XREADGROUP blocks: also how long a SIGTERM may wait for the reader to notice.
+pub(super) const READ_BLOCK: Duration = Duration::from_millis(500);
+
+/// Reads batches of one input stream until shutdown; each batch is taken to its end before the
+/// next read. One reader per stream: streams in different cluster slots cannot share one
+/// XREADGROUP, and a read of one stream returns at most the `batch` entries it holds permits
+/// for, so the reader can always take what it read.
+pub(super) async fn run(
+    ctx: &Arc<Context>,
+    stream: Arc<str>,
+    mut con: RedisConn,
+    placers: &Placers,
+    shutdown: &CancellationToken,
+) {
+    let batch = ctx.cfg.worker.batch;
+    let mut backoff = Backoff::default();
+    let one = std::slice::from_ref(&stream);
+    // The newest entry a read handed over. A read whose reply is lost (a timeout: the worker
+    // stalled, or the network dropped it) may still have delivered entries to this consumer;
+    // nothing else would see them before `claim_idle`, so the reader then reads its own pending
+    // entries after this id before it reads new ones again.
+    let mut last_seen: Option<String> = None;
+    let mut recover = false;
+    while !shutdown.is_cancelled() {
+        let mut permits = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            p = ctx.permits.clone().acquire_many_owned(batch as u32) => p.expect("never closed"),
+        };
+        let read = telemetry::timed(
+            "read",
+            streams::read_group(
+                &mut con,
+                &ctx.cfg.worker.group,
+                &ctx.consumer,
+                one,
+                if recover {
+                    last_seen.as_deref().unwrap_or("0")
+                } else {
+                    ">"
+                },
+                batch,
+                READ_BLOCK,
+            ),
+        )
+        .await;
+        let entries = match read {
+            Ok(entries) => {
+                ctx.health.succeeded();
+                backoff.succeed();
+                if recover {
+                    if entries.is_empty() {
+                        recover = false;
+                    } else {
+                        info!(%stream, entries = entries.len(), "taking up entries a lost read delivered");
+                    }
+                }
+                if let Some(newest) = entries.last() {
+                    last_seen = Some(newest.id.clone());
+                }
+                entries
+            }
+            Err(e) => {
+                ctx.health.failed("read", &e);
+                let delay = backoff.fail();
+                debug!(error = %e, %stream, retry_in = ?delay, "reading the input stream failed");
+                let no_group = e.to_string().contains("NOGROUP");
+                drop(permits);
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+                // With the group gone, so are its pending entries.
+                recover = !no_group;
+                if no_group {
+                    // Redis lost the group (restarted empty, or the stream was deleted).
+                    ctx.health.set_groups_ok(false);
+                    if let Err(e) = super::prepare(ctx, shutdown).await {
+                        tracing::error!(error = %e, "creating the consumer group again failed");
+                    }
+                }
+                continue;
+            }
+        };
+        let held: Vec<OwnedSemaphorePermit> = entries
+            .iter()
+            .map(|_| permits.split(1).expect("at most batch entries per read"))
+            .collect();
+        drop(permits);
+        handle(ctx, entries, held, placers, shutdown).await;
+    }
+}
+
+/// Takes one batch of entries (each with its permit) on: outbound events to their routes'
+/// placement tasks, everything that ends here (inbound, poison, bad input) finished here.
+pub(super) async fn handle(
+    ctx: &Arc<Context>,
+    entries: Vec<Entry>,
+    permits: Vec<OwnedSemaphorePermit>,
+    placers: &Placers,
+    stop: &CancellationToken,
+) {
+    if !entries.is_empty() {
+        fault::point("read");
+    }
+    let (entries, permits) = inbound::admit(ctx, entries, permits, stop).await;
+    let mut done = Finished::default();
+    let mut placing = Vec::new();
+    let mut over = Vec::new();
+    for (entry, permit) in entries.into_iter().zip(permits) {
+        let poisoned = entry.deliveries > ctx.cfg.worker.max_deliveries;
+        match event::parse_outbound(entry, &ctx.cfg.outbound) {
+            Ok(event) if poisoned => over.push(event),
+            Ok(event) => placing.push(Placing::new(event, permit)),
+            // An entry that cannot be parsed is dead-lettered for that, however often it came.
+            Err((entry, refused)) => done.dead.push((entry, refused)),
+        }
+    }
+    if !over.is_empty() && !poison::settle(ctx, over, &mut done, stop).await {
+        return;
+    }
+    placers.send(ctx, placing, &mut done);
+    outputs::finish(ctx, done, stop).await;
+}

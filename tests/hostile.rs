@@ -1,0 +1,173 @@
+//! Hostile input against real processes: events with thousands of fields, huge and binary
+//! values, among ordinary ones, on the outbound and the inbound flow at once. Before, an event
+//! of about 4,000 empty fields failed a script half-way: it was lost and its batch-mates were
+//! forwarded twice. Now every entry ends in exactly one output, once.
+
+mod common;
+
+use common::*;
+use pacer::testkit::{free_port, wait_until, RedisServer, TempDir};
+use std::time::Duration;
+
+/// An event of `n` empty fields (they count 0 bytes, so `max_event_bytes` does not stop it)
+/// after `head`.
+fn wide(head: &[(&str, &str)], n: usize) -> Vec<(String, Vec<u8>)> {
+    let mut e = event(head);
+    e.extend((0..n).map(|i| (format!("f{i}"), Vec::new())));
+    e
+}
+
+#[test]
+fn wide_huge_and_binary_events_end_once_and_their_batch_mates_once() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("hostile");
+    let port = free_port();
+    let body = format!(
+        "outbound:\n  streams: [\"in\"]\n  max_event_fields: 3000\n  routes:\n    fast: {{rate: 100/ms, burst: 1000}}\n{}",
+        inbound_body("{name: per-source, key: [source], algorithm: gcra, limits: [1000/s]}")
+    );
+    let cfg = config(&dir, "c.yaml", &redis, port, "  batch: 64", &body);
+    let _pacer = start(&cfg, port);
+
+    // Outbound: 80 ordinary events, with wide ones (over and just under the limit), a value of
+    // 60 KB of binary bytes and a binary field name spread among them.
+    let mut out = Vec::new();
+    let mut expected_dead = 0;
+    for i in 0..80 {
+        out.push(event(&[("route", "fast"), ("n", &i.to_string())]));
+        match i % 20 {
+            3 => {
+                out.push(wide(&[("route", "fast")], 5_000));
+                expected_dead += 1;
+            }
+            7 => {
+                out.push(wide(&[("route", "fast")], 20_000));
+                expected_dead += 1;
+            }
+            11 => out.push(wide(&[("route", "fast")], 2_990)),
+            15 => {
+                let mut e = event(&[("route", "fast")]);
+                e.push((
+                    "blob".into(),
+                    (0..60_000).map(|b| (b % 256) as u8).collect(),
+                ));
+                e.push((
+                    String::from_utf8_lossy(&[0xf0, 0x9f, 0x92, 0xa9]).into(),
+                    vec![0],
+                ));
+                out.push(e);
+            }
+            _ => {}
+        }
+    }
+    // Inbound: the same mix.
+    let mut inb = Vec::new();
+    let mut expected_inbound_dead = 0;
+    for i in 0..80 {
+        inb.push(event(&[("source", &format!("s{}", i % 5))]));
+        if i % 20 == 3 {
+            inb.push(wide(&[("source", "s0")], 5_000));
+            expected_inbound_dead += 1;
+        }
+        if i % 20 == 7 {
+            inb.push(wide(&[("source", "s1")], 20_000));
+            expected_inbound_dead += 1;
+        }
+    }
+    let out_ids = push(&redis, "in", &out);
+    let in_ids = push(&redis, "pacer:in", &inb);
+
+    let outputs = ["pacer:{fast}:ready", "pacer:rejected", "pacer:dead"];
+    let in_outputs = ["pacer:accepted", "pacer:in-rejected", "pacer:dead"];
+    let all = out_ids.len() + in_ids.len();
+    let ended = wait_until(Duration::from_secs(20), || {
+        let mut con = redis.con();
+        [
+            "pacer:{fast}:ready",
+            "pacer:rejected",
+            "pacer:dead",
+            "pacer:accepted",
+            "pacer:in-rejected",
+        ]
+        .iter()
+        .map(|s| redis::cmd("XLEN").arg(*s).query::<usize>(&mut con).unwrap())
+        .sum::<usize>()
+            >= all
+    });
+    assert!(ended, "not every entry ended");
+    // Give a doubled write the time to show, then check each entry ended once.
+    std::thread::sleep(Duration::from_millis(500));
+    // Both flows share the dead-letter stream: every entry of either is in exactly one output.
+    let mut every_output = outputs.to_vec();
+    every_output.extend(&in_outputs[..2]);
+    assert_each_once_by_stream(
+        &redis,
+        &[("in", &out_ids), ("pacer:in", &in_ids)],
+        &every_output,
+    );
+
+    let dead = read(&redis, "pacer:dead");
+    let wide_dead: Vec<_> = dead
+        .iter()
+        .filter(|d| {
+            d.field("pacer_detail")
+                .unwrap_or("")
+                .contains("max_event_fields")
+        })
+        .collect();
+    assert_eq!(
+        wide_dead.len(),
+        expected_dead + expected_inbound_dead,
+        "{dead:?}"
+    );
+    for d in &wide_dead {
+        assert_eq!(d.field("pacer_reason"), Some("malformed"));
+    }
+    // The event just under the limit went through with every field, as did the binary one.
+    let ready = read(&redis, "pacer:{fast}:ready");
+    assert_eq!(ready.len(), out_ids.len() - expected_dead);
+    assert!(ready.iter().any(|e| e.fields.len() >= 2_990));
+    let blob: Vec<u8> = (0..60_000).map(|b| (b % 256) as u8).collect();
+    assert!(ready
+        .iter()
+        .any(|e| e.fields.iter().any(|(k, v)| k == b"blob" && *v == blob)));
+}
+
+/// A Redis that may evict keys (here `volatile-ttl`, which evicts exactly pacer's keys: they
+/// all have TTLs) could lose the decisions that keep dispatches and ids single. pacer says so
+/// in its log and its metrics and is not ready, until told to accept the risk.
+#[test]
+fn an_evicting_redis_is_refused_until_the_risk_is_accepted() {
+    let redis =
+        RedisServer::start_with(&["--maxmemory", "64mb", "--maxmemory-policy", "volatile-ttl"]);
+    let dir = TempDir::new("evict");
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    r: {rate: 10/s}\n";
+    let port = free_port();
+    let cfg = config(&dir, "c.yaml", &redis, port, "  batch: 64", body);
+    let mut pacer = pacer::testkit::Pacer::run_wrapped(&[], bin(), &cfg, &[]);
+    let metrics = wait_until(Duration::from_secs(10), || {
+        pacer::testkit::http_get(port, "/metrics")
+            .is_some_and(|(_, t)| t.contains("pacer_redis_keys_kept{policy=\"volatile-ttl\"} 0"))
+    });
+    assert!(metrics, "no keys_kept gauge at 0:\n{}", pacer.log_text());
+    let (code, text) = pacer::testkit::http_get(port, "/readyz").unwrap();
+    assert_eq!(code, 503, "{text}");
+    assert!(text.contains("evict"), "{text}");
+    assert!(
+        pacer.log_text().contains("maxmemory-policy"),
+        "{}",
+        pacer.log_text()
+    );
+    pacer.kill();
+
+    let port = free_port();
+    let accepted = config(&dir, "accepted.yaml", &redis, port, "  batch: 64", body);
+    // The redis: section is written by `config`; the flag goes under it.
+    let text = std::fs::read_to_string(&accepted)
+        .unwrap()
+        .replace("redis:\n", "redis:\n  accept_eviction_risk: true\n");
+    std::fs::write(&accepted, text).unwrap();
+    let _ready = start(&accepted, port);
+    let (_, metrics) = pacer::testkit::http_get(port, "/metrics").unwrap();
+    assert!(metrics.contains("pacer_redis_keys_kept{policy=\"volatile-ttl\"} 0"));
+}
