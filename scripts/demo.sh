@@ -104,8 +104,12 @@ pacer_pid=$!
 wait_for "pacer's /readyz on $PACER_METRICS_LISTEN" curl -fsS --max-time 2 "http://$PACER_METRICS_LISTEN/readyz"
 echo "pacer is ready: http://$PACER_METRICS_LISTEN/metrics (log: $work/pacer.log)"
 
+produced_at=$SECONDS
 timeout "$limit" $pacer produce --config config.yaml --count "$events" --routes carrier-a --bad-every 50 ||
   fail "pacer produce failed or took over ${limit}s"
+echo "what pacer is doing now (pacer inspect):"
+timeout "$limit" $pacer inspect --config config.yaml || fail "pacer inspect failed or took over ${limit}s"
+echo
 echo "waiting for every event to be dispatched, rerouted, rejected or dead-lettered..."
 # Settled: the group has read every entry of the input stream (lag 0) and holds none pending.
 settled() {
@@ -114,7 +118,9 @@ settled() {
 }
 wait_for "every event of pacer:out to be settled" settled
 echo
-timeout "$limit" $pacer report --config config.yaml || fail "pacer report failed or took over ${limit}s"
+# Only this run's entries, should PACER_REDIS_URL point at a Redis an earlier demo wrote to.
+since="$((SECONDS - produced_at + 2))s"
+timeout "$limit" $pacer report --config config.yaml --since "$since" || fail "pacer report failed or took over ${limit}s"
 echo
 echo "rate x 1 s + burst is the most any 1-second window may hold; 'rerouted' counts events that"
 echo "came to a route as a fallback; lateness is ready entry id ms minus its slot (pacer_slot_us, in ms)."

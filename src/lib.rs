@@ -13,6 +13,7 @@ pub mod error;
 pub mod event;
 pub mod fault;
 pub mod health;
+pub mod inspect;
 pub mod keys;
 pub mod marker;
 pub mod pacing;

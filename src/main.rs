@@ -14,7 +14,15 @@ use tokio_util::sync::CancellationToken;
 #[command(
     name = "pacer",
     version,
-    about = "Paces outbound events per route and admits inbound events per source, with shared state in Redis"
+    about = "Paces outbound events per route and admits inbound events per source, with shared state in Redis",
+    after_help = "Environment:
+  PACER_CONFIG          the config file (instead of --config)
+  PACER_REDIS_URL       redis.url (several comma-separated URLs for cluster seeds or sentinels)
+  PACER_REDIS_MODE      redis.mode: standalone, cluster or sentinel
+  PACER_REDIS_PASSWORD  the Redis password (instead of the URL or redis.password_file)
+  PACER_METRICS_LISTEN  metrics.listen (for `run`; --metrics-listen wins)
+  PACER_LOG_FORMAT      text or json (instead of --log-format)
+  RUST_LOG              the log filter (default info)"
 )]
 struct Cli {
     /// Log format (filter with RUST_LOG).
@@ -57,6 +65,7 @@ enum Command {
     Produce {
         #[command(flatten)]
         config: ConfigArg,
+        /// How many events to push.
         #[arg(long, default_value_t = 300)]
         count: usize,
         /// Routes to spread events over (default: every configured route).
@@ -67,15 +76,32 @@ enum Command {
         bad_every: Option<usize>,
     },
     /// Show what pacer wrote: per route dispatched, rerouted, rejected, spacing and lateness.
-    Report(ConfigArg),
+    Report {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Only entries written within this long before now, by Redis's clock (like 10m, 1h).
+        /// Without it: everything the output streams still hold.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        since: Option<std::time::Duration>,
+    },
+    /// Show what pacer is doing now: per route the slots planned ahead and the wait a new event
+    /// would get; per input stream its length, lag, pending entries and the consumers.
+    Inspect {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let (path, metrics_flag) = match &cli.command {
         Command::Run(r) | Command::CheckConfig(r) => (&r.config.config, r.metrics_listen.clone()),
-        Command::Report(c) => (&c.config, None),
-        Command::Produce { config, .. } => (&config.config, None),
+        Command::Report { config, .. }
+        | Command::Inspect { config, .. }
+        | Command::Produce { config, .. } => (&config.config, None),
     };
     let mut overrides = Overrides::from_env();
     if let Some(value) = metrics_flag {
@@ -95,11 +121,14 @@ fn main() -> ExitCode {
     if let Command::CheckConfig(_) = cli.command {
         let inbound = cfg.inbound.as_ref();
         println!(
-            "{}: ok ({} routes, {} inbound rules, {} input streams; redis: {} {})",
+            "{}: ok ({}, {}, {}; redis: {} {})",
             path.display(),
-            cfg.outbound.routes.len(),
-            inbound.map_or(0, |i| i.rules.len()),
-            cfg.outbound.streams.len() + inbound.map_or(0, |i| i.streams.len()),
+            count(cfg.outbound.routes.len(), "route"),
+            count(inbound.map_or(0, |i| i.rules.len()), "inbound rule"),
+            count(
+                cfg.outbound.streams.len() + inbound.map_or(0, |i| i.streams.len()),
+                "input stream"
+            ),
             cfg.redis.mode,
             cfg.redis.url.redacted(),
         );
@@ -128,6 +157,18 @@ async fn async_main(command: Command, cfg: Config) -> anyhow::Result<()> {
             let routes = if routes.is_empty() {
                 cfg.outbound.routes.keys().cloned().collect()
             } else {
+                let unknown: Vec<&str> = routes
+                    .iter()
+                    .filter(|r| !cfg.outbound.routes.contains_key(*r))
+                    .map(String::as_str)
+                    .collect();
+                if !unknown.is_empty() {
+                    anyhow::bail!(
+                        "no such route in the config: {} (routes: {})",
+                        unknown.join(", "),
+                        cfg.outbound.order.join(", ")
+                    );
+                }
                 routes
             };
             if cfg.outbound.streams.is_empty() {
@@ -145,13 +186,28 @@ async fn async_main(command: Command, cfg: Config) -> anyhow::Result<()> {
             println!("pushed {count} events to {}", cfg.outbound.streams[0]);
             Ok(())
         }
-        Command::Report(_) => {
+        Command::Report { since, .. } => {
             let mut con = connect(&cfg).await?;
-            print!("{}", pacer::report::report(&mut con, &cfg).await?);
+            print!("{}", pacer::report::report(&mut con, &cfg, since).await?);
+            Ok(())
+        }
+        Command::Inspect { json, .. } => {
+            let mut con = connect(&cfg).await?;
+            let state = pacer::inspect::inspect(&mut con, &cfg).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&state)?);
+            } else {
+                print!("{state}");
+            }
             Ok(())
         }
         Command::CheckConfig(_) => unreachable!("handled before the runtime starts"),
     }
+}
+
+/// "1 route", "2 routes".
+fn count(n: usize, what: &str) -> String {
+    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
 }
 
 /// A connection for the one-shot commands, checked now: they should fail at once with a clear

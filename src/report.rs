@@ -11,6 +11,7 @@ use redis::Value;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// The most entries whose times (ms, sorted) fall within any window `[a, a + window_ms)`.
 pub fn max_in_window(sorted_ms: &[i64], window_ms: i64) -> usize {
@@ -53,8 +54,17 @@ impl OutputEntry {
 
 /// Every entry of a stream, oldest first.
 pub async fn read_all<C: ConnectionLike>(con: &mut C, stream: &str) -> Result<Vec<OutputEntry>> {
+    read_from(con, stream, "-").await
+}
+
+/// The entries of a stream from id `start` (`-` for all, or a millisecond) on, oldest first.
+pub async fn read_from<C: ConnectionLike>(
+    con: &mut C,
+    stream: &str,
+    start: &str,
+) -> Result<Vec<OutputEntry>> {
     let mut out = Vec::new();
-    let mut start = "-".to_string();
+    let mut start = start.to_string();
     loop {
         let reply: Value = redis::cmd("XRANGE")
             .arg(stream)
@@ -106,16 +116,34 @@ pub struct RouteReport {
 
 #[derive(Debug, Clone, Default)]
 pub struct Report {
+    /// What the report covers: the last `Duration` before `until_ms` (Redis time), or, when
+    /// None, everything the output streams still hold (they are trimmed to about `max_len`).
+    pub since: Option<Duration>,
+    pub until_ms: i64,
     pub routes: Vec<RouteReport>,
     pub dead_letters: BTreeMap<String, usize>,
 }
 
-/// Reads every output stream of `cfg` and sums it up.
-pub async fn report<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Report> {
-    let rejected = read_all(con, &cfg.outbound.rejected_stream).await?;
-    let mut report = Report::default();
+/// Reads the output streams of `cfg` (only entries written within `since` before now, by
+/// Redis's clock, when given) and sums them up.
+pub async fn report<C: ConnectionLike>(
+    con: &mut C,
+    cfg: &Config,
+    since: Option<Duration>,
+) -> Result<Report> {
+    let (s, us): (i64, i64) = redis::cmd("TIME").query_async(con).await?;
+    let until_ms = s * 1000 + us / 1000;
+    let start = since.map_or("-".to_string(), |d| {
+        (until_ms - d.as_millis() as i64).max(0).to_string()
+    });
+    let rejected = read_from(con, &cfg.outbound.rejected_stream, &start).await?;
+    let mut report = Report {
+        since,
+        until_ms,
+        ..Report::default()
+    };
     for route in cfg.outbound.routes.values() {
-        let entries = read_all(con, &route.keys.ready).await?;
+        let entries = read_from(con, &route.keys.ready, &start).await?;
         let times: Vec<i64> = entries.iter().map(|e| e.ms).collect();
         let mut late: Vec<i64> = entries
             .iter()
@@ -143,7 +171,7 @@ pub async fn report<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Repo
             lateness_max_ms: late.last().copied(),
         });
     }
-    for e in read_all(con, &cfg.outbound.dead_letter_stream).await? {
+    for e in read_from(con, &cfg.outbound.dead_letter_stream, &start).await? {
         *report
             .dead_letters
             .entry(e.field("pacer_reason").unwrap_or("?").to_string())
@@ -155,6 +183,18 @@ pub async fn report<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Repo
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let opt = |v: Option<i64>| v.map_or("-".to_string(), |v| v.to_string());
+        match self.since {
+            Some(d) => writeln!(
+                f,
+                "entries written in the last {} (Redis time, to {} ms)",
+                humantime::format_duration(d),
+                self.until_ms
+            )?,
+            None => writeln!(
+                f,
+                "every entry the output streams hold (trimmed to about max_len; --since scopes it)"
+            )?,
+        }
         writeln!(
             f,
             "{:<14} {:>8} {:>6} {:>10} {:>9} {:>8} {:>14} {:>10} {:>18}",

@@ -240,6 +240,49 @@ pub async fn ack<C: ConnectionLike>(
     Ok(())
 }
 
+/// The records of an `XINFO GROUPS` / `XINFO CONSUMERS` reply, each as its field names and
+/// values (RESP2 sends flat arrays, RESP3 maps).
+fn info_records(reply: Value) -> Vec<Vec<(String, Value)>> {
+    let Value::Array(records) = reply else {
+        return Vec::new();
+    };
+    let name = |k: Value| match k {
+        Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+        Value::SimpleString(s) => s,
+        _ => String::new(),
+    };
+    records
+        .into_iter()
+        .filter_map(|r| match r {
+            Value::Array(flat) => {
+                let mut it = flat.into_iter();
+                let mut pairs = Vec::new();
+                while let (Some(k), Some(v)) = (it.next(), it.next()) {
+                    pairs.push((name(k), v));
+                }
+                Some(pairs)
+            }
+            Value::Map(m) => Some(m.into_iter().map(|(k, v)| (name(k), v)).collect()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn info_int(record: &[(String, Value)], field: &str) -> Option<i64> {
+    record.iter().find_map(|(k, v)| match v {
+        Value::Int(i) if k == field => Some(*i),
+        _ => None,
+    })
+}
+
+fn info_text(record: &[(String, Value)], field: &str) -> Option<String> {
+    record.iter().find_map(|(k, v)| match v {
+        Value::BulkString(b) if k == field => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) if k == field => Some(s.clone()),
+        _ => None,
+    })
+}
+
 /// Pending entries and lag of a group on a stream (`XINFO GROUPS`); lag is absent when Redis
 /// cannot tell it.
 pub async fn group_info<C: ConnectionLike>(
@@ -252,40 +295,59 @@ pub async fn group_info<C: ConnectionLike>(
         .arg(stream)
         .query_async(con)
         .await?;
-    let Value::Array(groups) = reply else {
-        return Ok(None);
-    };
-    for g in groups {
-        let pairs: Vec<(Value, Value)> = match g {
-            Value::Array(flat) => {
-                let mut it = flat.into_iter();
-                let mut pairs = Vec::new();
-                while let (Some(k), Some(v)) = (it.next(), it.next()) {
-                    pairs.push((k, v));
-                }
-                pairs
-            }
-            Value::Map(m) => m,
-            _ => continue,
-        };
-        let field = |name: &str| {
-            pairs.iter().find_map(|(k, v)| match k {
-                Value::BulkString(b) if b == name.as_bytes() => Some(v.clone()),
-                Value::SimpleString(s) if s == name => Some(v.clone()),
-                _ => None,
-            })
-        };
-        let is_ours = matches!(field("name"), Some(Value::BulkString(b)) if b == group.as_bytes());
-        if is_ours {
-            let int = |v: Option<Value>| match v {
-                Some(Value::Int(i)) => Some(i),
-                _ => None,
-            };
-            return Ok(Some((
-                int(field("pending")).unwrap_or(0),
-                int(field("lag")),
-            )));
-        }
-    }
-    Ok(None)
+    Ok(info_records(reply)
+        .into_iter()
+        .find(|g| info_text(g, "name").as_deref() == Some(group))
+        .map(|g| (info_int(&g, "pending").unwrap_or(0), info_int(&g, "lag"))))
+}
+
+/// One consumer of a group, as `XINFO CONSUMERS` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ConsumerInfo {
+    pub name: String,
+    pub pending: i64,
+    /// Milliseconds since the consumer last read or claimed.
+    pub idle_ms: i64,
+}
+
+/// The consumers of `group` on `stream`.
+pub async fn consumers<C: ConnectionLike>(
+    con: &mut C,
+    stream: &str,
+    group: &str,
+) -> Result<Vec<ConsumerInfo>> {
+    let reply: Value = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(stream)
+        .arg(group)
+        .query_async(con)
+        .await?;
+    Ok(info_records(reply)
+        .into_iter()
+        .map(|c| ConsumerInfo {
+            name: info_text(&c, "name").unwrap_or_default(),
+            pending: info_int(&c, "pending").unwrap_or(0),
+            idle_ms: info_int(&c, "idle").unwrap_or(0),
+        })
+        .collect())
+}
+
+/// The id of the oldest entry `group` holds pending on `stream` (`XPENDING` summary), if any.
+pub async fn oldest_pending<C: ConnectionLike>(
+    con: &mut C,
+    stream: &str,
+    group: &str,
+) -> Result<Option<String>> {
+    let reply: Value = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .query_async(con)
+        .await?;
+    Ok(match reply {
+        Value::Array(parts) => match parts.get(1) {
+            Some(Value::BulkString(id)) => Some(String::from_utf8_lossy(id).into_owned()),
+            _ => None,
+        },
+        _ => None,
+    })
 }

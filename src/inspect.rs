@@ -1,0 +1,226 @@
+//! `pacer inspect`: what pacer is doing now, read from Redis alone (any host can run it): per
+//! route the slots planned ahead and the wait a new event would get, per input stream its
+//! backlog, and the consumers with when each last read.
+
+use crate::config::Config;
+use crate::error::Result;
+use crate::pacing;
+use crate::streams::{self, ConsumerInfo};
+use redis::aio::ConnectionLike;
+use serde::Serialize;
+use std::fmt;
+
+/// One route's bucket, now.
+#[derive(Debug, Clone, Serialize)]
+pub struct RouteState {
+    pub route: String,
+    pub rate: String,
+    pub burst: u32,
+    /// Events (of cost 1) given a slot and not yet dispatched: how far the plan runs ahead of the
+    /// gate (or of now), in slots. Every worker's sleeping events on the route, seen from Redis.
+    pub planned_ahead: i64,
+    /// The wait, in ms, a new event of cost 1 would be given on this route now.
+    pub wait_ms: i64,
+    pub max_wait_ms: i64,
+}
+
+/// One input stream and its consumer group, now.
+#[derive(Debug, Clone, Serialize)]
+pub struct StreamState {
+    pub stream: String,
+    pub flow: &'static str,
+    pub length: i64,
+    /// False when the group does not exist (yet): no worker has started on this Redis.
+    pub group_exists: bool,
+    pub pending: i64,
+    /// Entries not yet delivered to any consumer (absent when Redis cannot tell).
+    pub lag: Option<i64>,
+    /// Age (ms of Redis time) of the oldest entry read and not yet finished.
+    pub oldest_pending_ms: Option<i64>,
+    pub consumers: Vec<ConsumerInfo>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Inspection {
+    pub group: String,
+    /// Redis's clock when this was read, ms since the epoch.
+    pub redis_time_ms: i64,
+    pub routes: Vec<RouteState>,
+    pub streams: Vec<StreamState>,
+}
+
+/// How many events of cost 1 the plan `tat` holds ahead of the gate `dtat` (or of `now`, when the
+/// gate is behind it), and the wait a new event would get: both in the plan's own terms
+/// (`pacing::plan`), so they are what the next `schedule.lua` call would find.
+pub fn route_view(tat_us: i64, dtat_us: i64, now_us: i64, p: &pacing::BucketParams) -> (i64, i64) {
+    let ahead = (tat_us - dtat_us.max(now_us)).max(0);
+    // To the nearest slot: a dispatch charges the gate from the millisecond before it (see
+    // `pacing::gate`), which leaves it up to a millisecond short of a whole slot.
+    let planned = (ahead + p.interval_us / 2) / p.interval_us;
+    let slot = pacing::plan(tat_us, now_us, 1, p).slot_us;
+    (planned, (slot - now_us).max(0) / 1000)
+}
+
+/// Reads the state of every route and input stream of `cfg`.
+pub async fn inspect<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Inspection> {
+    let (s, us): (i64, i64) = redis::cmd("TIME").query_async(con).await?;
+    let now_us = s * 1_000_000 + us;
+    let mut routes = Vec::new();
+    for route in cfg.outbound.routes.values() {
+        let (tat, dtat): (Option<i64>, Option<i64>) = redis::cmd("HMGET")
+            .arg(&route.keys.bucket)
+            .arg("tat")
+            .arg("dtat")
+            .query_async(con)
+            .await?;
+        let (planned_ahead, wait_ms) =
+            route_view(tat.unwrap_or(0), dtat.unwrap_or(0), now_us, &route.bucket);
+        routes.push(RouteState {
+            route: route.name.clone(),
+            rate: route.rate.to_string(),
+            burst: route.burst.get(),
+            planned_ahead,
+            wait_ms,
+            max_wait_ms: route.max_wait.as_millis() as i64,
+        });
+    }
+    let group = &cfg.worker.group;
+    let inbound = cfg.inbound.iter().flat_map(|i| &i.streams);
+    let inputs = (cfg.outbound.streams.iter().map(|s| (s, "outbound")))
+        .chain(inbound.map(|s| (s, "inbound")));
+    let mut streams = Vec::new();
+    for (stream, flow) in inputs {
+        let length: i64 = redis::cmd("XLEN").arg(stream).query_async(con).await?;
+        // A missing stream or group is a state to show, not an error.
+        let info = streams::group_info(con, stream, group).await.ok().flatten();
+        let mut state = StreamState {
+            stream: stream.clone(),
+            flow,
+            length,
+            group_exists: info.is_some(),
+            pending: 0,
+            lag: None,
+            oldest_pending_ms: None,
+            consumers: Vec::new(),
+        };
+        if let Some((pending, lag)) = info {
+            state.pending = pending;
+            state.lag = lag;
+            let oldest = streams::oldest_pending(con, stream, group).await?;
+            state.oldest_pending_ms = oldest
+                .and_then(|id| id.split('-').next()?.parse::<i64>().ok())
+                .map(|ms| (now_us / 1000 - ms).max(0));
+            state.consumers = streams::consumers(con, stream, group).await?;
+        }
+        streams.push(state);
+    }
+    Ok(Inspection {
+        group: group.clone(),
+        redis_time_ms: now_us / 1000,
+        routes,
+        streams,
+    })
+}
+
+fn secs(ms: i64) -> String {
+    if ms < 10_000 {
+        format!("{:.1}s", ms as f64 / 1000.0)
+    } else {
+        humantime::format_duration(std::time::Duration::from_secs((ms / 1000) as u64)).to_string()
+    }
+}
+
+impl fmt::Display for Inspection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "{:<16} {:>8} {:>6} {:>13} {:>14} {:>9}",
+            "route", "rate", "burst", "planned ahead", "new event wait", "max_wait"
+        )?;
+        for r in &self.routes {
+            writeln!(
+                f,
+                "{:<16} {:>8} {:>6} {:>13} {:>14} {:>9}",
+                r.route,
+                r.rate,
+                r.burst,
+                r.planned_ahead,
+                secs(r.wait_ms),
+                secs(r.max_wait_ms)
+            )?;
+        }
+        writeln!(f)?;
+        writeln!(
+            f,
+            "{:<20} {:>8} {:>8} {:>8} {:>8} {:>14}   (group {})",
+            "input stream", "flow", "length", "pending", "lag", "oldest pending", self.group
+        )?;
+        for s in &self.streams {
+            if !s.group_exists {
+                writeln!(
+                    f,
+                    "{:<20} {:>8} {:>8}   no consumer group yet (no worker has started here)",
+                    s.stream, s.flow, s.length
+                )?;
+                continue;
+            }
+            writeln!(
+                f,
+                "{:<20} {:>8} {:>8} {:>8} {:>8} {:>14}",
+                s.stream,
+                s.flow,
+                s.length,
+                s.pending,
+                s.lag.map_or("?".into(), |l| l.to_string()),
+                s.oldest_pending_ms.map_or("-".into(), secs)
+            )?;
+            for c in &s.consumers {
+                writeln!(
+                    f,
+                    "  consumer {:<30} pending {:>6}   last seen {} ago",
+                    c.name,
+                    c.pending,
+                    secs(c.idle_ms)
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rate::Rate;
+    use std::num::NonZeroU32;
+
+    fn params(burst: u32) -> pacing::BucketParams {
+        let rate: Rate = "10/s".parse().unwrap();
+        pacing::BucketParams::new(rate, NonZeroU32::new(burst).unwrap())
+    }
+
+    #[test]
+    fn an_idle_route_has_nothing_ahead_and_no_wait() {
+        assert_eq!(route_view(0, 0, 5_000_000, &params(1)), (0, 0));
+        assert_eq!(
+            route_view(4_000_000, 4_000_000, 5_000_000, &params(3)),
+            (0, 0)
+        );
+    }
+
+    #[test]
+    fn slots_planned_past_the_gate_are_counted_and_make_the_wait() {
+        // Gate at now, plan 5 slots of 100 ms past it: 5 ahead, a new event waits 500 ms.
+        assert_eq!(
+            route_view(1_500_000, 1_000_000, 1_000_000, &params(1)),
+            (5, 500)
+        );
+        // A burst of 3 lets the new event go 200 ms before the plan's end.
+        assert_eq!(
+            route_view(1_500_000, 1_000_000, 1_000_000, &params(3)),
+            (5, 300)
+        );
+        // The gate behind now (nothing dispatched lately): counted from now.
+        assert_eq!(route_view(1_500_000, 0, 1_200_000, &params(1)), (3, 300));
+    }
+}

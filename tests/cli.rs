@@ -1,0 +1,324 @@
+//! The commands a user meets first, against a live pacer and a real redis-server: `inspect`
+//! (table and JSON), `report --since`, `produce` refusing unknown routes, `--help`, and the
+//! README's table of the fields pacer writes checked against every kind of output.
+
+mod common;
+
+use common::*;
+use pacer::report::OutputEntry;
+use pacer::testkit::{free_port, wait_until, RedisServer, TempDir};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+const WORKER: &str = "  batch: 32\n  drain: 1s\n  claim_idle: 30s\n  consumer: cli-worker";
+
+fn pacer(config: &Path, args: &[&str]) -> Output {
+    Command::new(bin())
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .env_remove("PACER_REDIS_URL")
+        .env_remove("PACER_CONFIG")
+        .output()
+        .expect("running pacer")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn inspect_json(config: &Path) -> serde_json::Value {
+    let out = pacer(config, &["inspect", "--json"]);
+    assert!(out.status.success(), "inspect: {out:?}");
+    serde_json::from_slice(&out.stdout).expect("inspect --json prints JSON")
+}
+
+#[test]
+fn inspect_shows_the_plan_the_backlog_and_the_consumers_of_a_live_pacer() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("inspect");
+    let port = free_port();
+    let body = r#"outbound:
+  streams: ["in"]
+  routes:
+    slow: {rate: 5/s, burst: 1, max_wait: 20s}
+"#;
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+
+    // Before any worker: the stream is there, its group is not, and inspect says so.
+    push(&redis, "in", &[event(&[("route", "slow")])]);
+    let before = inspect_json(&cfg);
+    assert_eq!(before["streams"][0]["group_exists"], false, "{before}");
+    assert_eq!(before["routes"][0]["planned_ahead"], 0, "{before}");
+    assert_eq!(before["routes"][0]["wait_ms"], 0, "{before}");
+    let table = stdout(&pacer(&cfg, &["inspect"]));
+    assert!(table.contains("no consumer group yet"), "{table}");
+
+    let _pacer = start(&cfg, port);
+    let events: Vec<_> = (0..39).map(|_| event(&[("route", "slow")])).collect();
+    push(&redis, "in", &events);
+    // 40 events at 5/s: 8 s of slots. Once all are read, most sleep.
+    assert!(wait_until(Duration::from_secs(10), || {
+        let state = inspect_json(&cfg);
+        state["streams"][0]["lag"] == 0 && state["streams"][0]["pending"].as_i64() > Some(20)
+    }));
+    let state = inspect_json(&cfg);
+    let route = &state["routes"][0];
+    assert_eq!(route["route"], "slow");
+    assert_eq!(route["rate"], "5/s");
+    assert_eq!(route["max_wait_ms"], 20_000);
+    let ahead = route["planned_ahead"].as_i64().unwrap();
+    let wait = route["wait_ms"].as_i64().unwrap();
+    let stream = &state["streams"][0];
+    let pending = stream["pending"].as_i64().unwrap();
+    // What Redis says is planned matches what the group holds (each planned event is pending),
+    // and a new event would wait behind all of it: 200 ms per slot.
+    assert!(
+        ahead > 20 && (ahead - pending).abs() <= 2,
+        "planned {ahead}, pending {pending}: {state}"
+    );
+    assert!((wait - ahead * 200).abs() <= 400, "wait {wait}: {state}");
+    assert_eq!(stream["length"], 40, "{state}");
+    assert!(
+        stream["oldest_pending_ms"].as_i64().unwrap() >= 0,
+        "{state}"
+    );
+    let consumers = stream["consumers"].as_array().unwrap();
+    let me = consumers
+        .iter()
+        .find(|c| c["name"] == "cli-worker")
+        .unwrap_or_else(|| panic!("the worker among the consumers: {state}"));
+    assert_eq!(me["pending"].as_i64(), Some(pending), "{state}");
+    assert!(me["idle_ms"].as_i64().unwrap() < 5_000, "{state}");
+
+    let table = stdout(&pacer(&cfg, &["inspect"]));
+    eprintln!("{table}");
+    for expected in ["slow", "5/s", "planned ahead", "in", "consumer cli-worker"] {
+        assert!(table.contains(expected), "{expected:?} in:\n{table}");
+    }
+}
+
+#[test]
+fn report_since_counts_only_what_was_written_within_it() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("since");
+    let port = free_port();
+    let body = r#"outbound:
+  streams: ["in"]
+  routes:
+    fast: {rate: 1000/s, burst: 10}
+"#;
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let _pacer = start(&cfg, port);
+    let ready = "pacer:{fast}:ready";
+    let batch = |n: usize| -> Vec<_> { (0..n).map(|_| event(&[("route", "fast")])).collect() };
+    push(&redis, "in", &batch(30));
+    assert!(wait_until(Duration::from_secs(10), || read(&redis, ready)
+        .len()
+        == 30));
+    std::thread::sleep(Duration::from_millis(2500));
+    push(&redis, "in", &batch(7));
+    assert!(wait_until(Duration::from_secs(10), || read(&redis, ready)
+        .len()
+        == 37));
+
+    let all = stdout(&pacer(&cfg, &["report"]));
+    let recent = stdout(&pacer(&cfg, &["report", "--since", "1500ms"]));
+    let dispatched = |report: &str| -> i64 {
+        let row = report
+            .lines()
+            .find(|l| l.starts_with("fast "))
+            .unwrap_or_else(|| panic!("a row for fast in:\n{report}"));
+        row.split_whitespace().nth(3).unwrap().parse().unwrap()
+    };
+    assert_eq!(dispatched(&all), 37, "{all}");
+    assert_eq!(dispatched(&recent), 7, "{recent}");
+    assert!(
+        all.starts_with("every entry the output streams hold"),
+        "{all}"
+    );
+    assert!(
+        recent.starts_with("entries written in the last 1s 500ms"),
+        "{recent}"
+    );
+}
+
+#[test]
+fn produce_refuses_an_unknown_route_and_help_names_the_environment() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("produce");
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 10/s}\n";
+    let cfg = config(&dir, "c.yaml", &redis, free_port(), WORKER, body);
+    let out = pacer(&cfg, &["produce", "--routes", "a,nosuch"]);
+    assert!(!out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no such route in the config: nosuch"), "{err}");
+    assert_eq!(read(&redis, "in").len(), 0, "nothing pushed");
+
+    let ok = pacer(&cfg, &["produce", "--routes", "a", "--count", "3"]);
+    assert!(ok.status.success(), "{ok:?}");
+    assert_eq!(read(&redis, "in").len(), 3);
+
+    let help = Command::new(bin()).arg("--help").output().unwrap();
+    let help = stdout(&help);
+    for var in [
+        "PACER_CONFIG",
+        "PACER_REDIS_URL",
+        "PACER_REDIS_PASSWORD",
+        "PACER_METRICS_LISTEN",
+        "RUST_LOG",
+    ] {
+        assert!(help.contains(var), "{var} in --help:\n{help}");
+    }
+    let produce_help = stdout(
+        &Command::new(bin())
+            .args(["produce", "--help"])
+            .output()
+            .unwrap(),
+    );
+    assert!(
+        produce_help.contains("How many events to push"),
+        "{produce_help}"
+    );
+}
+
+/// The README's table of what pacer writes: per output, the fields always written and those
+/// written only when they apply.
+fn documented_fields() -> BTreeMap<String, (BTreeSet<String>, BTreeSet<String>)> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let table = readme
+        .split("<!-- output-fields")
+        .nth(1)
+        .expect("the output-fields table in the README");
+    let names = |cell: &str| -> BTreeSet<String> {
+        cell.split('`')
+            .skip(1)
+            .step_by(2)
+            .filter(|n| n.starts_with("pacer_"))
+            .map(str::to_string)
+            .collect()
+    };
+    let mut rows = BTreeMap::new();
+    for line in table.lines().skip(1) {
+        if !line.starts_with('|') {
+            break;
+        }
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        if cells.len() < 4 || cells[1] == "Output" || cells[1].starts_with("---") {
+            continue;
+        }
+        rows.insert(cells[1].to_string(), (names(cells[2]), names(cells[3])));
+    }
+    rows
+}
+
+fn pacer_fields(e: &OutputEntry) -> BTreeSet<String> {
+    e.fields
+        .iter()
+        .map(|(k, _)| String::from_utf8_lossy(k).into_owned())
+        .filter(|k| k.starts_with("pacer_"))
+        .collect()
+}
+
+#[test]
+fn every_output_carries_the_fields_the_readme_lists() {
+    let documented = documented_fields();
+    assert_eq!(documented.len(), 5, "{documented:?}");
+    let redis = RedisServer::start();
+    let dir = TempDir::new("fields");
+    let port = free_port();
+    let body = format!(
+        r#"outbound:
+  streams: ["in"]
+  routes:
+    fast: {{rate: 1000/s, burst: 10}}
+    slow: {{rate: 1/s, burst: 1, max_wait: 1s, fallbacks: [fast]}}
+    lone: {{rate: 1/s, burst: 1, max_wait: 1s}}
+{}"#,
+        inbound_body("{name: per-source, key: [source], algorithm: sliding_log, limits: [2/s]}")
+    );
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, &body);
+    let _pacer = start(&cfg, port);
+
+    let mut outbound = vec![
+        event(&[("route", "fast"), ("pacer_reason", "forged")]),
+        event(&[("to", "no route")]),
+        event(&[("route", "ghost")]),
+    ];
+    // slow takes one and reroutes the rest to fast; lone takes one and rejects the rest.
+    outbound.extend((0..4).map(|_| event(&[("route", "slow")])));
+    outbound.extend((0..4).map(|_| event(&[("route", "lone")])));
+    // A wide event: its dead letter is cut and says so.
+    let wide: Vec<(String, Vec<u8>)> = (0..400)
+        .map(|i| (format!("f{i}"), b"v".to_vec()))
+        .chain([("route".to_string(), b"ghost".to_vec())])
+        .collect();
+    outbound.push(wide);
+    push(&redis, "in", &outbound);
+    let mut inbound: Vec<_> = (0..5).map(|_| event(&[("source", "s1")])).collect();
+    inbound.push(event(&[("other", "no key")]));
+    push(&redis, "pacer:in", &inbound);
+
+    let kinds = [
+        (
+            "ready stream (outbound)",
+            vec![
+                "pacer:{fast}:ready",
+                "pacer:{slow}:ready",
+                "pacer:{lone}:ready",
+            ],
+        ),
+        ("rejected (outbound)", vec!["pacer:rejected"]),
+        ("forward (inbound)", vec!["pacer:accepted"]),
+        ("rejected (inbound)", vec!["pacer:in-rejected"]),
+        ("dead letter (both flows)", vec!["pacer:dead"]),
+    ];
+    let total = |streams: &[&str]| streams.iter().map(|s| read(&redis, s).len()).sum::<usize>();
+    let all: Vec<&str> = kinds.iter().flat_map(|(_, s)| s.iter().copied()).collect();
+    assert!(
+        wait_until(Duration::from_secs(15), || total(&all)
+            == outbound.len() + inbound.len()),
+        "every entry ended: {} of {}",
+        total(&all),
+        outbound.len() + inbound.len()
+    );
+    let mut optional_seen = BTreeSet::new();
+    for (kind, streams) in &kinds {
+        let (always, optional) = &documented[*kind];
+        let entries: Vec<OutputEntry> = streams.iter().flat_map(|s| read(&redis, s)).collect();
+        assert!(!entries.is_empty(), "no {kind} entry was written");
+        for e in &entries {
+            let have = pacer_fields(e);
+            let missing: Vec<_> = always.difference(&have).collect();
+            let undocumented: Vec<_> = have
+                .iter()
+                .filter(|f| !always.contains(*f) && !optional.contains(*f))
+                .collect();
+            assert!(
+                missing.is_empty() && undocumented.is_empty(),
+                "{kind} entry {}: missing {missing:?}, not in the README {undocumented:?}",
+                e.id
+            );
+            optional_seen.extend(have.intersection(optional).cloned());
+        }
+        // No field is written twice (a producer's own pacer_reason is not carried).
+        for e in &entries {
+            let names: Vec<_> = e.fields.iter().map(|(k, _)| k.clone()).collect();
+            let unique: BTreeSet<_> = names.iter().collect();
+            assert_eq!(
+                names.len(),
+                unique.len(),
+                "{kind} entry {} repeats a field",
+                e.id
+            );
+        }
+    }
+    // The optional fields this run can produce were seen: the cut dead letter, and the rule of an
+    // inbound rejection.
+    for field in ["pacer_truncated", "pacer_rule", "pacer_limit", "pacer_key"] {
+        assert!(optional_seen.contains(field), "{field} was never written");
+    }
+}
