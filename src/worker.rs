@@ -20,6 +20,7 @@
 //!   dispatching them;
 //! - `outputs`: rejections, dead letters and acknowledgements;
 //! - `inbound`: the inbound flow;
+//! - `prepare`: the groups, scripts and checks set up in Redis (again when Redis lost them);
 //! - `monitor`: stream gauges and readiness;
 //! - `waker`: the sub-millisecond timer thread.
 
@@ -32,26 +33,24 @@ mod outputs;
 mod placement;
 mod placers;
 mod poison;
+mod prepare;
 mod reader;
 mod waker;
 
-use crate::backoff::Backoff;
 use crate::clock::{RedisClock, SystemClock};
-use crate::config::{Config, RedisMode};
+use crate::config::Config;
 use crate::connection::RedisConn;
 use crate::error::Result;
 use crate::health::Health;
-use crate::keys::{self, OutputKeys};
+use crate::keys::OutputKeys;
 use crate::scripts::Scripts;
-use crate::streams;
-use crate::telemetry;
 use context::Context;
 use placers::Placers;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{info, warn};
 
 /// A worker process.
 pub struct Worker {
@@ -112,7 +111,7 @@ impl Worker {
         let ctx = self.ctx;
         let rules = ctx.cfg.inbound.as_ref().map_or(0, |i| i.rules.len());
         info!(consumer = %ctx.consumer, routes = ctx.cfg.outbound.routes.len(), inbound_rules = rules, redis = %ctx.con.target(), "worker starting");
-        if !prepare(&ctx, &shutdown).await? {
+        if !prepare::prepare(&ctx, &shutdown).await? {
             return Ok(());
         }
         let hard_stop = CancellationToken::new();
@@ -166,64 +165,4 @@ fn default_consumer() -> String {
         .or_else(|| std::env::var("HOSTNAME").ok())
         .unwrap_or_else(|| "pacer".into());
     format!("{host}-{}", std::process::id())
-}
-
-/// Creates the consumer groups, learns whether Redis is a cluster and loads the scripts,
-/// retrying until Redis answers. Ok(false) if shutdown came first; an error if Redis refuses
-/// pacer in a way no retry can mend (credentials, TLS).
-async fn prepare(ctx: &Context, shutdown: &CancellationToken) -> Result<bool> {
-    let mut backoff = Backoff::default();
-    loop {
-        match telemetry::timed("prepare", prepare_once(ctx)).await {
-            Ok(()) => {
-                ctx.health.succeeded();
-                ctx.health.set_scripts_loaded(true);
-                ctx.health.set_groups_ok(true);
-                return Ok(true);
-            }
-            Err(e) if e.is_fatal() => {
-                error!(error = %e, "Redis refuses pacer; retrying cannot help");
-                return Err(e);
-            }
-            Err(e) => {
-                ctx.health.failed("prepare", &e);
-                let delay = backoff.fail();
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Ok(false),
-                    _ = tokio::time::sleep(delay) => {}
-                }
-            }
-        }
-    }
-}
-
-/// One attempt at `prepare`.
-async fn prepare_once(ctx: &Context) -> Result<()> {
-    let mut con = ctx.con.clone();
-    for stream in &ctx.streams {
-        streams::ensure_group(&mut con, stream, &ctx.cfg.worker.group).await?;
-    }
-    let cluster = match ctx.con.mode() {
-        RedisMode::Cluster => true,
-        RedisMode::Sentinel => false,
-        // A node in cluster mode, reached as one server: it still refuses calls across slots.
-        RedisMode::Standalone => streams::is_cluster(&mut con).await?,
-    };
-    ctx.cluster.store(cluster, Ordering::Relaxed);
-    if let Some(inbound) = &ctx.cfg.inbound {
-        let here =
-            !cluster || keys::slot(&inbound.forward_stream) == keys::slot(&inbound.rejected_stream);
-        ctx.rejects_in_admission.store(here, Ordering::Relaxed);
-        info!(
-            in_admission = here,
-            "inbound rejections are written {}",
-            if here {
-                "by the admission call itself"
-            } else {
-                "by a second call (the rejected stream is in another cluster slot)"
-            }
-        );
-    }
-    ctx.scripts.load(&mut con).await?;
-    monitor::check_eviction(ctx, &mut con).await
 }

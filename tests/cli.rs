@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use pacer::report::OutputEntry;
-use pacer::testkit::{free_port, wait_until, RedisServer, TempDir};
+use pacer::testkit::{free_port, http_get, wait_until, RedisServer, TempDir};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::{Command, Output};
@@ -56,7 +56,7 @@ fn inspect_shows_the_plan_the_backlog_and_the_consumers_of_a_live_pacer() {
     let table = stdout(&pacer(&cfg, &["inspect"]));
     assert!(table.contains("no consumer group yet"), "{table}");
 
-    let _pacer = start(&cfg, port);
+    let pacer_process = start(&cfg, port);
     let events: Vec<_> = (0..39).map(|_| event(&[("route", "slow")])).collect();
     push(&redis, "in", &events);
     // 40 events at 5/s: 8 s of slots. Once all are read, most sleep.
@@ -98,6 +98,53 @@ fn inspect_shows_the_plan_the_backlog_and_the_consumers_of_a_live_pacer() {
     for expected in ["slow", "5/s", "planned ahead", "in", "consumer cli-worker"] {
         assert!(table.contains(expected), "{expected:?} in:\n{table}");
     }
+    // Its log went to a file, not a terminal: no colour codes in it.
+    let log = pacer_process.log_text();
+    assert!(log.contains("INFO"), "{log}");
+    assert!(!log.contains('\u{1b}'), "ANSI codes in a log file:\n{log}");
+}
+
+/// `pacer_route_queue_seconds{route}` from a worker's /metrics.
+fn queue_gauge(port: u16, route: &str) -> Option<f64> {
+    let (_, text) = http_get(port, "/metrics")?;
+    let prefix = format!("pacer_route_queue_seconds{{route=\"{route}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+#[test]
+fn the_queue_gauge_goes_back_to_zero_once_the_route_is_idle() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("gauge");
+    let port = free_port();
+    let body = r#"outbound:
+  streams: ["in"]
+  routes:
+    slow: {rate: 10/s, burst: 1, max_wait: 5s}
+"#;
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let _pacer = start(&cfg, port);
+    let events: Vec<_> = (0..20).map(|_| event(&[("route", "slow")])).collect();
+    push(&redis, "in", &events);
+    // 20 events at 10/s: the next free slot is up to 2 s ahead while they drain.
+    assert!(
+        wait_until(Duration::from_secs(2), || queue_gauge(port, "slow")
+            .is_some_and(|q| q > 0.5)),
+        "the gauge showed the queue: {:?}",
+        queue_gauge(port, "slow")
+    );
+    let ready = "pacer:{slow}:ready";
+    assert!(wait_until(Duration::from_secs(6), || read(&redis, ready)
+        .len()
+        == 20));
+    // No event touches the route any more; the monitor still brings the gauge down.
+    assert!(
+        wait_until(Duration::from_secs(5), || queue_gauge(port, "slow")
+            == Some(0.0)),
+        "the gauge after the route went idle: {:?}",
+        queue_gauge(port, "slow")
+    );
 }
 
 #[test]

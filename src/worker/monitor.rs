@@ -5,6 +5,7 @@
 //! keep an entry from being dispatched twice, so that is an error unless acknowledged.
 
 use super::context::Context;
+use super::prepare;
 use crate::error::Result;
 use crate::streams;
 use crate::telemetry;
@@ -44,7 +45,7 @@ pub(super) async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         if missing {
             info!("a consumer group is missing (Redis restarted empty?); creating it again");
             ctx.health.set_groups_ok(false);
-            if let Err(e) = super::prepare(&ctx, &stop).await {
+            if let Err(e) = prepare::prepare(&ctx, &stop).await {
                 tracing::error!(error = %e, "creating the consumer group again failed");
             }
         }

@@ -96,7 +96,7 @@ pub(super) async fn run(
                 if no_group {
                     // Redis lost the group (restarted empty, or the stream was deleted).
                     ctx.health.set_groups_ok(false);
-                    if let Err(e) = super::prepare(ctx, shutdown).await {
+                    if let Err(e) = super::prepare::prepare(ctx, shutdown).await {
                         tracing::error!(error = %e, "creating the consumer group again failed");
                     }
                 }

@@ -1,0 +1,75 @@
+//! What a worker sets up in Redis before it reads: the consumer groups, whether Redis is a
+//! cluster, the scripts, the eviction check. Run at start-up, and again by the monitor when Redis
+//! lost it (restarted empty).
+
+use super::context::Context;
+use super::monitor;
+use crate::backoff::Backoff;
+use crate::config::RedisMode;
+use crate::error::Result;
+use crate::keys;
+use crate::streams;
+use crate::telemetry;
+use std::sync::atomic::Ordering;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info};
+
+/// Creates the consumer groups, learns whether Redis is a cluster and loads the scripts,
+/// retrying until Redis answers. Ok(false) if shutdown came first; an error if Redis refuses
+/// pacer in a way no retry can mend (credentials, TLS).
+pub(super) async fn prepare(ctx: &Context, shutdown: &CancellationToken) -> Result<bool> {
+    let mut backoff = Backoff::default();
+    loop {
+        match telemetry::timed("prepare", prepare_once(ctx)).await {
+            Ok(()) => {
+                ctx.health.succeeded();
+                ctx.health.set_scripts_loaded(true);
+                ctx.health.set_groups_ok(true);
+                return Ok(true);
+            }
+            Err(e) if e.is_fatal() => {
+                error!(error = %e, "Redis refuses pacer; retrying cannot help");
+                return Err(e);
+            }
+            Err(e) => {
+                ctx.health.failed("prepare", &e);
+                let delay = backoff.fail();
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(false),
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+    }
+}
+
+/// One attempt at `prepare`.
+async fn prepare_once(ctx: &Context) -> Result<()> {
+    let mut con = ctx.con.clone();
+    for stream in &ctx.streams {
+        streams::ensure_group(&mut con, stream, &ctx.cfg.worker.group).await?;
+    }
+    let cluster = match ctx.con.mode() {
+        RedisMode::Cluster => true,
+        RedisMode::Sentinel => false,
+        // A node in cluster mode, reached as one server: it still refuses calls across slots.
+        RedisMode::Standalone => streams::is_cluster(&mut con).await?,
+    };
+    ctx.cluster.store(cluster, Ordering::Relaxed);
+    if let Some(inbound) = &ctx.cfg.inbound {
+        let here =
+            !cluster || keys::slot(&inbound.forward_stream) == keys::slot(&inbound.rejected_stream);
+        ctx.rejects_in_admission.store(here, Ordering::Relaxed);
+        info!(
+            in_admission = here,
+            "inbound rejections are written {}",
+            if here {
+                "by the admission call itself"
+            } else {
+                "by a second call (the rejected stream is in another cluster slot)"
+            }
+        );
+    }
+    ctx.scripts.load(&mut con).await?;
+    monitor::check_eviction(ctx, &mut con).await
+}
