@@ -171,3 +171,101 @@ fn an_evicting_redis_is_refused_until_the_risk_is_accepted() {
     let (_, metrics) = pacer::testkit::http_get(port, "/metrics").unwrap();
     assert!(metrics.contains("pacer_redis_keys_kept{policy=\"volatile-ttl\"} 0"));
 }
+
+/// A producer trims its input stream (`XDEL`, `XADD MAXLEN`) while entries are pending with a
+/// worker killed mid-wait. The claiming worker finishes the entries that are still there, each
+/// once, and counts and logs the deleted ones (`pacer_input_deleted_total`) instead of dropping
+/// them silently; none stays pending.
+#[test]
+fn entries_trimmed_while_pending_are_counted_and_the_rest_end_once() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("trimmed");
+    let worker = "  batch: 64\n  drain: 1s\n  claim_idle: 3s";
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    slow: {rate: 2/s, burst: 1, max_wait: 1s}\n";
+    let port_a = free_port();
+    let cfg_a = config(&dir, "a.yaml", &redis, port_a, worker, body);
+    let mut a = start(&cfg_a, port_a);
+    // 2/s with max_wait 1 s: three go (at once, 0.5 s, 1 s), the rest are rejected. Pushed in
+    // one go, then the worker is killed while it holds the sleeping ones.
+    let ids = push(
+        &redis,
+        "in",
+        &(0..10)
+            .map(|i| event(&[("route", "slow"), ("i", &i.to_string())]))
+            .collect::<Vec<_>>(),
+    );
+    assert!(wait_until(Duration::from_secs(5), || {
+        pending(&redis, "in", "pacer") >= 1 && read(&redis, "pacer:{slow}:ready").len() >= 1
+    }));
+    a.kill();
+    let still_pending = pending(&redis, "in", "pacer");
+    assert!(still_pending >= 1, "the killed worker left entries pending");
+    // The producer deletes two of the pending entries.
+    let pel: redis::Value = redis::cmd("XPENDING")
+        .arg("in")
+        .arg("pacer")
+        .arg("-")
+        .arg("+")
+        .arg(100)
+        .query(&mut redis.con())
+        .unwrap();
+    let redis::Value::Array(rows) = pel else {
+        panic!("XPENDING reply")
+    };
+    let pending_ids: Vec<String> = rows
+        .iter()
+        .filter_map(|r| match r {
+            redis::Value::Array(f) => match f.first() {
+                Some(redis::Value::BulkString(b)) => Some(String::from_utf8_lossy(b).into()),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    let doomed: Vec<&String> = pending_ids.iter().take(2).collect();
+    let removed: i64 = redis::cmd("XDEL")
+        .arg("in")
+        .arg(&doomed)
+        .query(&mut redis.con())
+        .unwrap();
+    assert_eq!(removed as usize, doomed.len());
+
+    let port_b = free_port();
+    let cfg_b = config(&dir, "b.yaml", &redis, port_b, worker, body);
+    let b = start(&cfg_b, port_b);
+    let outputs = ["pacer:{slow}:ready", "pacer:rejected", "pacer:dead"];
+    let survivors: Vec<&String> = ids.iter().filter(|id| !doomed.contains(id)).collect();
+    let ended = || {
+        let at = placements(&redis, &outputs);
+        survivors.iter().all(|id| at.contains_key(id.as_str()))
+    };
+    assert!(
+        wait_until(Duration::from_secs(15), || ended()
+            && pending(&redis, "in", "pacer") == 0),
+        "pending {}, placed {:?}",
+        pending(&redis, "in", "pacer"),
+        placements(&redis, &outputs)
+    );
+    let at = placements(&redis, &outputs);
+    for id in &survivors {
+        assert_eq!(
+            at[id.as_str()].len(),
+            1,
+            "{id} ended once: {:?}",
+            at[id.as_str()]
+        );
+    }
+    for id in &doomed {
+        assert!(
+            !at.contains_key(id.as_str()),
+            "{id} was deleted, yet written"
+        );
+    }
+    let metrics = pacer::testkit::http_get(port_b, "/metrics").unwrap().1;
+    let counted = format!(
+        "pacer_input_deleted_total{{stream=\"in\"}} {}",
+        doomed.len()
+    );
+    assert!(metrics.contains(&counted), "{counted} in:\n{metrics}");
+    assert!(b.log_text().contains("deleted from the input stream"));
+}

@@ -15,6 +15,9 @@
 //! On shutdown it keeps going until nothing left falls due within `worker.drain`; whatever is
 //! still held then is dropped unacknowledged, so it stays pending for another worker.
 //!
+//! Over 400 lines: about a fifth is its unit tests on fake time (`mod tests`), which read best
+//! beside the decisions they test.
+//!
 //! Over 400 lines: the timer loop, the per-route call bookkeeping and `decide` with its unit tests.
 
 mod timers;
