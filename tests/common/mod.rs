@@ -196,14 +196,12 @@ pub fn log_entries(con: &mut redis::Connection, key: &str) -> Vec<i64> {
 
 pub mod pressure;
 
-/// Like `assert_each_once`, for entries of several input streams (`(stream, ids)`), whose ids
-/// may coincide: each ends in exactly one of `outputs`, once, told apart by the
-/// `pacer_source_stream` every output entry carries. Nothing is left pending in the group.
-pub fn assert_each_once_by_stream(
+/// Where each input entry ended: (source stream, source id) -> the output streams that hold it.
+/// Entries of different input streams may share an id; `pacer_source_stream` tells them apart.
+pub fn placements_by_stream(
     redis: &RedisServer,
-    inputs: &[(&str, &[String])],
     outputs: &[&str],
-) {
+) -> BTreeMap<(String, String), Vec<String>> {
     let mut at: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
     for stream in outputs {
         for e in read(redis, stream) {
@@ -218,6 +216,18 @@ pub fn assert_each_once_by_stream(
             at.entry(source).or_default().push(stream.to_string());
         }
     }
+    at
+}
+
+/// Like `assert_each_once`, for entries of several input streams (`(stream, ids)`), whose ids
+/// may coincide: each ends in exactly one of `outputs`, once, told apart by the
+/// `pacer_source_stream` every output entry carries. Nothing is left pending in the group.
+pub fn assert_each_once_by_stream(
+    redis: &RedisServer,
+    inputs: &[(&str, &[String])],
+    outputs: &[&str],
+) {
+    let at = placements_by_stream(redis, outputs);
     let mut expected = 0;
     for (input, ids) in inputs {
         for id in ids.iter() {
