@@ -127,13 +127,7 @@ for i = 1, n do
 end
 
 decided.save(ttl)
-if changed then
-  save_bucket(KEYS[1], now, tat, dtat, last)
-end
-if wrote then
-  -- Trimmed once per call rather than per entry (each MAXLEN is more arguments to convert).
-  redis.call('XTRIM', KEYS[2], 'MAXLEN', '~', maxlen)
-end
+save_route(now, tat, dtat, last, changed, wrote, maxlen)
 ack_all(3 + h, group, acks)
 out[#out + 1] = redis_now_us()
 return out

@@ -4,6 +4,7 @@
 //! which collects every problem with its path (`problems`) so that `pacer check-config` can print
 //! them all at once. Nothing here talks to Redis.
 
+mod flow;
 mod inbound;
 mod outbound;
 mod problems;
@@ -15,10 +16,9 @@ pub use self::redis::{
     redact, ClientCert, PemFile, RedisConfig, RedisMode, RedisUrl, Secret, SentinelConfig,
     TlsConfig,
 };
+pub use flow::{MAX_EVENT_FIELDS, MAX_EVENT_FIELDS_DEFAULT};
 pub use inbound::{FailPolicy, InboundConfig, InboundRule, SLIDING_LOG_MAX};
-pub use outbound::{
-    OutboundConfig, Route, MAX_EVENT_FIELDS, MAX_EVENT_FIELDS_DEFAULT, ROUTE_NAME_MAX,
-};
+pub use outbound::{OutboundConfig, Route, ROUTE_NAME_MAX};
 pub use problems::{ConfigError, Problem, DURATION_MAX};
 
 use outbound::{check_recovery, read_outbound};

@@ -102,6 +102,37 @@ impl KeyIndex {
     }
 }
 
+/// What every call that writes an output stream and acknowledges input entries shares
+/// (`schedule`, `dispatch`, `emit`): the same three arguments, and which input streams it may
+/// acknowledge.
+pub struct Writing<'a> {
+    /// How long the call's records (decisions, id claims, write-once marks) live, ms.
+    pub ttl_ms: u64,
+    /// The output stream is trimmed to about this many entries.
+    pub max_len: u64,
+    /// The consumer group of the input streams (for acknowledging).
+    pub group: &'a str,
+    /// Whether this call may acknowledge entries of an input stream: the stream shares the
+    /// call's slot, or Redis is not a cluster.
+    pub acks: &'a (dyn Fn(&str) -> bool + Sync),
+}
+
+impl Writing<'_> {
+    /// `stream`'s index among the streams this call acknowledges, or 0 when it may not.
+    pub(crate) fn ack_index(&self, streams: &mut KeyIndex, stream: &str) -> usize {
+        if (self.acks)(stream) {
+            streams.index(stream.to_string())
+        } else {
+            0
+        }
+    }
+
+    /// The arguments every writing script takes in this order: ttl, max_len, group.
+    pub(crate) fn push_args(&self, inv: &mut ScriptInvocation<'_>) {
+        inv.arg(self.ttl_ms).arg(self.max_len).arg(self.group);
+    }
+}
+
 /// The scripts, hashed once per process.
 pub struct Scripts {
     schedule: Script,

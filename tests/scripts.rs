@@ -12,7 +12,7 @@ use pacer::marker::Marker;
 use pacer::pacing::LATE_US;
 use pacer::scripts::{
     DispatchItem, Dispatched, EmitCall, EmitItem, EventRef, RouteCall, ScheduleItem, Scheduled,
-    Scripts, Voided, LIB,
+    Scripts, Voided, Writing, LIB,
 };
 use pacer::testkit::RedisServer;
 use std::time::Duration;
@@ -52,6 +52,28 @@ fn ev(entry: &str) -> Ev {
         entry: entry.to_string(),
         id: None,
         cost: 1,
+    }
+}
+
+/// What a test call writes with: TTL_MS, a 1000-entry trim, GROUP, acknowledging per `acks`.
+fn writing(acks: &(dyn Fn(&str) -> bool + Sync)) -> Writing<'_> {
+    Writing {
+        ttl_ms: TTL_MS,
+        max_len: 1000,
+        group: GROUP,
+        acks,
+    }
+}
+
+fn route_call<'a>(
+    route: &'a pacer::config::Route,
+    acks: &'a (dyn Fn(&str) -> bool + Sync),
+) -> RouteCall<'a> {
+    RouteCall {
+        name: "r",
+        keys: &route.keys,
+        bucket: &route.bucket,
+        out: writing(acks),
     }
 }
 
@@ -105,15 +127,7 @@ impl Rig {
             .collect();
         let acks = self.acks;
         let ack = move |_: &str| acks;
-        let call = RouteCall {
-            name: "r",
-            keys: &self.route.keys,
-            bucket: &self.route.bucket,
-            ttl_ms: TTL_MS,
-            max_len: 1000,
-            group: GROUP,
-            acks: &ack,
-        };
+        let call = route_call(&self.route, &ack);
         let reply = self
             .rt
             .block_on(self.scripts.schedule(
@@ -152,15 +166,7 @@ impl Rig {
             .collect();
         let acks = self.acks;
         let ack = move |_: &str| acks;
-        let call = RouteCall {
-            name: "r",
-            keys: &self.route.keys,
-            bucket: &self.route.bucket,
-            ttl_ms: TTL_MS,
-            max_len: 1000,
-            group: GROUP,
-            acks: &ack,
-        };
+        let call = route_call(&self.route, &ack);
         self.rt
             .block_on(self.scripts.dispatch(&mut self.con, &call, &items))
             .unwrap()
@@ -583,10 +589,7 @@ fn shared_streams_are_written_once_per_input_entry() {
     let no = |_: &str| false;
     let call = EmitCall {
         keys: &keys,
-        ttl_ms: 60_000,
-        max_len: 1000,
-        group: GROUP,
-        acks: &no,
+        out: writing(&no),
     };
     let con = &mut rig.con;
     let first = rig

@@ -2,6 +2,7 @@
 //! and the admission rules that decide them (read in `rules`). Read like the rest of the config:
 //! every problem, with its path.
 
+use super::flow::{read_flow, Flow};
 use super::problems::Problems;
 use super::raw::RawInbound;
 use super::rules::read_rules;
@@ -75,36 +76,19 @@ pub(super) fn read_inbound(
         "rules",
     ];
     p.unknown_keys("inbound", &raw.unknown, &known);
-    let streams = p.string_list("inbound.streams", &raw.streams);
-    if streams.is_empty() {
-        p.push("inbound.streams", "needs at least one input stream");
-    }
+    let Flow {
+        streams,
+        rejected_stream,
+        dead_letter_stream,
+        max_len,
+        dedupe_ttl,
+        max_event_bytes,
+        max_event_fields,
+    } = read_flow(p, "inbound", &raw.flow, "pacer:in-rejected");
     let forward_stream = p.string(
         "inbound.forward_stream",
         &raw.forward_stream,
         Some("pacer:accepted"),
-    );
-    let rejected_stream = p.string(
-        "inbound.rejected_stream",
-        &raw.rejected_stream,
-        Some("pacer:in-rejected"),
-    );
-    let dead_letter_stream = p.string(
-        "inbound.dead_letter_stream",
-        &raw.dead_letter_stream,
-        Some("pacer:dead"),
-    );
-    let max_len = p.integer(
-        "inbound.max_len",
-        &raw.max_len,
-        1_000_000,
-        100,
-        u32::MAX as u64,
-    );
-    let dedupe_ttl = p.duration(
-        "inbound.dedupe_ttl",
-        &raw.dedupe_ttl,
-        Duration::from_secs(3600),
     );
     // An entry can be redelivered up to max_deliveries times, each after claim_idle.
     let lifetime = worker
@@ -119,8 +103,6 @@ pub(super) fn read_inbound(
             ),
         );
     }
-    let (max_event_bytes, max_event_fields) =
-        super::outbound::event_limits(p, "inbound", &raw.max_event_bytes, &raw.max_event_fields);
     let fail_policy = match &raw.fail_policy {
         None | Some(Value::Null) => FailPolicy::FailClosed,
         Some(Value::String(s)) if s == "fail_closed" => FailPolicy::FailClosed,

@@ -2,6 +2,7 @@
 //! streams, and the routes (rate, burst, wait, fallbacks, ready stream). Also what claiming and
 //! deduplication need of each other, since both hang on the routes' waits.
 
+use super::flow::{read_flow, Flow};
 use super::problems::{join, Problems};
 use super::raw::{RawOutbound, RawRoute};
 use super::WorkerConfig;
@@ -14,35 +15,6 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 pub const ROUTE_NAME_MAX: usize = 64;
-/// The default of `max_event_fields`.
-pub const MAX_EVENT_FIELDS_DEFAULT: usize = 1000;
-/// The most `max_event_fields` may be: an event passes through a Lua script as two values per
-/// field, and Lua's unpack stops at about 8,000 (`lua/lib.lua` MAX_FIELDS is 3,500).
-pub const MAX_EVENT_FIELDS: usize = 3000;
-
-/// A section's `max_event_bytes` and `max_event_fields` (outbound and inbound read them alike).
-pub(super) fn event_limits(
-    p: &mut Problems,
-    section: &str,
-    bytes: &super::raw::Leaf,
-    fields: &super::raw::Leaf,
-) -> (usize, usize) {
-    let max_bytes = p.integer(
-        &format!("{section}.max_event_bytes"),
-        bytes,
-        65_536,
-        64,
-        16 << 20,
-    );
-    let max_fields = p.integer(
-        &format!("{section}.max_event_fields"),
-        fields,
-        MAX_EVENT_FIELDS_DEFAULT as u64,
-        1,
-        MAX_EVENT_FIELDS as u64,
-    );
-    (max_bytes as usize, max_fields as usize)
-}
 
 #[derive(Debug, Clone)]
 pub struct OutboundConfig {
@@ -143,52 +115,38 @@ pub(super) fn read_outbound(p: &mut Problems, v: Option<Value>) -> OutboundConfi
     ];
     p.unknown_keys("outbound", &raw.unknown, &known);
 
-    let streams = p.string_list("outbound.streams", &raw.streams);
-    if v.is_none() {
+    let flow = if v.is_none() {
         // No outbound flow (an inbound-only config): nothing to read or pace; the defaults keep
         // what is shared (the dead-letter writer, reports) working.
+        Flow::defaults("pacer:rejected")
+    } else {
+        read_flow(p, "outbound", &raw.flow, "pacer:rejected")
+    };
+    let Flow {
+        streams,
+        rejected_stream,
+        dead_letter_stream,
+        max_len,
+        dedupe_ttl,
+        max_event_bytes,
+        max_event_fields,
+    } = flow;
+    if v.is_none() {
         return OutboundConfig {
             streams,
-            rejected_stream: "pacer:rejected".into(),
-            dead_letter_stream: "pacer:dead".into(),
-            max_len: 1_000_000,
-            dedupe_ttl: Duration::from_secs(3600),
-            max_event_bytes: 65_536,
-            max_event_fields: MAX_EVENT_FIELDS_DEFAULT,
+            rejected_stream,
+            dead_letter_stream,
+            max_len,
+            dedupe_ttl,
+            max_event_bytes,
+            max_event_fields,
             routes: BTreeMap::new(),
             order: Vec::new(),
         };
     }
-    if streams.is_empty() {
-        p.push("outbound.streams", "needs at least one input stream");
-    }
-    let rejected_stream = p.string(
-        "outbound.rejected_stream",
-        &raw.rejected_stream,
-        Some("pacer:rejected"),
-    );
-    let dead_letter_stream = p.string(
-        "outbound.dead_letter_stream",
-        &raw.dead_letter_stream,
-        Some("pacer:dead"),
-    );
-    let max_len = p.integer(
-        "outbound.max_len",
-        &raw.max_len,
-        1_000_000,
-        100,
-        u32::MAX as u64,
-    );
-    let dedupe_ttl = p.duration(
-        "outbound.dedupe_ttl",
-        &raw.dedupe_ttl,
-        Duration::from_secs(3600),
-    );
     if dedupe_ttl < Duration::from_secs(1) {
         p.push("outbound.dedupe_ttl", "must be at least 1s");
     }
-    let (max_event_bytes, max_event_fields) =
-        event_limits(p, "outbound", &raw.max_event_bytes, &raw.max_event_fields);
     let max_age = optional_duration(p, "outbound.max_age", &raw.max_age);
     let routes = read_routes(p, raw.routes, max_age);
     let order = routes.keys().cloned().collect();

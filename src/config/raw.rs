@@ -80,9 +80,10 @@ pub struct RawMetrics {
     pub unknown: Mapping,
 }
 
+/// The keys the `outbound:` and `inbound:` sections share (read alike by `config::flow`).
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
-pub struct RawOutbound {
+pub struct RawFlow {
     pub streams: Leaf,
     pub rejected_stream: Leaf,
     pub dead_letter_stream: Leaf,
@@ -90,6 +91,13 @@ pub struct RawOutbound {
     pub dedupe_ttl: Leaf,
     pub max_event_bytes: Leaf,
     pub max_event_fields: Leaf,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct RawOutbound {
+    #[serde(flatten)]
+    pub flow: RawFlow,
     pub max_age: Leaf,
     pub routes: Leaf,
     #[serde(flatten)]
@@ -112,14 +120,9 @@ pub struct RawRoute {
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
 pub struct RawInbound {
-    pub streams: Leaf,
+    #[serde(flatten)]
+    pub flow: RawFlow,
     pub forward_stream: Leaf,
-    pub rejected_stream: Leaf,
-    pub dead_letter_stream: Leaf,
-    pub max_len: Leaf,
-    pub dedupe_ttl: Leaf,
-    pub max_event_bytes: Leaf,
-    pub max_event_fields: Leaf,
     pub fail_policy: Leaf,
     pub limiter_attempts: Leaf,
     pub rules: Leaf,

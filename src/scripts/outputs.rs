@@ -1,7 +1,7 @@
 //! Writing to shared output streams once (`emit.lua`), settling a poison event's decision
 //! (`void.lua`) and deleting departed consumers (`reap.lua`).
 
-use super::{push_fields, KeyIndex, Reply, Scripts};
+use super::{push_fields, KeyIndex, Reply, Scripts, Writing};
 use crate::error::Result;
 use crate::event::Fields;
 use crate::keys::{OutputKeys, RouteKeys};
@@ -11,14 +11,8 @@ use redis::Value;
 /// Where an `emit` call writes.
 pub struct EmitCall<'a> {
     pub keys: &'a OutputKeys,
-    /// How long the write-once records live, ms.
-    pub ttl_ms: u64,
-    pub max_len: u64,
-    /// The consumer group of the input streams (for acknowledging).
-    pub group: &'a str,
-    /// Whether this call may acknowledge entries of an input stream (it shares the output
-    /// stream's slot, or Redis is not a cluster).
-    pub acks: &'a (dyn Fn(&str) -> bool + Sync),
+    /// The write-once records' lifetime, the trim, the group and the acknowledgements.
+    pub out: Writing<'a>,
 }
 
 /// One entry written once to a shared output stream by `emit`.
@@ -42,12 +36,7 @@ impl Scripts {
             .iter()
             .map(|i| {
                 let hash = hashes.index(call.keys.written(i.source_stream, i.source_id));
-                let stream = if (call.acks)(i.source_stream) {
-                    streams.index(i.source_stream.to_string())
-                } else {
-                    0
-                };
-                (hash, stream)
+                (hash, call.out.ack_index(&mut streams, i.source_stream))
             })
             .collect();
         let mut inv = self.emit.prepare_invoke();
@@ -55,12 +44,8 @@ impl Scripts {
         for key in hashes.keys().iter().chain(streams.keys()) {
             inv.key(key);
         }
-        inv.arg(call.ttl_ms)
-            .arg(call.max_len)
-            .arg(call.group)
-            .arg(hashes.len())
-            .arg(streams.len())
-            .arg(items.len());
+        call.out.push_args(&mut inv);
+        inv.arg(hashes.len()).arg(streams.len()).arg(items.len());
         for (item, (hash, stream)) in items.iter().zip(at) {
             inv.arg(hash).arg(stream).arg(item.source_id);
             push_fields(&mut inv, item.fields);

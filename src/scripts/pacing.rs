@@ -1,7 +1,7 @@
 //! The pacing calls: `schedule.lua` (decide a route's share of a batch, dispatching what is due)
 //! and `dispatch.lua` (hand due events to the ready stream while the rate holds).
 
-use super::{reply, KeyIndex, Reply, Scripts};
+use super::{reply, KeyIndex, Reply, Scripts, Writing};
 use crate::error::{Error, Result};
 use crate::event::OutboundEvent;
 use crate::keys::RouteKeys;
@@ -15,15 +15,8 @@ pub struct RouteCall<'a> {
     pub name: &'a str,
     pub keys: &'a RouteKeys,
     pub bucket: &'a BucketParams,
-    /// How long decisions and id claims live, ms.
-    pub ttl_ms: u64,
-    /// The ready stream is trimmed to about this many entries.
-    pub max_len: u64,
-    /// The consumer group of the input streams (for acknowledging).
-    pub group: &'a str,
-    /// Whether this call may acknowledge entries of an input stream: the stream shares the
-    /// route's slot, or Redis is not a cluster.
-    pub acks: &'a (dyn Fn(&str) -> bool + Sync),
+    /// The ready stream's writing: decisions' lifetime, trim, group, acknowledgements.
+    pub out: Writing<'a>,
 }
 
 /// One input entry's event as a pacing call sees it.
@@ -149,11 +142,7 @@ impl Hashes {
         for e in events {
             let hash = h.keys.index(call.keys.decisions(e.stream, e.entry_id));
             if hash > h.of.len() {
-                let stream = if (call.acks)(e.stream) {
-                    h.streams.index(e.stream.to_string())
-                } else {
-                    0
-                };
+                let stream = call.out.ack_index(&mut h.streams, e.stream);
                 h.of.push((stream, e.stream.to_string()));
             }
             h.at.push(hash);
@@ -208,11 +197,9 @@ impl Scripts {
             inv.key(key);
         }
         inv.arg(call.bucket.interval_us)
-            .arg(call.bucket.tolerance_us)
-            .arg(call.ttl_ms)
-            .arg(call.max_len)
-            .arg(call.group)
-            .arg(stale_us)
+            .arg(call.bucket.tolerance_us);
+        call.out.push_args(&mut inv);
+        inv.arg(stale_us)
             .arg(max_age_us)
             .arg(call.name)
             .arg(max_wait_us)
@@ -288,11 +275,9 @@ impl Scripts {
         inv.key(&call.keys.bucket).key(&call.keys.ready);
         hashes.push_keys(&mut inv);
         inv.arg(call.bucket.interval_us)
-            .arg(call.bucket.tolerance_us)
-            .arg(call.ttl_ms)
-            .arg(call.max_len)
-            .arg(call.group)
-            .arg(call.name)
+            .arg(call.bucket.tolerance_us);
+        call.out.push_args(&mut inv);
+        inv.arg(call.name)
             .arg(hashes.keys.len())
             .arg(hashes.streams.len())
             .arg(items.len());

@@ -7,7 +7,7 @@ use crate::connection::RedisConn;
 use crate::error::Result;
 use crate::health::Health;
 use crate::keys::{self, OutputKeys};
-use crate::scripts::{RouteCall, Scripts};
+use crate::scripts::{RouteCall, Scripts, Writing};
 use crate::telemetry;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -94,10 +94,12 @@ impl Context {
             name: &route.name,
             keys: &route.keys,
             bucket: &route.bucket,
-            ttl_ms: self.marker_ttl_ms,
-            max_len: self.cfg.outbound.max_len,
-            group: &self.cfg.worker.group,
-            acks,
+            out: Writing {
+                ttl_ms: self.marker_ttl_ms,
+                max_len: self.cfg.outbound.max_len,
+                group: &self.cfg.worker.group,
+                acks,
+            },
         }
     }
 

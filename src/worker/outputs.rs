@@ -8,7 +8,7 @@ use super::context::Context;
 use crate::config::Route;
 use crate::event::{self, Entry, Fields, OutboundEvent, Reason, Refused};
 use crate::keys::OutputKeys;
-use crate::scripts::{EmitCall, EmitItem};
+use crate::scripts::{EmitCall, EmitItem, Writing};
 use crate::streams;
 use crate::telemetry::{self, Outcome};
 use std::collections::BTreeMap;
@@ -133,10 +133,12 @@ pub(crate) async fn emit(
     let acks = ctx.acks_in_script(&keys.stream);
     let call = EmitCall {
         keys,
-        ttl_ms,
-        max_len,
-        group: &ctx.cfg.worker.group,
-        acks: &acks,
+        out: Writing {
+            ttl_ms,
+            max_len,
+            group: &ctx.cfg.worker.group,
+            acks: &acks,
+        },
     };
     ctx.retry(op, stop, || {
         let mut con = ctx.con.clone();
