@@ -72,10 +72,7 @@ if at - 1 ~= #ARGV then
   bad('argument count')
 end
 
-local now = redis_now_us()
-local tat, dtat, last = read_bucket(1, 2)
-check_groups(3 + h, s, group)
-local decided = records(3, h, ev_hash, ev_entry)
+local now, tat, dtat, last, decided = read_route(h, s, group, ev_hash, ev_entry)
 
 local out = { now }
 local changed = false

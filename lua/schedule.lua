@@ -100,10 +100,7 @@ end
 
 -- Then read: the bucket, the ready stream's newest entry, the decisions on record, the id
 -- claims (reading also checks every key's type, so nothing fails once writing starts).
-local now = redis_now_us()
-local tat, dtat, last = read_bucket(1, 2)
-check_groups(3 + h, s, group)
-local decided = records(3, h, ev_hash, ev_entry)
+local now, tat, dtat, last, decided = read_route(h, s, group, ev_hash, ev_entry)
 local claimed = {}
 for k = 1, c do
   claimed[k] = redis.call('GET', KEYS[2 + h + s + k])

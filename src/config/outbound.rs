@@ -35,6 +35,20 @@ pub struct OutboundConfig {
 }
 
 impl OutboundConfig {
+    fn new(flow: Flow, routes: BTreeMap<String, Route>) -> Self {
+        OutboundConfig {
+            streams: flow.streams,
+            rejected_stream: flow.rejected_stream,
+            dead_letter_stream: flow.dead_letter_stream,
+            max_len: flow.max_len,
+            dedupe_ttl: flow.dedupe_ttl,
+            max_event_bytes: flow.max_event_bytes,
+            max_event_fields: flow.max_event_fields,
+            order: routes.keys().cloned().collect(),
+            routes,
+        }
+    }
+
     /// The route with this `index`.
     pub fn route_at(&self, index: usize) -> &Route {
         &self.routes[&self.order[index]]
@@ -115,54 +129,34 @@ pub(super) fn read_outbound(p: &mut Problems, v: Option<Value>) -> OutboundConfi
     ];
     p.unknown_keys("outbound", &raw.unknown, &known);
 
-    let flow = if v.is_none() {
+    if v.is_none() {
         // No outbound flow (an inbound-only config): nothing to read or pace; the defaults keep
         // what is shared (the dead-letter writer, reports) working.
-        Flow::defaults("pacer:rejected")
-    } else {
-        read_flow(p, "outbound", &raw.flow, "pacer:rejected")
-    };
-    let Flow {
-        streams,
-        rejected_stream,
-        dead_letter_stream,
-        max_len,
-        dedupe_ttl,
-        max_event_bytes,
-        max_event_fields,
-    } = flow;
-    if v.is_none() {
-        return OutboundConfig {
-            streams,
-            rejected_stream,
-            dead_letter_stream,
-            max_len,
-            dedupe_ttl,
-            max_event_bytes,
-            max_event_fields,
-            routes: BTreeMap::new(),
-            order: Vec::new(),
-        };
+        return OutboundConfig::new(Flow::defaults("pacer:rejected"), BTreeMap::new());
     }
-    if dedupe_ttl < Duration::from_secs(1) {
+    let flow = read_flow(p, "outbound", &raw.flow, "pacer:rejected");
+    if flow.dedupe_ttl < Duration::from_secs(1) {
         p.push("outbound.dedupe_ttl", "must be at least 1s");
     }
     let max_age = optional_duration(p, "outbound.max_age", &raw.max_age);
     let routes = read_routes(p, raw.routes, max_age);
-    let order = routes.keys().cloned().collect();
 
     // Every stream name, input or output, must have a usable hash tag and appear once: an output
     // that is also an input would feed pacer its own output.
     let mut seen: BTreeMap<String, String> = BTreeMap::new();
-    let mut named: Vec<(String, String)> = streams
+    let mut named: Vec<(String, String)> = flow
+        .streams
         .iter()
         .enumerate()
         .map(|(i, s)| (format!("outbound.streams[{i}]"), s.clone()))
         .collect();
-    named.push(("outbound.rejected_stream".into(), rejected_stream.clone()));
+    named.push((
+        "outbound.rejected_stream".into(),
+        flow.rejected_stream.clone(),
+    ));
     named.push((
         "outbound.dead_letter_stream".into(),
-        dead_letter_stream.clone(),
+        flow.dead_letter_stream.clone(),
     ));
     for (name, route) in &routes {
         named.push((
@@ -183,17 +177,7 @@ pub(super) fn read_outbound(p: &mut Problems, v: Option<Value>) -> OutboundConfi
         }
     }
 
-    OutboundConfig {
-        streams,
-        rejected_stream,
-        dead_letter_stream,
-        max_len,
-        dedupe_ttl,
-        max_event_bytes,
-        max_event_fields,
-        routes,
-        order,
-    }
+    OutboundConfig::new(flow, routes)
 }
 
 /// A duration that may be absent (no limit); zero is refused, since it would refuse everything.

@@ -115,26 +115,39 @@ fn openssl(dir: &Path, args: &[&str]) {
     );
 }
 
+/// `openssl req` making a P-256 key `<name>.key` for `/CN=<cn>`, writing `out` (`-x509`
+/// in `extra` makes it a self-signed certificate rather than a signing request).
+fn new_key(dir: &Path, name: &str, cn: &str, out: &str, extra: &[&str]) {
+    let (key, subject) = (format!("{name}.key"), format!("/CN={cn}"));
+    let mut args = vec![
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        &key,
+        "-out",
+        out,
+        "-subj",
+        &subject,
+    ];
+    args.extend_from_slice(extra);
+    openssl(dir, &args);
+}
+
 /// A self-signed CA: `<name>.pem` and `<name>.key`.
 fn make_ca(dir: &Path, name: &str, cn: &str) {
-    openssl(
+    new_key(
         dir,
+        name,
+        cn,
+        &format!("{name}.pem"),
         &[
-            "req",
             "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            &format!("{name}.key"),
-            "-out",
-            &format!("{name}.pem"),
             "-days",
             "2",
-            "-subj",
-            &format!("/CN={cn}"),
             "-addext",
             "basicConstraints=critical,CA:TRUE",
             "-addext",
@@ -146,23 +159,7 @@ fn make_ca(dir: &Path, name: &str, cn: &str) {
 /// A certificate `<name>.pem` (key `<name>.key`) signed by `ca`, with the extensions in
 /// `<name>.ext`.
 fn make_leaf(dir: &Path, name: &str, cn: &str) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            &format!("{name}.key"),
-            "-out",
-            &format!("{name}.csr"),
-            "-subj",
-            &format!("/CN={cn}"),
-        ],
-    );
+    new_key(dir, name, cn, &format!("{name}.csr"), &[]);
     openssl(
         dir,
         &[
