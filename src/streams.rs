@@ -193,6 +193,30 @@ pub async fn pending_idle<C: ConnectionLike>(
     Ok(out)
 }
 
+/// Whether entry `id` of `stream` is still pending in `group` with `consumer` (`XPENDING` over
+/// that one id): false once it was acknowledged, claimed by another consumer or trimmed.
+pub async fn held_by<C: ConnectionLike>(
+    con: &mut C,
+    stream: &str,
+    group: &str,
+    id: &str,
+    consumer: &str,
+) -> Result<bool> {
+    let reply: Value = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .arg(id)
+        .arg(id)
+        .arg(1)
+        .arg(consumer)
+        .query_async(con)
+        .await?;
+    match reply {
+        Value::Array(rows) => Ok(!rows.is_empty()),
+        _ => Err(Error::reply("pending", "expected a list")),
+    }
+}
+
 /// Claims `ids` for `consumer` if they are still idle longer than `min_idle` (another worker may
 /// have claimed them since they were listed). Each comes back with `deliveries` + 1, the count
 /// XCLAIM leaves; entries trimmed from the stream meanwhile are dropped from the group by Redis.

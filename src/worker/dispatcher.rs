@@ -340,7 +340,7 @@ impl State {
                 }
                 Action::Redecide => {
                     warn!(entry = %s.event.id, route = %route.name, "decision gone (expired or evicted); deciding anew");
-                    onward.push(Placing::again_on(s.event, &ctx, route.index, s.permit));
+                    onward.push(Placing::decision_gone(s.event, &ctx, route.index, s.permit));
                 }
                 Action::Drop => {
                     debug!(entry = %s.event.id, "another worker holds this event now")

@@ -28,6 +28,9 @@ pub(crate) struct Placing {
     best_wait_us: Option<i64>,
     /// An unreadable decision on record that this one may replace.
     expect: Option<String>,
+    /// Its decision vanished while this worker held it: it may be decided anew only if the
+    /// group still says this worker holds it (see `still_held`).
+    pub(crate) check_held: bool,
     pub(crate) permit: OwnedSemaphorePermit,
 }
 
@@ -38,12 +41,13 @@ impl Placing {
             next: 0,
             best_wait_us: None,
             expect: None,
+            check_held: false,
             permit,
         }
     }
 
     /// The same event, to be decided anew on `route` (its decision there is gone).
-    pub(crate) fn again_on(
+    fn again_on(
         event: OutboundEvent,
         ctx: &Context,
         route: usize,
@@ -53,6 +57,20 @@ impl Placing {
         Placing {
             next,
             ..Placing::new(event, permit)
+        }
+    }
+
+    /// The same event, whose decision on `route` vanished while it slept here (expired or
+    /// evicted): decided anew there only if this worker still holds the entry.
+    pub(crate) fn decision_gone(
+        event: OutboundEvent,
+        ctx: &Context,
+        route: usize,
+        permit: OwnedSemaphorePermit,
+    ) -> Self {
+        Placing {
+            check_held: true,
+            ..Placing::again_on(event, ctx, route, permit)
         }
     }
 
@@ -112,6 +130,47 @@ pub(crate) fn route_onward(
         }
     }
     by_route
+}
+
+/// Keeps the events of `group` whose entries this worker still holds. An event whose decision
+/// vanished while it slept may have been finished by another worker: a worker stalled past
+/// `claim_idle` loses its entries to a claimer, and once `dedupe_ttl` has passed the claimer's
+/// markers are gone too, so only the group's pending list still tells. Deciding such an event
+/// anew would place, reject or dead-letter it a second time. `None` if `stop` came first.
+pub(crate) async fn still_held(
+    ctx: &Context,
+    group: Vec<Placing>,
+    stop: &CancellationToken,
+) -> Option<Vec<Placing>> {
+    let mut kept = Vec::with_capacity(group.len());
+    for mut p in group {
+        if p.check_held {
+            let (stream, id) = (p.event.stream.clone(), p.event.id.clone());
+            let held = ctx
+                .retry("pending", stop, || {
+                    let mut con = ctx.con.clone();
+                    let (stream, id) = (stream.clone(), id.clone());
+                    async move {
+                        crate::streams::held_by(
+                            &mut con,
+                            &stream,
+                            &ctx.cfg.worker.group,
+                            &id,
+                            &ctx.consumer,
+                        )
+                        .await
+                    }
+                })
+                .await?;
+            if !held {
+                warn!(entry = %p.event.id, "finished by another worker while this one was stalled (its decision has since expired); letting it go");
+                continue;
+            }
+            p.check_held = false;
+        }
+        kept.push(p);
+    }
+    Some(kept)
 }
 
 /// Offers `group` to `route` in one `schedule` call, retried with backoff until Redis answers;

@@ -86,6 +86,12 @@ async fn run(
                 Err(_) => break,
             }
         }
+        if group.iter().any(|p| p.check_held) {
+            let Some(held) = placement::still_held(&ctx, group, &stop).await else {
+                return;
+            };
+            group = held;
+        }
         // A group over MAX_CALL (one large read) goes in several calls.
         while !group.is_empty() {
             let rest = group.split_off(group.len().min(MAX_CALL));

@@ -1,0 +1,213 @@
+//! Outages longer than `dedupe_ttl` (issue 12, point 3): the markers that keep an entry's fate
+//! single expire while the entry may still be pending. An entry found older than `dedupe_ttl`
+//! with nothing on record is never decided a second time: it is dead-lettered once, reason
+//! `expired`, with its fields. Here the whole fleet is down longer than that (`kill -9`), and,
+//! separately, one worker is frozen (SIGSTOP) longer than `claim_idle + dedupe_ttl` while
+//! another finishes its events and their markers expire; the frozen one wakes holding them.
+
+mod common;
+
+use common::*;
+use pacer::testkit::{create_group, free_port, http_get, metric, wait_until, RedisServer, TempDir};
+use std::time::{Duration, Instant};
+
+/// A 4/s route with waits up to 1 s. claim_idle must exceed max_wait + 1 s, dedupe_ttl must
+/// exceed claim_idle × max_deliveries + max_wait (5.2 s): the shortest the config allows.
+const BODY: &str = r#"outbound:
+  streams: ["in"]
+  dedupe_ttl: 6s
+  routes:
+    slow: {rate: 4/s, burst: 1, max_wait: 1s}
+"#;
+const WORKER: &str = "  batch: 16\n  claim_idle: 2100ms\n  max_deliveries: 2\n  drain: 500ms";
+const DEDUPE_TTL: Duration = Duration::from_secs(6);
+const OUTPUTS: [&str; 3] = ["pacer:{slow}:ready", "pacer:rejected", "pacer:dead"];
+
+fn events(tag: &str, n: usize) -> Vec<Vec<(String, Vec<u8>)>> {
+    (0..n)
+        .map(|i| event(&[("route", "slow"), ("n", &format!("{tag}-{i}"))]))
+        .collect()
+}
+
+fn sleeping(port: u16) -> f64 {
+    http_get(port, "/metrics")
+        .map(|(_, text)| metric(&text, "pacer_sleeping_events"))
+        .unwrap_or(0.0)
+}
+
+/// Waits until every id in `ids` has ended somewhere; then checks each ended once.
+fn wait_all_ended(redis: &RedisServer, ids: &[String], limit: Duration) {
+    let ended = wait_until(limit, || {
+        let at = placements(redis, &OUTPUTS);
+        ids.iter().all(|id| at.contains_key(id))
+    });
+    assert!(
+        ended,
+        "not every entry ended: {:?}",
+        placements(redis, &OUTPUTS)
+    );
+    // Time for a second write to show, should one come.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_each_once(redis, ids, &OUTPUTS, "in");
+}
+
+/// The dead letters with reason `expired`, by source id, with the producer's `n` field.
+fn expired(redis: &RedisServer) -> Vec<(String, String)> {
+    read(redis, "pacer:dead")
+        .iter()
+        .filter(|d| d.field("pacer_reason") == Some("expired"))
+        .map(|d| {
+            (
+                d.field("pacer_source_id").unwrap().to_string(),
+                d.field("n")
+                    .expect("an expired entry keeps its fields")
+                    .to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_fleet_down_longer_than_dedupe_ttl_decides_nothing_twice() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("outage");
+    let port = free_port();
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, BODY);
+
+    // A worker that read entries and died before deciding any: they sit pending, undecided.
+    create_group(&mut redis.con(), "in", "pacer");
+    let ghost = push(&redis, "in", &events("ghost", 4));
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("pacer")
+        .arg("ghost")
+        .arg("STREAMS")
+        .arg("in")
+        .arg(">")
+        .query(&mut redis.con())
+        .unwrap();
+
+    // The fleet: one worker, killed while it holds sleeping events with recorded slots.
+    let mut first = start(&cfg, port);
+    let before = push(&redis, "in", &events("before", 8));
+    assert!(
+        wait_until(Duration::from_secs(5), || sleeping(port) >= 2.0),
+        "no events sleeping:\n{}",
+        first.log_text()
+    );
+    first.kill();
+    let killed = Instant::now();
+    let settled_before: Vec<String> = placements(&redis, &OUTPUTS).into_keys().collect();
+    // Produced while nothing runs.
+    let during = push(&redis, "in", &events("during", 5));
+
+    // Down longer than dedupe_ttl: every marker the fleet wrote has expired.
+    std::thread::sleep(DEDUPE_TTL + Duration::from_millis(1500) - killed.elapsed().min(DEDUPE_TTL));
+    let markers: Vec<String> = keys(&redis)
+        .into_iter()
+        .filter(|k| k.contains(":dec:"))
+        .collect();
+    assert!(
+        markers.is_empty(),
+        "markers outlived dedupe_ttl: {markers:?}"
+    );
+
+    let down = killed.elapsed();
+    let second = start(&cfg, port);
+    let after = push(&redis, "in", &events("after", 3));
+    let all: Vec<String> = [&ghost, &before, &during, &after]
+        .into_iter()
+        .flatten()
+        .cloned()
+        .collect();
+    wait_all_ended(&redis, &all, Duration::from_secs(15));
+
+    // What the first worker had not finished (the ghost's entries, its sleepers) and what was
+    // produced during the outage are older than dedupe_ttl with nothing on record: dead-lettered
+    // once as expired, fields and all. What came after is placed as usual.
+    let expired = expired(&redis);
+    let expired_ids: Vec<&String> = expired.iter().map(|(id, _)| id).collect();
+    for id in ghost.iter().chain(&during) {
+        assert!(expired_ids.contains(&id), "{id} not expired: {expired:?}");
+    }
+    for id in before.iter().filter(|id| !settled_before.contains(id)) {
+        assert!(
+            expired_ids.contains(&id),
+            "{id} held at the kill, not expired"
+        );
+    }
+    for id in &after {
+        assert!(!expired_ids.contains(&id), "{id} is new, yet expired");
+    }
+    let ready = read(&redis, "pacer:{slow}:ready");
+    assert!(ready.iter().any(|e| e.field("n") == Some("after-0")));
+    assert_rate(&redis, "pacer:{slow}:ready", 4.0, 1.0);
+    println!(
+        "fleet down {:.1} s: {} expired ({} never decided, {} sleeping at the kill, {} produced meanwhile), {} settled before the kill",
+        down.as_secs_f64(),
+        expired.len(),
+        ghost.len(),
+        before.len() - settled_before.len(),
+        during.len(),
+        settled_before.len()
+    );
+    drop(second);
+}
+
+/// A worker frozen (SIGSTOP) while it holds sleeping events; another claims and finishes them;
+/// their markers expire; the frozen worker wakes (SIGCONT) still holding them. Each entry ended
+/// once already, and the woken worker must not place, reject or dead-letter any again.
+#[test]
+fn a_worker_frozen_past_dedupe_ttl_wakes_and_writes_nothing_twice() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("frozen");
+    let (port_a, port_b) = (free_port(), free_port());
+    let cfg_a = config(&dir, "a.yaml", &redis, port_a, WORKER, BODY);
+    let cfg_b = config(&dir, "b.yaml", &redis, port_b, WORKER, BODY);
+
+    let frozen = start(&cfg_a, port_a);
+    let ids = push(&redis, "in", &events("e", 6));
+    assert!(
+        wait_until(Duration::from_secs(5), || sleeping(port_a) >= 2.0),
+        "no events sleeping:\n{}",
+        frozen.log_text()
+    );
+    let held = sleeping(port_a);
+    frozen.signal("STOP");
+    let stopped = Instant::now();
+
+    // The other worker claims what the frozen one held after claim_idle and finishes it.
+    let other = start(&cfg_b, port_b);
+    wait_all_ended(&redis, &ids, Duration::from_secs(15));
+    let before: Vec<_> = OUTPUTS
+        .iter()
+        .map(|s| read(&redis, s).len())
+        .collect::<Vec<_>>();
+
+    // Frozen past claim_idle + dedupe_ttl: the claimer's markers are gone too.
+    let frozen_for = Duration::from_millis(2100) + DEDUPE_TTL + Duration::from_millis(1500);
+    std::thread::sleep(frozen_for.saturating_sub(stopped.elapsed()));
+    assert!(
+        keys(&redis).iter().all(|k| !k.contains(":dec:")),
+        "markers outlived dedupe_ttl"
+    );
+    frozen.signal("CONT");
+    // It wakes, finds its slots' decisions gone and must let the events go.
+    std::thread::sleep(Duration::from_secs(3));
+    let after: Vec<_> = OUTPUTS
+        .iter()
+        .map(|s| read(&redis, s).len())
+        .collect::<Vec<_>>();
+    assert_eq!(
+        before,
+        after,
+        "the woken worker wrote again:\n{}",
+        frozen.log_text()
+    );
+    assert_each_once(&redis, &ids, &OUTPUTS, "in");
+    println!(
+        "frozen {:.1} s holding {held} sleeping events; on waking it wrote nothing",
+        stopped.elapsed().as_secs_f64()
+    );
+    drop(other);
+}
