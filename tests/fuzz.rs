@@ -233,3 +233,242 @@ proptest! {
         check_config(&text);
     }
 }
+
+/// Whole numbers at and beyond every edge a setting could have: 0, 1, the caps (3000, 10,000,
+/// 1,000,000, 16 MiB, u32::MAX...), i64/u64 limits and past them, floats, text.
+fn number() -> impl Strategy<Value = String> {
+    let edges = [
+        "0",
+        "1",
+        "-1",
+        "2",
+        "100",
+        "3000",
+        "3001",
+        "10000",
+        "10001",
+        "1000000",
+        "1000001",
+        "16777216",
+        "16777217",
+        "4294967295",
+        "4294967296",
+        "9007199254740993",
+        "9223372036854775807",
+        "9223372036854775808",
+        "18446744073709551615",
+        "18446744073709551616",
+        "1e30",
+        "1.5",
+        "-0",
+        ".inf",
+        ".nan",
+        "null",
+        "\"12\"",
+        "[]",
+    ];
+    prop_oneof![
+        proptest::sample::select(edges.to_vec()).prop_map(str::to_string),
+        any::<u64>().prop_map(|n| n.to_string()),
+        (0..2_000_000u64).prop_map(|n| n.to_string()),
+    ]
+}
+
+/// Durations at the edges (0, 1 ns, the 365-day cap and past it, past u64 seconds) and at random.
+fn duration() -> impl Strategy<Value = String> {
+    let edges = [
+        "0s",
+        "0ms",
+        "1ns",
+        "1us",
+        "1ms",
+        "99ms",
+        "100ms",
+        "1s",
+        "2s",
+        "30s",
+        "1h",
+        "8760h",
+        "365d",
+        "366d",
+        "8761h",
+        "18446744073709551615s",
+        "18446744073709551616s",
+        "1e30s",
+        "-1s",
+        "5",
+        "\"\"",
+        "10 years",
+    ];
+    let units = ["ns", "us", "ms", "s", "m", "h", "d"];
+    prop_oneof![
+        proptest::sample::select(edges.to_vec()).prop_map(str::to_string),
+        (any::<u64>(), proptest::sample::select(units.to_vec()))
+            .prop_map(|(n, u)| format!("{n}{u}")),
+        (0..100_000u64, proptest::sample::select(units.to_vec()))
+            .prop_map(|(n, u)| format!("{n}{u}")),
+    ]
+}
+
+/// Rates: counts at their edges per every unit, and units that do not exist.
+fn rate() -> impl Strategy<Value = String> {
+    let units = ["ms", "s", "min", "h", "us", "d", ""];
+    (number(), proptest::sample::select(units.to_vec())).prop_map(|(n, u)| format!("{n}/{u}"))
+}
+
+/// One setting's value: mostly one of `valid` (its bounds and a usual value, so that whole
+/// configs load and their extremes reach `loaded_numbers_stay_in_range`), sometimes anything
+/// `wild` draws.
+fn slot(valid: &[&'static str], wild: BoxedStrategy<String>) -> BoxedStrategy<String> {
+    prop_oneof![
+        24 => proptest::sample::select(valid.to_vec()).prop_map(str::to_string),
+        1 => wild,
+    ]
+    .boxed()
+}
+
+/// A config with every numeric setting of every section drawn by `slot`.
+fn numeric_config() -> impl Strategy<Value = String> {
+    let n = |valid: &[&'static str]| slot(valid, number().boxed());
+    let d = |valid: &[&'static str]| slot(valid, duration().boxed());
+    let r = || {
+        slot(
+            &["1/h", "1000/ms", "10/s", "3600000000/h", "7/min"],
+            rate().boxed(),
+        )
+    };
+    let redis = (
+        d(&["1ms", "1s", "365d"]),
+        d(&["1ns", "1us", "500us"]),
+        n(&["0", "3", "100"]),
+    );
+    let worker = (
+        n(&["1", "512", "10000"]),
+        n(&["10000", "20000", "10000000"]),
+        d(&["3s", "30s", "8h"]),
+        n(&["1", "5", "1000"]),
+        d(&["0s", "1ms", "5s", "365d"]),
+    );
+    let outbound = (
+        n(&["100", "1000000", "4294967295"]),
+        d(&["1s", "365d"]),
+        n(&["64", "65536", "16777216"]),
+        n(&["1", "1000", "3000"]),
+        d(&["1ms", "60s", "365d"]),
+    );
+    let routes = (
+        r(),
+        n(&["1", "2", "1000000"]),
+        d(&["0s", "1ms", "2s"]),
+        d(&["1ms", "365d"]),
+        r(),
+    );
+    let inbound = (
+        n(&["100", "4294967295"]),
+        d(&["365d"]),
+        n(&["64", "16777216"]),
+        n(&["1", "3000"]),
+        n(&["1", "3", "20"]),
+    );
+    let rules = (r(), n(&["1", "1000000"]), r(), d(&["1ns", "100ms", "365d"]));
+    (redis, worker, outbound, routes, inbound, rules).prop_map(
+        |(
+            (t, wt, wr),
+            (b, mi, ci, md, dr),
+            (ol, od, ob, of, oa),
+            (ra, rb, rw, rg, rb2),
+            (il, id, ib, ifs, la),
+            (g, gb, l, ls),
+        )| {
+            [
+                "redis:".to_string(),
+                "  url: redis://127.0.0.1:6379".into(),
+                format!("  timeout: {t}"),
+                format!("  wait_timeout: {wt}"),
+                format!("  wait_replicas: {wr}"),
+                "worker:".into(),
+                format!("  batch: {b}"),
+                format!("  max_inflight: {mi}"),
+                format!("  claim_idle: {ci}"),
+                format!("  max_deliveries: {md}"),
+                format!("  drain: {dr}"),
+                "outbound:".into(),
+                "  streams: [o]".into(),
+                format!("  max_len: {ol}"),
+                format!("  dedupe_ttl: {od}"),
+                format!("  max_event_bytes: {ob}"),
+                format!("  max_event_fields: {of}"),
+                format!("  max_age: {oa}"),
+                "  routes:".into(),
+                format!("    a: {{rate: {ra}, burst: {rb}, max_wait: {rw}, max_age: {rg}, fallbacks: [b]}}"),
+                format!("    b: {{rate: {rb2}}}"),
+                "inbound:".into(),
+                "  streams: [i]".into(),
+                "  forward_stream: f".into(),
+                format!("  max_len: {il}"),
+                format!("  dedupe_ttl: {id}"),
+                format!("  max_event_bytes: {ib}"),
+                format!("  max_event_fields: {ifs}"),
+                format!("  limiter_attempts: {la}"),
+                "  rules:".into(),
+                format!("    - {{name: g, key: [s], algorithm: gcra, limits: [{g}], burst: {gb}}}"),
+                format!("    - {{name: l, key: [s], algorithm: sliding_log, limits: [{l}], min_spacing: {ls}}}"),
+            ]
+            .join("\n")
+        },
+    )
+}
+
+/// No numeric value panics the config reader (issue 12: claim_idle × max_deliveries and
+/// Instant + drain used to overflow): each is loaded, or refused with its path, and what loads
+/// is held to what the daemon computes from it. A good share of cases must load, or the check
+/// on loaded configs would check nothing.
+#[test]
+fn any_numeric_setting_is_loaded_or_refused_with_its_path() {
+    let total = cases(5000);
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: total,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    });
+    let loaded = std::cell::Cell::new(0u32);
+    runner
+        .run(&numeric_config(), |text| {
+            check_config(&text);
+            if let Ok(cfg) = Config::parse(&text, &Overrides::default()) {
+                loaded.set(loaded.get() + 1);
+                loaded_numbers_stay_in_range(&cfg);
+            }
+            Ok(())
+        })
+        .unwrap();
+    println!("{} of {total} configs loaded", loaded.get());
+    assert!(
+        loaded.get() >= total / 10,
+        "only {} of {total} configs loaded",
+        loaded.get()
+    );
+}
+
+/// What the daemon derives from a loaded config must not overflow: microseconds as i64 (the
+/// scripts' unit), deadlines from now, the bucket's tolerance in Lua's exact-integer range.
+fn loaded_numbers_stay_in_range(cfg: &Config) {
+    const LUA_EXACT: u128 = 1 << 53;
+    let now_us: u128 = 1_800_000_000_000_000; // 2027, µs since the epoch
+    let w = &cfg.worker;
+    assert!(std::time::Instant::now().checked_add(w.drain).is_some());
+    assert!(std::time::Instant::now()
+        .checked_add(w.claim_idle * 2)
+        .is_some());
+    for route in cfg.outbound.routes.values() {
+        let interval = route.rate.interval_us() as u128;
+        let tolerance = interval * route.burst.get() as u128;
+        assert!(
+            now_us + tolerance + route.max_wait.as_micros() < LUA_EXACT,
+            "route {} overflows Lua's integers",
+            route.name
+        );
+        assert!(route.max_wait.as_micros() < i64::MAX as u128);
+    }
+    assert!(cfg.outbound.dedupe_ttl.as_millis() < i64::MAX as u128);
+}

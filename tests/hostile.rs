@@ -269,3 +269,75 @@ fn entries_trimmed_while_pending_are_counted_and_the_rest_end_once() {
     assert!(metrics.contains(&counted), "{counted} in:\n{metrics}");
     assert!(b.log_text().contains("deleted from the input stream"));
 }
+
+/// Every numeric setting at the top of its range, then at the bottom: the daemon runs, every
+/// entry of either flow ends once, and SIGTERM ends it cleanly (issue 12: large durations used
+/// to overflow and panic). `tests/fuzz.rs` reads thousands of numeric configs without running
+/// them; this runs the extremes for real.
+#[test]
+fn a_config_at_every_extreme_runs_and_ends_each_entry_once() {
+    let highest = (
+        "  batch: 10000\n  max_inflight: 10000000\n  claim_idle: 8h\n  max_deliveries: 1000\n  drain: 365d",
+        "outbound:\n  streams: [\"in\"]\n  max_len: 4294967295\n  dedupe_ttl: 365d\n  max_event_bytes: 16777216\n  max_event_fields: 3000\n  max_age: 365d\n  routes:\n    a: {rate: 1000/ms, burst: 1000000, max_wait: 7h, max_age: 365d, fallbacks: [b]}\n    b: {rate: 1/h, burst: 1000000, max_wait: 7h}\n\
+inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  rejected_stream: \"pacer:in-rejected\"\n  max_len: 4294967295\n  dedupe_ttl: 365d\n  max_event_bytes: 16777216\n  max_event_fields: 3000\n  limiter_attempts: 20\n  rules:\n    - {name: g, key: [source], algorithm: gcra, limits: [1000/ms], burst: 1000000}\n    - {name: l, key: [source], algorithm: sliding_log, limits: [1000/ms, 10000/h], min_spacing: 365d}\n    - {name: f, key: [source], algorithm: fixed_window, limits: [1000/ms]}\n",
+        "  timeout: 365d\n  wait_timeout: 364d\n",
+    );
+    let lowest = (
+        "  batch: 1\n  max_inflight: 1\n  claim_idle: 1001ms\n  max_deliveries: 1\n  drain: 0s",
+        "outbound:\n  streams: [\"in\"]\n  max_len: 100\n  dedupe_ttl: 1002ms\n  max_event_bytes: 64\n  max_event_fields: 1\n  max_age: 1ms\n  routes:\n    a: {rate: 1/h, burst: 1, max_wait: 0s, max_age: 1ms, fallbacks: [b]}\n    b: {rate: 1/h, burst: 1, max_wait: 0s}\n\
+inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  rejected_stream: \"pacer:in-rejected\"\n  max_len: 100\n  dedupe_ttl: 1002ms\n  max_event_bytes: 64\n  max_event_fields: 1\n  limiter_attempts: 1\n  rules:\n    - {name: g, key: [source], algorithm: gcra, limits: [1/h], burst: 1}\n    - {name: l, key: [source], algorithm: sliding_log, limits: [1/h], min_spacing: 1ns}\n    - {name: f, key: [source], algorithm: fixed_window, limits: [1/h]}\n",
+        // The shortest timeout that still lets a loaded machine's calls through.
+        "  timeout: 50ms\n  wait_timeout: 1ns\n",
+    );
+    for (label, (worker, body, redis_extra)) in [("highest", highest), ("lowest", lowest)] {
+        let redis = RedisServer::start();
+        let dir = TempDir::new("extremes");
+        let port = free_port();
+        let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
+        // The helper's redis section sets a timeout: replace it with this extreme's.
+        let text = std::fs::read_to_string(&cfg)
+            .unwrap()
+            .replace("  timeout: 500ms\n", redis_extra);
+        std::fs::write(&cfg, text).unwrap();
+        let mut pacer = start(&cfg, port);
+        let out: Vec<_> = (0..30)
+            .map(|i| event(&[("route", if i % 3 == 0 { "b" } else { "a" })]))
+            .collect();
+        let inb: Vec<_> = (0..30)
+            .map(|i| event(&[("source", &format!("s{}", i % 2))]))
+            .collect();
+        let out_ids = push(&redis, "in", &out);
+        let in_ids = push(&redis, "pacer:in", &inb);
+        let outputs = [
+            "pacer:{a}:ready",
+            "pacer:{b}:ready",
+            "pacer:rejected",
+            "pacer:dead",
+            "pacer:accepted",
+            "pacer:in-rejected",
+        ];
+        let ended = wait_until(Duration::from_secs(20), || {
+            placements_by_stream(&redis, &outputs).len() == out_ids.len() + in_ids.len()
+        });
+        assert!(
+            ended,
+            "{label}: not every entry ended:\n{}",
+            pacer.log_text()
+        );
+        assert_each_once_by_stream(&redis, &[("in", &out_ids), ("pacer:in", &in_ids)], &outputs);
+        pacer.signal("TERM");
+        let code = pacer.wait_for(Duration::from_secs(10));
+        let log = pacer.log_text();
+        assert_eq!(
+            code,
+            Some(0),
+            "{label}: SIGTERM did not end it cleanly:\n{log}"
+        );
+        assert!(!log.contains("panicked"), "{label}:\n{log}");
+        let counts: Vec<String> = outputs
+            .iter()
+            .map(|s| format!("{} {s}", read(&redis, s).len()))
+            .collect();
+        println!("{label}: {}", counts.join(", "));
+    }
+}
