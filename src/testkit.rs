@@ -3,15 +3,17 @@
 //!
 //! Production-shaped Redis lives in the submodules: a Redis Cluster with replicas (`cluster`),
 //! a master, a replica and three sentinels (`sentinel`), certificates and a TLS-only server
-//! (`tls`).
+//! (`tls`), and a wall clock a test can step (`clock_shift`).
 //!
 //! Over 400 lines: the process-level kit (redis-server, pacer processes, ports, temporary
 //! directories), many small helpers.
 
+mod clock_shift;
 mod cluster;
 mod sentinel;
 mod tls;
 
+pub use clock_shift::ClockShift;
 pub use cluster::{Cluster, ClusterNode, NodeInfo};
 pub use sentinel::Sentinels;
 pub use tls::TlsFiles;
@@ -121,6 +123,8 @@ pub struct RedisServer {
     pub port: u16,
     dir: TempDir,
     extra: Vec<String>,
+    /// Environment for the process (a clock shift's LD_PRELOAD), kept for restarts.
+    env: Vec<(String, String)>,
 }
 
 impl RedisServer {
@@ -139,14 +143,26 @@ impl RedisServer {
     /// Starts on `port` without waiting for it to answer a plain-text PING: for servers that
     /// only speak TLS (`--port 0 --tls-port <port>`); the caller waits its own way.
     pub fn spawn_on(port: u16, extra: &[String]) -> Self {
+        Self::spawn_with_env(port, extra, Vec::new())
+    }
+
+    /// Starts with its wall clock under `shift`'s control (see [`ClockShift`]).
+    pub fn start_shifted(shift: &ClockShift) -> Self {
+        let server = Self::spawn_with_env(free_port(), &[], shift.env());
+        server.wait_ready();
+        server
+    }
+
+    fn spawn_with_env(port: u16, extra: &[String], env: Vec<(String, String)>) -> Self {
         ensure_redis_installed();
         let dir = TempDir::new("redis");
-        let child = spawn_redis(port, dir.path(), extra);
+        let child = spawn_redis(port, dir.path(), extra, &env);
         RedisServer {
             child,
             port,
             dir,
             extra: extra.to_vec(),
+            env,
         }
     }
 
@@ -251,7 +267,7 @@ impl RedisServer {
     /// Starts the server again on the same port and directory (AOF, if on, is replayed).
     pub fn restart(&mut self) {
         self.kill();
-        self.child = spawn_redis(self.port, self.dir.path(), &self.extra);
+        self.child = spawn_redis(self.port, self.dir.path(), &self.extra, &self.env);
         self.wait_ready();
     }
 
@@ -259,7 +275,7 @@ impl RedisServer {
     /// PING before it has rejoined; the cluster helpers wait for that).
     pub fn respawn(&mut self) {
         self.kill();
-        self.child = spawn_redis(self.port, self.dir.path(), &self.extra);
+        self.child = spawn_redis(self.port, self.dir.path(), &self.extra, &self.env);
     }
 
     fn wait_ready(&self) {
@@ -280,8 +296,9 @@ impl RedisServer {
     }
 }
 
-fn spawn_redis(port: u16, dir: &Path, extra: &[String]) -> Child {
+fn spawn_redis(port: u16, dir: &Path, extra: &[String], env: &[(String, String)]) -> Child {
     Command::new("redis-server")
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .args([
             "--port",
             &port.to_string(),
