@@ -4,7 +4,8 @@
 
 use crate::clock::RedisClock;
 use crate::event::OutboundEvent;
-use std::collections::BTreeMap;
+use std::cmp::{Ordering, Reverse};
+use std::collections::BinaryHeap;
 use std::time::{Duration, Instant};
 use tokio::sync::OwnedSemaphorePermit;
 
@@ -68,9 +69,40 @@ const AIM_AFTER_US: i64 = 250;
 /// The most a wake-up is brought forward.
 const LEAD_MAX_US: i64 = 900;
 
+/// A sleeper in the queue: ordered by when it wakes, then by when it was queued. Boxed, so the
+/// heap moves 32 bytes per entry, not the 200 of a sleeper. A B-tree of the sleepers themselves
+/// (as before) held them in nodes that keys arriving in order leave about half full: some 450
+/// bytes per sleeper, and a worker holding 100,000 asleep stood at 77 MiB. Now 32 + 208.
+struct Queued {
+    wake: Instant,
+    seq: u64,
+    sleeper: Box<Sleeper>,
+}
+
+impl PartialEq for Queued {
+    fn eq(&self, other: &Self) -> bool {
+        (self.wake, self.seq) == (other.wake, other.seq)
+    }
+}
+
+impl Eq for Queued {}
+
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Queued {
+    fn cmp(&self, other: &Self) -> Ordering {
+        (self.wake, self.seq).cmp(&(other.wake, other.seq))
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct Timers {
-    queue: BTreeMap<(Instant, u64), Sleeper>,
+    /// Earliest wake first.
+    queue: BinaryHeap<Reverse<Queued>>,
     seq: u64,
     /// How much earlier than its target to wake an event, learnt from how long after waking the
     /// dispatch script actually runs (wake-up plus the request's trip to Redis). Landing inside
@@ -107,7 +139,11 @@ impl Timers {
 
     /// Queues an event at the `wake` it already has.
     pub(crate) fn requeue(&mut self, s: Sleeper) {
-        self.queue.insert((s.wake, self.seq), s);
+        self.queue.push(Reverse(Queued {
+            wake: s.wake,
+            seq: self.seq,
+            sleeper: Box::new(s),
+        }));
         self.seq += 1;
     }
 
@@ -127,17 +163,23 @@ impl Timers {
 
     /// When the earliest event should be woken (its wake less the lead).
     pub(crate) fn next_wake(&self) -> Option<Instant> {
-        self.queue
-            .first_key_value()
-            .map(|((w, _), _)| *w - self.lead())
+        self.queue.peek().map(|Reverse(q)| q.wake - self.lead())
     }
 
     /// Takes every event due by `now` (its wake within the lead of `now`).
     pub(crate) fn take_due(&mut self, now: Instant) -> Vec<Sleeper> {
-        let later = self.queue.split_off(&(now + self.lead(), u64::MAX));
-        std::mem::replace(&mut self.queue, later)
-            .into_values()
-            .collect()
+        let by = now + self.lead();
+        let mut due = Vec::new();
+        while self.queue.peek().is_some_and(|Reverse(q)| q.wake <= by) {
+            if let Some(Reverse(q)) = self.queue.pop() {
+                due.push(*q.sleeper);
+            }
+        }
+        // A heap that held a backlog keeps its capacity; give most of it back once it drains.
+        if self.queue.capacity() > 1024 && self.queue.len() < self.queue.capacity() / 4 {
+            self.queue.shrink_to(self.queue.len() * 2);
+        }
+        due
     }
 
     pub(crate) fn len(&self) -> usize {
