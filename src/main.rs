@@ -16,13 +16,14 @@ use tokio_util::sync::CancellationToken;
     version,
     about = "Paces outbound events per route and admits inbound events per source, with shared state in Redis",
     after_help = "Environment:
-  PACER_CONFIG          the config file (instead of --config)
-  PACER_REDIS_URL       redis.url (several comma-separated URLs for cluster seeds or sentinels)
-  PACER_REDIS_MODE      redis.mode: standalone, cluster or sentinel
-  PACER_REDIS_PASSWORD  the Redis password (instead of the URL or redis.password_file)
-  PACER_METRICS_LISTEN  metrics.listen (for `run`; --metrics-listen wins)
-  PACER_LOG_FORMAT      text or json (instead of --log-format)
-  RUST_LOG              the log filter (default info)"
+  PACER_CONFIG                   the config file (instead of --config)
+  PACER_REDIS_URL                redis.url (several comma-separated URLs for cluster seeds or sentinels)
+  PACER_REDIS_MODE               redis.mode: standalone, cluster or sentinel
+  PACER_REDIS_PASSWORD           the Redis password (instead of the URL or redis.password_file)
+  PACER_REDIS_SENTINEL_PASSWORD  the sentinels' own password (instead of redis.sentinel.password_file)
+  PACER_METRICS_LISTEN           metrics.listen (for `run`; --metrics-listen wins)
+  PACER_LOG_FORMAT               text or json (instead of --log-format)
+  RUST_LOG                       the log filter (default info)"
 )]
 struct Cli {
     /// Log format (filter with RUST_LOG).

