@@ -7,11 +7,14 @@
 //! 2. Lateness of a paced run: 500 events/s spread over 10 routes, arriving in bursts that the
 //!    routes must pace; prints (ready entry id ms − pacer_slot_us / 1000) percentiles.
 //!
-//! `cargo bench --bench pace -- [--workers 3] [--events 200000] [--paced-seconds 10]`
+//! `cargo bench --bench pace -- [--workers 3] [--events 200000] [--paced-seconds 10]
+//! [--skew-seconds 5]` (the last runs the first worker's wall clock that far ahead, under
+//! `faketime`, for the lateness run; pacer maps Redis time to its own clock, so it should not
+//! show).
 
 mod common;
 
-use common::{arg, outbound_config, outbound_throughput, start_workers, xlen};
+use common::{arg, outbound_config, outbound_throughput, start_workers_first_wrapped, xlen};
 use pacer::report::{quantile, read_all};
 use pacer::testkit::{wait_until, RedisServer, TempDir};
 use std::collections::BTreeMap;
@@ -48,7 +51,12 @@ fn throughput(bin: &Path, workers: u64, events: u64) {
     println!("  commandstats: {}", m.detail);
 }
 
-fn lateness(bin: &Path, workers: u64, seconds: u64) {
+fn read_all_blocking(redis: &RedisServer, stream: &str) -> Vec<pacer::report::OutputEntry> {
+    let (rt, mut con) = redis.async_con();
+    rt.block_on(read_all(&mut con, stream)).unwrap()
+}
+
+fn lateness(bin: &Path, workers: u64, seconds: u64, skew_seconds: u64) {
     let redis = RedisServer::start();
     let mut con = redis.con();
     let dir = TempDir::new("bench");
@@ -57,9 +65,28 @@ fn lateness(bin: &Path, workers: u64, seconds: u64) {
     let routes: String = (0..10)
         .map(|r| format!("    r{r}: {{rate: 100/s, burst: 1, max_wait: 5s}}\n"))
         .collect();
-    let _workers = start_workers(bin, &dir, &redis, workers, &|url, port| {
-        outbound_config(url, port, &routes)
-    });
+    let skew = format!("+{skew_seconds}s");
+    let wrapper: Vec<&str> = if skew_seconds > 0 {
+        // Only the wall clock, as on a host whose clock is off: libfaketime's offset monotonic
+        // clock stalls tokio's timers (seen here: one dispatch, then none).
+        vec![
+            "env",
+            "FAKETIME_DONT_FAKE_MONOTONIC=1",
+            "faketime",
+            "-f",
+            &skew,
+        ]
+    } else {
+        vec![]
+    };
+    let workers_run = start_workers_first_wrapped(
+        bin,
+        &dir,
+        &redis,
+        workers,
+        &|url, port| outbound_config(url, port, &routes),
+        &wrapper,
+    );
     let start = Instant::now();
     let mut pushed = 0u64;
     for tick in 0..seconds * 10 {
@@ -77,9 +104,27 @@ fn lateness(bin: &Path, workers: u64, seconds: u64) {
         let next = start + Duration::from_millis(100 * (tick + 1));
         std::thread::sleep(next.saturating_duration_since(Instant::now()));
     }
-    assert!(wait_until(Duration::from_secs(30), || ready_total(
-        &mut con, 10
-    ) >= pushed));
+    if !wait_until(Duration::from_secs(30), || {
+        ready_total(&mut con, 10) >= pushed
+    }) {
+        for (i, w) in workers_run.iter().enumerate() {
+            eprintln!("worker {i}:\n{}", w.log_text());
+        }
+        let rejected = read_all_blocking(&redis, "pacer:rejected");
+        panic!(
+            "{} of {pushed} dispatched after 30 s; {} rejected: {:?}",
+            ready_total(&mut con, 10),
+            rejected.len(),
+            rejected
+                .iter()
+                .take(3)
+                .map(|e| (
+                    e.field("pacer_reason").map(str::to_string),
+                    e.field("pacer_detail").map(str::to_string)
+                ))
+                .collect::<Vec<_>>()
+        );
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -103,7 +148,12 @@ fn lateness(bin: &Path, workers: u64, seconds: u64) {
     });
     late.sort_unstable();
     let waited = late.len();
-    println!("lateness: {workers} workers, {pushed} events at 500/s over 10 routes of 100/s (burst 1), {seconds} s");
+    let skewed = if skew_seconds > 0 {
+        format!(", the first worker's clock {skew_seconds} s ahead")
+    } else {
+        String::new()
+    };
+    println!("lateness: {workers} workers{skewed}, {pushed} events at 500/s over 10 routes of 100/s (burst 1), {seconds} s");
     println!(
         "  ready id ms − pacer_slot_us / 1000: p50 {} ms, p99 {} ms, p99.9 {} ms, max {} ms ({waited} entries)",
         quantile(&late, 0.5).unwrap(),
@@ -126,5 +176,10 @@ fn main() {
     let bin = &common::pacer_bin();
     let workers = arg("--workers", 3);
     throughput(bin, workers, arg("--events", 200_000));
-    lateness(bin, workers, arg("--paced-seconds", 10));
+    lateness(
+        bin,
+        workers,
+        arg("--paced-seconds", 10),
+        arg("--skew-seconds", 0),
+    );
 }

@@ -140,11 +140,24 @@ pub fn start_workers(
     n: u64,
     yaml: &dyn Fn(&str, u16) -> String,
 ) -> Vec<Pacer> {
+    start_workers_first_wrapped(bin, dir, redis, n, yaml, &[])
+}
+
+/// Like `start_workers`, the first worker run under `wrapper` (`faketime -f +5s`, say).
+pub fn start_workers_first_wrapped(
+    bin: &Path,
+    dir: &TempDir,
+    redis: &RedisServer,
+    n: u64,
+    yaml: &dyn Fn(&str, u16) -> String,
+    wrapper: &[&str],
+) -> Vec<Pacer> {
     (0..n)
         .map(|i| {
             let port = free_port();
             let cfg = dir.write(&format!("w{i}.yaml"), &yaml(&redis.url(), port));
-            let p = Pacer::run(bin, &cfg, &[("RUST_LOG", "warn")]);
+            let wrap = if i == 0 { wrapper } else { &[] };
+            let p = Pacer::run_wrapped(wrap, bin, &cfg, &[("RUST_LOG", "warn")]);
             assert!(wait_until(Duration::from_secs(10), || matches!(
                 http_get(port, "/readyz"),
                 Some((200, _))
