@@ -16,7 +16,7 @@ pub use self::redis::{
     redact, ClientCert, PemFile, RedisConfig, RedisMode, RedisUrl, Secret, SentinelConfig,
     TlsConfig,
 };
-pub use flow::{MAX_EVENT_FIELDS, MAX_EVENT_FIELDS_DEFAULT};
+pub use flow::{Flow, MAX_EVENT_FIELDS, MAX_EVENT_FIELDS_DEFAULT};
 pub use inbound::{FailPolicy, InboundConfig, InboundRule, SLIDING_LOG_MAX};
 pub use outbound::{OutboundConfig, Route, ROUTE_NAME_MAX};
 pub use problems::{ConfigError, Problem, DURATION_MAX};
@@ -112,6 +112,19 @@ pub struct Sourced {
 }
 
 impl Config {
+    /// Every input stream a worker reads, with the flow that reads it: the outbound ones, then
+    /// the inbound ones.
+    pub fn input_streams(&self) -> impl Iterator<Item = (&str, &'static str)> {
+        let inbound = self.inbound.iter().flat_map(|i| &i.flow.streams);
+        (self
+            .outbound
+            .flow
+            .streams
+            .iter()
+            .map(|s| (s.as_str(), "outbound")))
+        .chain(inbound.map(|s| (s.as_str(), "inbound")))
+    }
+
     /// Reads and validates the file at `path`.
     pub fn load(path: &Path, overrides: &Overrides) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
@@ -254,7 +267,7 @@ outbound:
     fn reads_a_minimal_config_with_defaults() {
         let c = Config::parse(GOOD, &Overrides::default()).unwrap();
         assert_eq!(c.worker.batch, 512);
-        assert_eq!(c.outbound.rejected_stream, "pacer:rejected");
+        assert_eq!(c.outbound.flow.rejected_stream, "pacer:rejected");
         let a = &c.outbound.routes["carrier-a"];
         assert_eq!(a.keys.ready, "pacer:{carrier-a}:ready");
         assert_eq!(a.bucket.tolerance_us, 100_000);

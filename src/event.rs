@@ -13,7 +13,7 @@ pub mod payload;
 
 pub use payload::Payload;
 
-use crate::config::OutboundConfig;
+use crate::config::{Flow, OutboundConfig};
 use crate::pacing;
 use std::sync::Arc;
 use std::time::Duration;
@@ -196,12 +196,8 @@ pub fn parse_outbound(
 type Checked = (usize, Option<String>, u64, Option<Duration>);
 
 /// Checks the entry's size first (a huge or wide entry is refused before anything reads it).
-pub(crate) fn check_size(
-    entry: &Entry,
-    max_fields: usize,
-    max_bytes: usize,
-    section: &str,
-) -> Result<(), Refused> {
+pub(crate) fn check_size(entry: &Entry, flow: &Flow, section: &str) -> Result<(), Refused> {
+    let (max_fields, max_bytes) = (flow.max_event_fields, flow.max_event_bytes);
     if entry.fields.is_empty() {
         return Err(Refused::malformed("the entry has no fields"));
     }
@@ -221,7 +217,7 @@ pub(crate) fn check_size(
 }
 
 fn check(entry: &Entry, cfg: &OutboundConfig) -> Result<Checked, Refused> {
-    check_size(entry, cfg.max_event_fields, cfg.max_event_bytes, "outbound")?;
+    check_size(entry, &cfg.flow, "outbound")?;
     let route = match text_field(entry, "route")? {
         None => return Err(Refused::malformed("no route field")),
         Some(r) => r,

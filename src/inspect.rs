@@ -85,16 +85,13 @@ pub async fn inspect<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Ins
         });
     }
     let group = &cfg.worker.group;
-    let inbound = cfg.inbound.iter().flat_map(|i| &i.streams);
-    let inputs = (cfg.outbound.streams.iter().map(|s| (s, "outbound")))
-        .chain(inbound.map(|s| (s, "inbound")));
     let mut streams = Vec::new();
-    for (stream, flow) in inputs {
+    for (stream, flow) in cfg.input_streams() {
         let length: i64 = redis::cmd("XLEN").arg(stream).query_async(con).await?;
         // A missing stream or group is a state to show, not an error.
         let info = streams::group_info(con, stream, group).await.ok().flatten();
         let mut state = StreamState {
-            stream: stream.clone(),
+            stream: stream.to_string(),
             flow,
             length,
             group_exists: info.is_some(),

@@ -126,10 +126,7 @@ fn main() -> ExitCode {
             path.display(),
             count(cfg.outbound.routes.len(), "route"),
             count(inbound.map_or(0, |i| i.rules.len()), "inbound rule"),
-            count(
-                cfg.outbound.streams.len() + inbound.map_or(0, |i| i.streams.len()),
-                "input stream"
-            ),
+            count(cfg.input_streams().count(), "input stream"),
             cfg.redis.mode,
             cfg.redis.url.redacted(),
         );
@@ -172,19 +169,19 @@ async fn async_main(command: Command, cfg: Config) -> anyhow::Result<()> {
                 }
                 routes
             };
-            if cfg.outbound.streams.is_empty() {
+            if cfg.outbound.flow.streams.is_empty() {
                 anyhow::bail!("the config has no outbound input stream to push demo events to");
             }
             let mut con = connect(&cfg).await?;
             pacer::produce::produce(
                 &mut con,
-                &cfg.outbound.streams[0],
+                &cfg.outbound.flow.streams[0],
                 &routes,
                 count,
                 bad_every,
             )
             .await?;
-            println!("pushed {count} events to {}", cfg.outbound.streams[0]);
+            println!("pushed {count} events to {}", cfg.outbound.flow.streams[0]);
             Ok(())
         }
         Command::Report { since, .. } => {

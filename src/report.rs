@@ -136,7 +136,7 @@ pub async fn report<C: ConnectionLike>(
     let start = since.map_or("-".to_string(), |d| {
         (until_ms - d.as_millis() as i64).max(0).to_string()
     });
-    let rejected = read_from(con, &cfg.outbound.rejected_stream, &start).await?;
+    let rejected = read_from(con, &cfg.outbound.flow.rejected_stream, &start).await?;
     let mut report = Report {
         since,
         until_ms,
@@ -171,7 +171,7 @@ pub async fn report<C: ConnectionLike>(
             lateness_max_ms: late.last().copied(),
         });
     }
-    for e in read_from(con, &cfg.outbound.dead_letter_stream, &start).await? {
+    for e in read_from(con, &cfg.outbound.flow.dead_letter_stream, &start).await? {
         *report
             .dead_letters
             .entry(e.field("pacer_reason").unwrap_or("?").to_string())

@@ -229,8 +229,8 @@ pub fn register(cfg: &crate::config::Config) {
         counter!(EVENTS_TOTAL, "flow" => "outbound", "route" => "none", "outcome" => outcome.as_str())
             .absolute(0);
     }
-    let inbound = cfg.inbound.iter().flat_map(|i| i.streams.iter());
-    for stream in cfg.outbound.streams.iter().chain(inbound) {
+    for (stream, _) in cfg.input_streams() {
+        let stream = stream.to_string();
         counter!(CLAIMED_TOTAL, "stream" => stream.clone()).absolute(0);
         counter!(INPUT_DELETED_TOTAL, "stream" => stream.clone()).absolute(0);
         let labels = [

@@ -470,5 +470,5 @@ fn loaded_numbers_stay_in_range(cfg: &Config) {
         );
         assert!(route.max_wait.as_micros() < i64::MAX as u128);
     }
-    assert!(cfg.outbound.dedupe_ttl.as_millis() < i64::MAX as u128);
+    assert!(cfg.outbound.flow.dedupe_ttl.as_millis() < i64::MAX as u128);
 }

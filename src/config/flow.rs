@@ -11,14 +11,21 @@ pub const MAX_EVENT_FIELDS_DEFAULT: usize = 1000;
 /// field, and Lua's unpack stops at about 8,000 (`lua/lib.lua` MAX_FIELDS is 3,500).
 pub const MAX_EVENT_FIELDS: usize = 3000;
 
-/// One flow's shared settings.
-pub(super) struct Flow {
+/// What a flow (`outbound:` or `inbound:`) has in common with the other.
+#[derive(Debug, Clone)]
+pub struct Flow {
+    /// The input streams it reads.
     pub streams: Vec<String>,
     pub rejected_stream: String,
     pub dead_letter_stream: String,
+    /// Output streams are trimmed to about this many entries (`MAXLEN ~`).
     pub max_len: u64,
+    /// How long decisions and markers live: the window in which a redelivered entry or a
+    /// repeated event id is recognised, and the age past which an entry with nothing on record
+    /// is not decided (it is dead-lettered `expired`).
     pub dedupe_ttl: Duration,
     pub max_event_bytes: usize,
+    /// Most fields one event may carry; a wider one is dead-lettered (`malformed`).
     pub max_event_fields: usize,
 }
 

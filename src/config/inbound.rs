@@ -11,7 +11,6 @@ use super::{OutboundConfig, WorkerConfig};
 use crate::keys::{self, InboundKeys};
 use serde_yaml::Value;
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 /// What happens to an event when its admission cannot be decided (Redis errors or timeouts,
 /// `limiter_attempts` times in a row).
@@ -34,19 +33,11 @@ impl FailPolicy {
 
 #[derive(Debug, Clone)]
 pub struct InboundConfig {
-    pub streams: Vec<String>,
+    /// Its input streams, outputs and limits; a redelivery within `dedupe_ttl` gets its entry's
+    /// recorded decision back and is not charged again.
+    pub flow: Flow,
     /// Accepted events go here (often an outbound input stream).
     pub forward_stream: String,
-    pub rejected_stream: String,
-    pub dead_letter_stream: String,
-    /// Output streams are trimmed to about this many entries (`MAXLEN ~`).
-    pub max_len: u64,
-    /// How long each input entry's decision is remembered: a redelivery within it gets the same
-    /// decision back and is not charged again.
-    pub dedupe_ttl: Duration,
-    pub max_event_bytes: usize,
-    /// Most fields one event may carry; a wider one is dead-lettered (`malformed`).
-    pub max_event_fields: usize,
     pub fail_policy: FailPolicy,
     /// Admission calls tried (with backoff) before `fail_policy` decides instead.
     pub limiter_attempts: u32,
@@ -76,15 +67,7 @@ pub(super) fn read_inbound(
         "rules",
     ];
     p.unknown_keys("inbound", &raw.unknown, &known);
-    let Flow {
-        streams,
-        rejected_stream,
-        dead_letter_stream,
-        max_len,
-        dedupe_ttl,
-        max_event_bytes,
-        max_event_fields,
-    } = read_flow(p, "inbound", &raw.flow, "pacer:in-rejected");
+    let flow = read_flow(p, "inbound", &raw.flow, "pacer:in-rejected");
     let forward_stream = p.string(
         "inbound.forward_stream",
         &raw.forward_stream,
@@ -94,7 +77,7 @@ pub(super) fn read_inbound(
     let lifetime = worker
         .claim_idle
         .saturating_mul(worker.max_deliveries as u32);
-    if dedupe_ttl <= lifetime {
+    if flow.dedupe_ttl <= lifetime {
         p.push(
             "inbound.dedupe_ttl",
             format!(
@@ -119,14 +102,14 @@ pub(super) fn read_inbound(
     // Stream names: usable tags, and no loop (an output that pacer reads again).
     let mut inputs: BTreeMap<String, String> = BTreeMap::new();
     if let Some(out) = outbound {
-        for (i, s) in out.streams.iter().enumerate() {
+        for (i, s) in out.flow.streams.iter().enumerate() {
             inputs.insert(s.clone(), format!("outbound.streams[{i}]"));
         }
     }
     let mut outbound_outputs: BTreeMap<String, String> = BTreeMap::new();
     if let Some(out) = outbound {
         outbound_outputs.insert(
-            out.rejected_stream.clone(),
+            out.flow.rejected_stream.clone(),
             "outbound.rejected_stream".into(),
         );
         for (name, route) in &out.routes {
@@ -137,17 +120,17 @@ pub(super) fn read_inbound(
         }
     }
     let mut named = Vec::new();
-    for (i, s) in streams.iter().enumerate() {
+    for (i, s) in flow.streams.iter().enumerate() {
         named.push((format!("inbound.streams[{i}]"), s.clone()));
     }
     named.push(("inbound.forward_stream".to_string(), forward_stream.clone()));
     named.push((
         "inbound.rejected_stream".to_string(),
-        rejected_stream.clone(),
+        flow.rejected_stream.clone(),
     ));
     named.push((
         "inbound.dead_letter_stream".to_string(),
-        dead_letter_stream.clone(),
+        flow.dead_letter_stream.clone(),
     ));
     for (path, stream) in &named {
         if let Err(e) = keys::check_stream_name(stream) {
@@ -159,7 +142,7 @@ pub(super) fn read_inbound(
             );
         }
     }
-    for (i, s) in streams.iter().enumerate() {
+    for (i, s) in flow.streams.iter().enumerate() {
         let path = format!("inbound.streams[{i}]");
         if let Some(first) = inputs.get(s).or_else(|| outbound_outputs.get(s)) {
             p.push(&path, format!("stream {s:?} is already used by {first}"));
@@ -180,8 +163,8 @@ pub(super) fn read_inbound(
         );
     }
     for (path, stream) in [
-        ("inbound.rejected_stream", &rejected_stream),
-        ("inbound.dead_letter_stream", &dead_letter_stream),
+        ("inbound.rejected_stream", &flow.rejected_stream),
+        ("inbound.dead_letter_stream", &flow.dead_letter_stream),
     ] {
         if let Some(first) = inputs.get(stream) {
             p.push(
@@ -195,23 +178,20 @@ pub(super) fn read_inbound(
             );
         }
     }
-    if rejected_stream == dead_letter_stream {
+    if flow.rejected_stream == flow.dead_letter_stream {
         p.push(
             "inbound.dead_letter_stream",
-            format!("stream {dead_letter_stream:?} is already used by inbound.rejected_stream"),
+            format!(
+                "stream {:?} is already used by inbound.rejected_stream",
+                flow.dead_letter_stream
+            ),
         );
     }
 
     Some(InboundConfig {
         keys: InboundKeys::new(&forward_stream),
-        streams,
+        flow,
         forward_stream,
-        rejected_stream,
-        dead_letter_stream,
-        max_len,
-        dedupe_ttl,
-        max_event_bytes,
-        max_event_fields,
         fail_policy,
         limiter_attempts,
         rules,

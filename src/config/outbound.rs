@@ -18,17 +18,7 @@ pub const ROUTE_NAME_MAX: usize = 64;
 
 #[derive(Debug, Clone)]
 pub struct OutboundConfig {
-    pub streams: Vec<String>,
-    pub rejected_stream: String,
-    pub dead_letter_stream: String,
-    /// Output streams are trimmed to about this many entries (`MAXLEN ~`).
-    pub max_len: u64,
-    /// How long decision and dispatch markers live: the window in which a redelivered entry or a
-    /// repeated event id is recognised.
-    pub dedupe_ttl: Duration,
-    pub max_event_bytes: usize,
-    /// Most fields one event may carry; a wider one is dead-lettered (`malformed`).
-    pub max_event_fields: usize,
+    pub flow: Flow,
     pub routes: BTreeMap<String, Route>,
     /// Route names by `Route::index`.
     pub order: Vec<String>,
@@ -37,13 +27,7 @@ pub struct OutboundConfig {
 impl OutboundConfig {
     fn new(flow: Flow, routes: BTreeMap<String, Route>) -> Self {
         OutboundConfig {
-            streams: flow.streams,
-            rejected_stream: flow.rejected_stream,
-            dead_letter_stream: flow.dead_letter_stream,
-            max_len: flow.max_len,
-            dedupe_ttl: flow.dedupe_ttl,
-            max_event_bytes: flow.max_event_bytes,
-            max_event_fields: flow.max_event_fields,
+            flow,
             order: routes.keys().cloned().collect(),
             routes,
         }
@@ -103,7 +87,7 @@ pub(super) fn check_recovery(p: &mut Problems, worker: &WorkerConfig, outbound: 
         .claim_idle
         .saturating_mul(worker.max_deliveries as u32)
         .saturating_add(longest_wait);
-    if !outbound.dedupe_ttl.is_zero() && outbound.dedupe_ttl <= lifetime {
+    if !outbound.flow.dedupe_ttl.is_zero() && outbound.flow.dedupe_ttl <= lifetime {
         p.push(
             "outbound.dedupe_ttl",
             format!(

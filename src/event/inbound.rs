@@ -45,7 +45,7 @@ pub fn parse_inbound(entry: Entry, cfg: &InboundConfig) -> Result<InboundEvent, 
 }
 
 fn identities(entry: &Entry, cfg: &InboundConfig) -> Result<Vec<String>, Refused> {
-    super::check_size(entry, cfg.max_event_fields, cfg.max_event_bytes, "inbound")?;
+    super::check_size(entry, &cfg.flow, "inbound")?;
     let mut checks = Vec::new();
     for rule in &cfg.rules {
         for field in &rule.key {

@@ -96,7 +96,7 @@ impl Context {
             bucket: &route.bucket,
             out: Writing {
                 ttl_ms: self.marker_ttl_ms,
-                max_len: self.cfg.outbound.max_len,
+                max_len: self.cfg.outbound.flow.max_len,
                 group: &self.cfg.worker.group,
                 acks,
             },

@@ -44,7 +44,7 @@ pub(super) async fn admit(
     let (inbound, rest): (Vec<_>, Vec<_>) = entries
         .into_iter()
         .zip(permits)
-        .partition(|(e, _)| cfg.streams.iter().any(|s| *s == *e.stream));
+        .partition(|(e, _)| cfg.flow.streams.iter().any(|s| *s == *e.stream));
     if !inbound.is_empty() {
         // The permits are held until the entries are finished (or left pending).
         let (entries, _held): (Vec<Entry>, Vec<OwnedSemaphorePermit>) = inbound.into_iter().unzip();
@@ -191,13 +191,13 @@ async fn admit_batch(
     let acks = ctx.acks_in_script(&cfg.forward_stream);
     let to = AdmitTargets {
         keys: &cfg.keys,
-        rejected: in_admission.then_some(cfg.rejected_stream.as_str()),
-        decision_ttl_ms: cfg.dedupe_ttl.as_millis() as u64,
-        max_len: cfg.max_len,
+        rejected: in_admission.then_some(cfg.flow.rejected_stream.as_str()),
+        decision_ttl_ms: cfg.flow.dedupe_ttl.as_millis() as u64,
+        max_len: cfg.flow.max_len,
         log_entries_per_read: LOG_ENTRIES_PER_READ,
         group: &ctx.cfg.worker.group,
         acks: &acks,
-        stale_us: cfg.dedupe_ttl.as_micros() as i64,
+        stale_us: cfg.flow.dedupe_ttl.as_micros() as i64,
     };
     let mut backoff = Backoff::default();
     loop {
@@ -239,7 +239,7 @@ async fn record(
         .iter()
         .map(|e| (cfg.keys.decisions(&e.entry.id), e.entry.owner()))
         .collect();
-    let ttl_ms = cfg.dedupe_ttl.as_millis() as u64;
+    let ttl_ms = cfg.flow.dedupe_ttl.as_millis() as u64;
     let value = decision.marker();
     // In one MULTI (the hashes share the forward stream's slot): set where unset, read what
     // stands, renew each hash's time to live.
@@ -340,15 +340,15 @@ async fn finish(
         .collect();
     let writes = [
         ("forward", &cfg.forward_stream, &forward),
-        ("reject", &cfg.rejected_stream, &rejected),
-        ("deadletter", &cfg.dead_letter_stream, &dead_fields),
+        ("reject", &cfg.flow.rejected_stream, &rejected),
+        ("deadletter", &cfg.flow.dead_letter_stream, &dead_fields),
     ];
     for (op, stream, items) in writes {
         let Some(unacked) = outputs::emit(
             ctx,
             op,
             &OutputKeys::new(stream),
-            (cfg.dedupe_ttl.as_millis() as u64, cfg.max_len),
+            (cfg.flow.dedupe_ttl.as_millis() as u64, cfg.flow.max_len),
             items,
             stop,
         )
@@ -370,11 +370,5 @@ async fn finish(
 
 /// Every input stream a worker reads: the outbound ones, then the inbound ones.
 pub(super) fn input_streams(cfg: &crate::config::Config) -> Vec<Arc<str>> {
-    let inbound = cfg.inbound.iter().flat_map(|i| i.streams.iter());
-    cfg.outbound
-        .streams
-        .iter()
-        .chain(inbound)
-        .map(|s| Arc::from(s.as_str()))
-        .collect()
+    cfg.input_streams().map(|(s, _)| Arc::from(s)).collect()
 }

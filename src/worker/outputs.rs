@@ -59,7 +59,7 @@ pub(crate) async fn finish(ctx: &Context, mut done: Finished, stop: &Cancellatio
         .iter()
         .map(|(e, r)| (e, event::dead_letter_fields(e, r)))
         .collect();
-    let limits = (ctx.marker_ttl_ms, ctx.cfg.outbound.max_len);
+    let limits = (ctx.marker_ttl_ms, ctx.cfg.outbound.flow.max_len);
     if let Some(unacked) = emit(ctx, "deadletter", &ctx.dead, limits, &dead, stop).await {
         for (entry, refused) in &done.dead {
             let outcome = match refused.reason {

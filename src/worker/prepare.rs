@@ -57,8 +57,8 @@ async fn prepare_once(ctx: &Context) -> Result<()> {
     };
     ctx.cluster.store(cluster, Ordering::Relaxed);
     if let Some(inbound) = &ctx.cfg.inbound {
-        let here =
-            !cluster || keys::slot(&inbound.forward_stream) == keys::slot(&inbound.rejected_stream);
+        let here = !cluster
+            || keys::slot(&inbound.forward_stream) == keys::slot(&inbound.flow.rejected_stream);
         ctx.rejects_in_admission.store(here, Ordering::Relaxed);
         info!(
             in_admission = here,
