@@ -339,7 +339,8 @@ impl State {
                     }
                 }
                 Action::Redecide => {
-                    warn!(entry = %s.event.id, route = %route.name, "decision gone (expired or evicted); deciding anew");
+                    // Logged per batch by `placement::still_held`.
+                    debug!(entry = %s.event.id, route = %route.name, "decision gone (expired or evicted)");
                     onward.push(Placing::decision_gone(s.event, &ctx, route.index, s.permit));
                 }
                 Action::Drop => {

@@ -142,33 +142,47 @@ pub(crate) async fn still_held(
     group: Vec<Placing>,
     stop: &CancellationToken,
 ) -> Option<Vec<Placing>> {
-    let mut kept = Vec::with_capacity(group.len());
-    for mut p in group {
-        if p.check_held {
-            let (stream, id) = (p.event.stream.clone(), p.event.id.clone());
-            let held = ctx
-                .retry("pending", stop, || {
-                    let mut con = ctx.con.clone();
-                    let (stream, id) = (stream.clone(), id.clone());
-                    async move {
-                        crate::streams::held_by(
-                            &mut con,
-                            &stream,
-                            &ctx.cfg.worker.group,
-                            &id,
-                            &ctx.consumer,
-                        )
-                        .await
-                    }
-                })
-                .await?;
-            if !held {
-                warn!(entry = %p.event.id, "finished by another worker while this one was stalled (its decision has since expired); letting it go");
-                continue;
-            }
-            p.check_held = false;
+    // One XPENDING per such event, all at once: the multiplexed connection pipelines them, so
+    // a worker waking with thousands of them pays about one round trip, not thousands.
+    let checks = group.iter().map(|p| async move {
+        if !p.check_held {
+            return Some(true);
         }
-        kept.push(p);
+        ctx.retry("pending", stop, || {
+            let mut con = ctx.con.clone();
+            async move {
+                crate::streams::held_by(
+                    &mut con,
+                    &p.event.stream,
+                    &ctx.cfg.worker.group,
+                    &p.event.id,
+                    &ctx.consumer,
+                )
+                .await
+            }
+        })
+        .await
+    });
+    let held = futures_util::future::join_all(checks).await;
+    let (mut kept, mut again, mut gone) = (Vec::with_capacity(group.len()), 0, 0);
+    for (mut p, held) in group.into_iter().zip(held) {
+        match (p.check_held, held?) {
+            (false, _) => kept.push(p),
+            (true, true) => {
+                again += 1;
+                p.check_held = false;
+                kept.push(p);
+            }
+            (true, false) => gone += 1,
+        }
+    }
+    // One line per batch, not per event: a worker frozen for an hour may wake with thousands.
+    if again + gone > 0 {
+        warn!(
+            decided_anew = again,
+            let_go = gone,
+            "events whose decisions expired while this worker held them: those still its own are decided anew, those another worker claimed or finished are let go"
+        );
     }
     Some(kept)
 }
