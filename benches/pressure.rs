@@ -16,24 +16,8 @@ mod common;
 
 use common::pressure::{drain_backlog, stall, waits_through_a_stall};
 use common::{config, event, push, start};
-use pacer::testkit::{free_port, http_get, metric, wait_until, RedisServer, TempDir};
+use pacer::testkit::{free_port, http_get, metric, rss_and_cpu, wait_until, RedisServer, TempDir};
 use std::time::Duration;
-
-/// The worker's RSS (KiB) and CPU seconds so far, from /proc.
-fn rss_and_cpu(pid: u32) -> (u64, f64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let rss = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let after = stat.rsplit_once(')').unwrap().1;
-    let f: Vec<&str> = after.split_whitespace().collect();
-    // utime and stime, in clock ticks (100 per second on Linux).
-    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
-    (rss, ticks / 100.0)
-}
 
 /// One worker holding `n` sleeping events: its RSS (MiB) and CPU (% of a core) while they sleep.
 fn memory(n: usize) -> (f64, f64) {

@@ -465,6 +465,30 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
 
 /// The value of a metric line (`name{labels} value`) whose name and labels contain `needle`,
 /// summed over matching lines.
+/// `metric` of what pacer's `/metrics` on `port` serves now; 0 when it does not answer (a
+/// stopped or starting process).
+pub fn metric_at(port: u16, needle: &str) -> f64 {
+    http_get(port, "/metrics").map_or(0.0, |(_, text)| metric(&text, needle))
+}
+
+/// Process `pid`'s resident memory (KiB) and CPU time so far (user + system, seconds), from
+/// /proc; zeros once it is gone.
+pub fn rss_and_cpu(pid: u32) -> (u64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0);
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The fields after the command name, which is in parentheses and may hold spaces; utime
+    // and stime are the 12th and 13th of them, in clock ticks (100 a second on Linux).
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (rss, (ticks(11) + ticks(12)) / 100.0)
+}
+
 pub fn metric(text: &str, needle: &str) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#') && l.contains(needle))

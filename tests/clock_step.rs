@@ -8,18 +8,12 @@ mod common;
 
 use common::pressure::{feed, one_route, READY};
 use common::*;
-use pacer::testkit::{free_port, wait_until, ClockShift, RedisServer, TempDir};
+use pacer::testkit::{free_port, rss_and_cpu, wait_until, ClockShift, RedisServer, TempDir};
 use std::time::{Duration, Instant};
 
-/// CPU time (user + system) of process `pid` so far, from /proc (clock ticks of 10 ms).
+/// CPU time (user + system) of process `pid` so far, seconds.
 fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which is in parentheses and may hold spaces).
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
-    (ticks(11) + ticks(12)) / 100.0
+    rss_and_cpu(pid).1
 }
 
 #[test]

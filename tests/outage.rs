@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use pacer::testkit::{create_group, free_port, http_get, metric, wait_until, RedisServer, TempDir};
+use pacer::testkit::{create_group, free_port, metric_at, wait_until, RedisServer, TempDir};
 use std::time::{Duration, Instant};
 
 /// A 4/s route with waits up to 1 s. claim_idle must exceed max_wait + 1 s, dedupe_ttl must
@@ -30,9 +30,7 @@ fn events(tag: &str, n: usize) -> Vec<Vec<(String, Vec<u8>)>> {
 }
 
 fn sleeping(port: u16) -> f64 {
-    http_get(port, "/metrics")
-        .map(|(_, text)| metric(&text, "pacer_sleeping_events"))
-        .unwrap_or(0.0)
+    metric_at(port, "pacer_sleeping_events")
 }
 
 /// Waits until every id in `ids` has ended somewhere; then checks each ended once.

@@ -7,7 +7,9 @@
 mod common;
 
 use common::*;
-use pacer::testkit::{free_port, http_get, metric, wait_until, Pacer, RedisServer, TempDir};
+use pacer::testkit::{
+    free_port, http_get, metric, metric_at, wait_until, Pacer, RedisServer, TempDir,
+};
 use std::time::{Duration, Instant};
 
 const OUTPUTS: [&str; 4] = [
@@ -35,15 +37,11 @@ fn events(prefix: &str, n: usize) -> Vec<Vec<(String, Vec<u8>)>> {
 }
 
 fn sleeping(port: u16) -> f64 {
-    http_get(port, "/metrics")
-        .map(|(_, text)| metric(&text, "pacer_sleeping_events"))
-        .unwrap_or(0.0)
+    metric_at(port, "pacer_sleeping_events")
 }
 
 fn claimed(port: u16) -> f64 {
-    http_get(port, "/metrics")
-        .map(|(_, text)| metric(&text, "pacer_claimed_total"))
-        .unwrap_or(0.0)
+    metric_at(port, "pacer_claimed_total")
 }
 
 /// How far ahead of Redis's clock a route's plan runs (its queue), ms.

@@ -12,7 +12,7 @@ mod common;
 
 use common::*;
 use pacer::report::max_in_window;
-use pacer::testkit::{create_group, free_port, http_get, metric, wait_until, RedisServer, TempDir};
+use pacer::testkit::{create_group, free_port, metric_at, wait_until, RedisServer, TempDir};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use std::collections::BTreeMap;
@@ -131,22 +131,6 @@ fn case() -> impl Strategy<Value = Case> {
         })
 }
 
-/// XADDs events with raw byte names and values; returns their ids.
-fn push_raw(redis: &RedisServer, stream: &str, events: &[Raw]) -> Vec<String> {
-    let mut con = redis.con();
-    events
-        .iter()
-        .map(|fields| {
-            let mut cmd = redis::cmd("XADD");
-            cmd.arg(stream).arg("*");
-            for (k, v) in fields {
-                cmd.arg(k.as_slice()).arg(v.as_slice());
-            }
-            cmd.query(&mut con).expect("pushing an event")
-        })
-        .collect()
-}
-
 fn raw(head: &[(&str, &str)], extra: &Raw) -> Raw {
     let mut e: Raw = head
         .iter()
@@ -163,10 +147,6 @@ fn carried(out: &pacer::report::OutputEntry) -> Raw {
         .filter(|(k, _)| !k.starts_with(b"pacer_"))
         .cloned()
         .collect()
-}
-
-fn metric_of(port: u16, name: &str) -> f64 {
-    http_get(port, "/metrics").map_or(0.0, |(_, text)| metric(&text, name))
 }
 
 fn run_case(c: &Case) -> Result<(), TestCaseError> {
@@ -189,7 +169,7 @@ fn run_case(c: &Case) -> Result<(), TestCaseError> {
 
     // A worker that reads the first entries and dies before deciding them: they are claimed.
     create_group(&mut redis.con(), "in", "pacer");
-    let out_ids = push_raw(&redis, "in", &out_events);
+    let out_ids = push(&redis, "in", &out_events);
     if c.ghost > 0 {
         let _: redis::Value = redis::cmd("XREADGROUP")
             .arg("GROUP")
@@ -204,7 +184,7 @@ fn run_case(c: &Case) -> Result<(), TestCaseError> {
             .unwrap();
     }
     let pacer = start(&cfg, port);
-    let in_ids = push_raw(&redis, "pacer:in", &in_events);
+    let in_ids = push(&redis, "pacer:in", &in_events);
 
     let all = out_ids.len() + in_ids.len();
     let ended = wait_until(Duration::from_secs(20), || {
@@ -257,7 +237,7 @@ fn run_case(c: &Case) -> Result<(), TestCaseError> {
         .iter()
         .filter(|e| e.field("route") == Some("slow"))
         .count();
-    let claimed = metric_of(port, "pacer_claimed_total");
+    let claimed = metric_at(port, "pacer_claimed_total");
     prop_assert!(
         rerouted > 0 && claimed > 0.0,
         "rerouted {rerouted}, claimed {claimed}"

@@ -59,15 +59,20 @@ pub fn start_wrapped(
     pacer
 }
 
-/// XADDs each event (a list of field/value pairs) to `stream`; returns the entry ids.
-pub fn push(redis: &RedisServer, stream: &str, events: &[Vec<(String, Vec<u8>)>]) -> Vec<String> {
+/// XADDs each event (a list of field/value pairs; names as text or raw bytes) to `stream`;
+/// returns the entry ids.
+pub fn push<K: AsRef<[u8]>>(
+    redis: &RedisServer,
+    stream: &str,
+    events: &[Vec<(K, Vec<u8>)>],
+) -> Vec<String> {
     let mut con = redis.con();
     let mut pipe = redis::pipe();
     for fields in events {
         let mut cmd = redis::cmd("XADD");
         cmd.arg(stream).arg("*");
         for (k, v) in fields {
-            cmd.arg(k).arg(v.as_slice());
+            cmd.arg(k.as_ref()).arg(v.as_slice());
         }
         pipe.add_command(cmd);
     }
