@@ -46,8 +46,14 @@ impl Cluster {
     /// with `replicas` replicas each; returns once every node says `cluster_state:ok`, agrees on
     /// who serves every slot, and every replica is in sync with its master.
     pub fn start(masters: usize, replicas: usize) -> Cluster {
+        Self::start_with(masters, replicas, &[])
+    }
+
+    /// The same, with extra `redis-server` arguments for every node (like
+    /// `--cluster-require-full-coverage no`).
+    pub fn start_with(masters: usize, replicas: usize, extra: &[&str]) -> Cluster {
         let timeout = NODE_TIMEOUT_MS.to_string();
-        let args = [
+        let mut args = vec![
             "--cluster-enabled",
             "yes",
             "--cluster-config-file",
@@ -62,6 +68,7 @@ impl Cluster {
             "--cluster-allow-replica-migration",
             "no",
         ];
+        args.extend_from_slice(extra);
         let nodes: Vec<ClusterNode> = (0..masters * (1 + replicas))
             .map(|_| ClusterNode {
                 server: RedisServer::start_with(&args),
@@ -185,6 +192,29 @@ impl Cluster {
     /// The port of the master serving `key`.
     pub fn owner_of(&self, key: &str) -> u16 {
         self.slot_owner(key_slot(key))
+    }
+
+    /// The server of the master serving `key` now, to read or write `key` on it directly.
+    pub fn server_of(&self, key: &str) -> &RedisServer {
+        &self.node(self.owner_of(key)).server
+    }
+
+    /// A name `<prefix><n>` whose `{hash tag}` (the whole name) lands on the master on `port`.
+    pub fn name_on(&self, port: u16, prefix: &str) -> String {
+        let slots = self
+            .topology()
+            .into_iter()
+            .find(|n| n.port == port)
+            .map(|n| n.slots)
+            .unwrap_or_default();
+        assert!(!slots.is_empty(), "node {port} serves no slots");
+        (0..)
+            .map(|i| format!("{prefix}{i}"))
+            .find(|name| {
+                let slot = key_slot(name);
+                slots.iter().any(|&(a, b)| (a..=b).contains(&slot))
+            })
+            .expect("some name lands on every master")
     }
 
     /// A hash tag (`t0`, `t1`, ...) whose keys land on each master, in `masters()` order.

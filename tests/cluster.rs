@@ -1,0 +1,381 @@
+//! pacer processes against a real multi-master Redis Cluster that the test starts: routes,
+//! fallbacks, input streams and inbound state spread over every master, with a busy route's slot
+//! moved and a master failed over while traffic flows; and a master frozen while the routes on
+//! the other masters keep their pace. Every entry ends exactly once and no window of any route
+//! or identity holds more than its limit.
+
+mod common;
+
+use common::{event, pending, read, start};
+use pacer::report::{max_in_window, OutputEntry};
+use pacer::testkit::{free_port, wait_until, Cluster, Pacer, TempDir};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+const WORKER: &str = "  batch: 64\n  drain: 1s\n  claim_idle: 30s";
+
+/// A config for `cluster` (every node as a seed) with metrics on `metrics_port`.
+fn cluster_config(
+    dir: &TempDir,
+    name: &str,
+    cluster: &Cluster,
+    metrics_port: u16,
+    body: &str,
+) -> PathBuf {
+    let text = format!(
+        "redis:\n  url: {}\n  mode: cluster\n  timeout: 500ms\nmetrics:\n  listen: 127.0.0.1:{metrics_port}\nworker:\n{WORKER}\n{body}\n",
+        cluster.urls()
+    );
+    dir.write(name, &text)
+}
+
+/// `n` workers on `body`, each with its own metrics port.
+fn workers(dir: &TempDir, cluster: &Cluster, body: &str, n: usize) -> Vec<Pacer> {
+    (0..n)
+        .map(|i| {
+            let port = free_port();
+            let cfg = cluster_config(dir, &format!("w{i}.yaml"), cluster, port, body);
+            start(&cfg, port)
+        })
+        .collect()
+}
+
+/// Every entry of `stream`, read on the master serving it now.
+fn entries(cluster: &Cluster, stream: &str) -> Vec<OutputEntry> {
+    read(cluster.server_of(stream), stream)
+}
+
+/// Where each input entry ended: (input stream, id) -> the outputs holding it.
+fn placements(cluster: &Cluster, outputs: &[String]) -> BTreeMap<(String, String), Vec<String>> {
+    let mut at: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
+    for stream in outputs {
+        for e in entries(cluster, stream) {
+            let source = (
+                e.field("pacer_source_stream").unwrap().to_string(),
+                e.field("pacer_source_id").unwrap().to_string(),
+            );
+            at.entry(source).or_default().push(stream.clone());
+        }
+    }
+    at
+}
+
+/// Waits until every pushed entry has ended somewhere, then checks that each ended exactly once,
+/// nothing else came out and nothing is left pending in any input stream.
+fn assert_each_once(
+    cluster: &Cluster,
+    pushed: &[(String, String)],
+    outputs: &[String],
+    inputs: &[String],
+    pacers: &[Pacer],
+) -> BTreeMap<(String, String), Vec<String>> {
+    let ended = wait_until(Duration::from_secs(60), || {
+        placements(cluster, outputs).len() >= pushed.len()
+            && inputs
+                .iter()
+                .all(|s| pending(cluster.server_of(s), s, "pacer") == 0)
+    });
+    let logs: String = pacers.iter().map(|p| p.log_text()).collect();
+    let at = placements(cluster, outputs);
+    assert!(
+        ended,
+        "{} of {} entries ended; logs:\n{}",
+        at.len(),
+        pushed.len(),
+        tail(&logs)
+    );
+    for key in pushed {
+        assert_eq!(
+            at.get(key).map(Vec::len),
+            Some(1),
+            "{key:?} ended in {:?}",
+            at.get(key)
+        );
+    }
+    assert_eq!(at.len(), pushed.len(), "outputs hold entries never pushed");
+    assert!(!logs.contains("CROSSSLOT"), "a call spanned slots");
+    at
+}
+
+fn tail(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(60)..].join("\n")
+}
+
+/// No rolling window W of `times` (ms) holds more than rate × W + burst.
+fn assert_windows(what: &str, times: &[i64], per_second: f64, burst: f64) {
+    let mut times = times.to_vec();
+    times.sort();
+    for w in [1, 10, 50, 100, 250, 500, 1000, 2000] {
+        let limit = per_second * w as f64 / 1000.0 + burst;
+        let seen = max_in_window(&times, w);
+        assert!(
+            seen as f64 <= limit,
+            "{what}: {seen} in a {w} ms window, limit {limit}"
+        );
+    }
+}
+
+fn ready(route: &str) -> String {
+    format!("pacer:{{{route}}}:ready")
+}
+
+/// Pushes to the master serving `stream` (input streams do not move in these tests).
+fn push_to(
+    con: &mut redis::Connection,
+    stream: &str,
+    events: &[Vec<(String, Vec<u8>)>],
+) -> Vec<(String, String)> {
+    let mut pipe = redis::pipe();
+    for fields in events {
+        let cmd = pipe.cmd("XADD").arg(stream).arg("*");
+        for (k, v) in fields {
+            cmd.arg(k).arg(v.as_slice());
+        }
+    }
+    let ids: Vec<String> = pipe.query(con).expect("pushing events");
+    ids.into_iter().map(|id| (stream.to_string(), id)).collect()
+}
+
+/// Issue 15, points 1, 3 and 4 (graceful): 3 masters with a replica each, two routes and an
+/// input stream on every master, fallbacks from each master's route to the next master's,
+/// inbound rules whose state and forward stream sit on a third slot, 3 workers, thousands of
+/// events. While they flow, a busy route's slot moves to another master (MIGRATING/IMPORTING,
+/// MIGRATE key by key, SETSLOT NODE) and then another master is failed over gracefully.
+#[test]
+fn three_masters_pace_and_admit_exactly_while_a_slot_moves_and_a_master_fails_over() {
+    let cluster = Cluster::start(3, 1);
+    let masters = cluster.masters();
+    let dir = TempDir::new("cluster");
+    let a: Vec<String> = masters.iter().map(|&m| cluster.name_on(m, "a")).collect();
+    let b: Vec<String> = masters.iter().map(|&m| cluster.name_on(m, "b")).collect();
+    let outs: Vec<String> = masters[..2]
+        .iter()
+        .map(|&m| cluster.name_on(m, "out"))
+        .collect();
+    let inq = cluster.name_on(masters[1], "in");
+    let accepted = cluster.name_on(masters[0], "acc");
+    let in_rejected = format!("{{{accepted}}}:rejected");
+    let mut routes = String::new();
+    for m in 0..3 {
+        routes += &format!(
+            "    {}: {{rate: 100/s, burst: 2, max_wait: 300ms, fallbacks: [{}]}}\n    {}: {{rate: 100/s, burst: 1, max_wait: 300ms}}\n",
+            a[m],
+            b[(m + 1) % 3],
+            b[m]
+        );
+    }
+    let body = format!(
+        "outbound:\n  streams: [{}, {}]\n  routes:\n{routes}inbound:\n  streams: [{inq}]\n  forward_stream: \"{accepted}\"\n  rejected_stream: \"{in_rejected}\"\n  rules:\n    - {{name: per-source, key: [source], algorithm: sliding_log, limits: [20/s]}}\n    - {{name: per-tenant, key: [tenant], algorithm: gcra, limits: [60/s], burst: 10}}\n",
+        outs[0], outs[1]
+    );
+    let pacers = workers(&dir, &cluster, &body, 3);
+
+    // 1000 outbound events/s (600/s of room: the rest is rejected) and 300 inbound/s for 4 s.
+    let urls: Vec<String> = outs
+        .iter()
+        .chain([&inq])
+        .map(|s| cluster.server_of(s).url())
+        .collect();
+    let (out_streams, a_routes, inq_name) = (outs.clone(), a.clone(), inq.clone());
+    let producer = std::thread::spawn(move || {
+        let mut cons: Vec<redis::Connection> = urls
+            .iter()
+            .map(|u| {
+                redis::Client::open(u.as_str())
+                    .unwrap()
+                    .get_connection()
+                    .unwrap()
+            })
+            .collect();
+        let mut pushed = Vec::new();
+        let start = Instant::now();
+        let mut tick = 0usize;
+        while start.elapsed() < Duration::from_secs(4) {
+            for s in 0..2 {
+                let batch: Vec<_> = (0..25)
+                    .map(|i| {
+                        let route = &a_routes[(tick + i + s) % 3];
+                        event(&[("route", route), ("n", &format!("{tick}.{s}.{i}"))])
+                    })
+                    .collect();
+                pushed.extend(push_to(&mut cons[s], &out_streams[s], &batch));
+            }
+            let batch: Vec<_> = (0..15)
+                .map(|i| {
+                    let source = format!("s{}", (tick + i) % 10);
+                    let tenant = format!("t{}", i % 3);
+                    event(&[("source", &source), ("tenant", &tenant)])
+                })
+                .collect();
+            pushed.extend(push_to(&mut cons[2], &inq_name, &batch));
+            tick += 1;
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        pushed
+    });
+
+    // A busy route's slot moves from the second master to the first, key by key, while events
+    // flow through it; then the third master is failed over gracefully.
+    std::thread::sleep(Duration::from_millis(800));
+    let slot = pacer::connection::key_slot(&a[1]);
+    let moved = cluster.move_slot(slot, masters[0], 2, Duration::from_millis(20));
+    assert!(moved > 0, "the route's slot held no keys to move");
+    let replica = cluster.replicas_of(masters[2])[0];
+    cluster.failover(replica, false);
+    let pushed = producer.join().unwrap();
+    assert!(
+        !cluster.masters().contains(&masters[2]),
+        "the failed-over master still serves slots"
+    );
+    assert_eq!(cluster.owner_of(&a[1]), masters[0]);
+
+    let mut outputs: Vec<String> = a.iter().chain(&b).map(|r| ready(r)).collect();
+    outputs.extend([
+        "pacer:rejected".to_string(),
+        "pacer:dead".to_string(),
+        accepted.clone(),
+        in_rejected.clone(),
+    ]);
+    let mut inputs = outs.clone();
+    inputs.push(inq.clone());
+    assert_each_once(&cluster, &pushed, &outputs, &inputs, &pacers);
+
+    // Every path ran on every master, and nothing was dead-lettered.
+    for stream in &outputs[..outputs.len() - 1] {
+        if stream != "pacer:dead" {
+            assert!(!entries(&cluster, stream).is_empty(), "{stream} is empty");
+        }
+    }
+    assert!(entries(&cluster, "pacer:dead").is_empty());
+    assert!(!entries(&cluster, &in_rejected).is_empty());
+    // The rate of every route, by the entry-id times Redis gave its ready stream.
+    for (route, burst) in a.iter().map(|r| (r, 2.0)).chain(b.iter().map(|r| (r, 1.0))) {
+        let times: Vec<i64> = entries(&cluster, &ready(route))
+            .iter()
+            .map(|e| e.ms)
+            .collect();
+        assert_windows(route, &times, 100.0, burst);
+    }
+    // Each inbound identity's limits, over what was forwarded.
+    let forwarded = entries(&cluster, &accepted);
+    let mut by_source: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    let mut by_tenant: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for e in &forwarded {
+        by_source
+            .entry(e.field("source").unwrap().to_string())
+            .or_default()
+            .push(e.ms);
+        by_tenant
+            .entry(e.field("tenant").unwrap().to_string())
+            .or_default()
+            .push(e.ms);
+    }
+    for (source, times) in &mut by_source {
+        times.sort();
+        for w in [1, 100, 500, 1000] {
+            assert!(
+                max_in_window(times, w) <= 20,
+                "source {source}: window {w} ms"
+            );
+        }
+    }
+    for (tenant, times) in &by_tenant {
+        assert_windows(tenant, times, 60.0, 10.0);
+    }
+    eprintln!(
+        "cluster: {} entries ended once, {} forwarded, slot {slot} moved ({moved} keys), master {} failed over to {replica}",
+        pushed.len(),
+        forwarded.len(),
+        masters[2]
+    );
+}
+
+/// Issue 15, point 2: one route's trouble never blocks another's. Three masters without
+/// replicas (and `cluster-require-full-coverage no`, without which Redis itself refuses every
+/// slot while one master is down); one route per master, their events interleaved in one input
+/// stream. The third master is frozen (SIGSTOP) for 3 s: the other two routes keep dispatching
+/// what arrives for them meanwhile, and after the thaw every entry ends exactly once.
+#[test]
+fn a_frozen_master_holds_up_no_route_on_the_others() {
+    let cluster = Cluster::start_with(3, 0, &["--cluster-require-full-coverage", "no"]);
+    let masters = cluster.masters();
+    let dir = TempDir::new("frozen");
+    let routes: Vec<String> = masters.iter().map(|&m| cluster.name_on(m, "r")).collect();
+    let input = cluster.name_on(masters[0], "out");
+    let mut body = format!("outbound:\n  streams: [{input}]\n  routes:\n");
+    for r in &routes {
+        body += &format!("    {r}: {{rate: 200/s, burst: 1, max_wait: 5s}}\n");
+    }
+    let pacers = workers(&dir, &cluster, &body, 2);
+    let url = cluster.server_of(&input).url();
+    let now_ms = |con: &mut redis::Connection| -> i64 {
+        let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();
+        s * 1000 + us / 1000
+    };
+
+    // 150 events/s per route (below its rate: each should go out as it arrives) for 6 s.
+    let (feed_input, feed_routes) = (input.clone(), routes.clone());
+    let producer = std::thread::spawn(move || {
+        let mut con = redis::Client::open(url).unwrap().get_connection().unwrap();
+        let mut pushed = Vec::new();
+        let start = Instant::now();
+        let mut tick = 0usize;
+        while start.elapsed() < Duration::from_secs(6) {
+            let batch: Vec<_> = (0..45)
+                .map(|i| {
+                    event(&[
+                        ("route", &feed_routes[i % 3]),
+                        ("n", &format!("{tick}.{i}")),
+                    ])
+                })
+                .collect();
+            pushed.extend(push_to(&mut con, &feed_input, &batch));
+            tick += 1;
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        pushed
+    });
+    let mut clock = cluster.server_of(&input).con();
+    std::thread::sleep(Duration::from_millis(1500));
+    let frozen_at = now_ms(&mut clock);
+    cluster.pause(masters[2]);
+    std::thread::sleep(Duration::from_secs(3));
+    let thawed_at = now_ms(&mut clock);
+    cluster.resume(masters[2]);
+    let pushed = producer.join().unwrap();
+
+    let mut outputs: Vec<String> = routes.iter().map(|r| ready(r)).collect();
+    outputs.extend(["pacer:rejected".to_string(), "pacer:dead".to_string()]);
+    assert_each_once(&cluster, &pushed, &outputs, &[input.clone()], &pacers);
+    assert!(entries(&cluster, "pacer:dead").is_empty());
+
+    // While the third master was frozen (less a 300 ms margin for the freeze to bite and the
+    // events already read), the other routes dispatched what arrived for them.
+    let from = frozen_at + 300;
+    let seconds = (thawed_at - from) as f64 / 1000.0;
+    for (i, route) in routes.iter().enumerate() {
+        let times: Vec<i64> = entries(&cluster, &ready(route))
+            .iter()
+            .map(|e| e.ms)
+            .collect();
+        assert_windows(route, &times, 200.0, 1.0);
+        let during = times
+            .iter()
+            .filter(|&&t| t >= from && t < thawed_at)
+            .count();
+        eprintln!(
+            "route {route} (master {}): {during} dispatched in {seconds:.2} s of freeze",
+            masters[i]
+        );
+        if i < 2 {
+            assert!(
+                during as f64 >= 0.9 * 150.0 * seconds,
+                "route {route} on a healthy master dispatched {during} in {seconds:.2} s while another master was frozen"
+            );
+        } else {
+            assert_eq!(during, 0, "the frozen master's route dispatched");
+        }
+    }
+}
