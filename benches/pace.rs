@@ -8,9 +8,11 @@
 //!    routes must pace; prints (ready entry id ms − pacer_slot_us / 1000) percentiles.
 //!
 //! `cargo bench --bench pace -- [--workers 3] [--events 200000] [--paced-seconds 10]
-//! [--skew-seconds 5]` (the last runs the first worker's wall clock that far ahead, under
-//! `faketime`, for the lateness run; pacer maps Redis time to its own clock, so it should not
-//! show).
+//! [--skew-seconds 5] [--wait-replicas 1]` (`--skew-seconds` runs the first worker's wall clock
+//! that far ahead, under `faketime`, for the lateness run; pacer maps Redis time to its own
+//! clock, so it should not show. `--wait-replicas N` starts N replicas of the Redis and sets
+//! `redis.wait_replicas: N` for the throughput run: the price of the durable mode; Redis CPU is
+//! the master's).
 
 mod common;
 
@@ -58,6 +60,7 @@ fn read_all_blocking(redis: &RedisServer, stream: &str) -> Vec<pacer::report::Ou
 
 fn lateness(bin: &Path, workers: u64, seconds: u64, skew_seconds: u64) {
     let redis = RedisServer::start();
+    let _replicas = common::replicas_of(&redis, arg("--wait-replicas", 0));
     let mut con = redis.con();
     let dir = TempDir::new("bench");
     // Each route takes 100/s with burst 1; events arrive 5 per route every 100 ms, so four of

@@ -324,6 +324,8 @@ fn main() {
     };
     let node = Command::new("node").arg("--version").output().unwrap();
     let redis = RedisServer::start();
+    // `--wait-replicas N` (pacer's durable mode) needs N replicas to confirm its writes.
+    let _replicas = common::replicas_of(&redis, arg("--wait-replicas", 0));
     let server: String = redis::cmd("INFO")
         .arg("server")
         .query::<String>(&mut redis.con())

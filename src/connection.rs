@@ -293,25 +293,47 @@ impl RedisConn {
             .map_err(|e| ConnectError::classify(&self.target, e))
     }
 
-    /// `WAIT replicas timeout` where it means something: on a cluster, on the master serving
-    /// `key`'s slot (redis-rs would ask every master and keep the smallest answer). Returns how
-    /// many replicas hold every write made so far on this connection to that node (clones share
-    /// it). Redis answers a client's commands in order, so while WAIT blocks, the other commands
-    /// sent on the same connection to that node wait behind it: keep `timeout` short.
+    /// How many replicas hold everything `key`'s node held a moment ago (up to `replicas`,
+    /// waiting up to `timeout`): a write to `keys::replication_mark(key)`, then `WAIT replicas
+    /// timeout` on the same node (on a cluster, the master serving `key`'s slot: redis-rs would
+    /// ask every master and keep the smallest answer). WAIT alone counts only the writes made
+    /// on this connection (clones share it), and a connection made anew after a reconnection or
+    /// a failover has made none; the mark's write makes it count every earlier write to the
+    /// node. Redis answers a client's commands in order, so while WAIT blocks, the other
+    /// commands sent on the same connection to that node wait behind it: keep `timeout` short.
     pub async fn wait_replicas(
         &mut self,
         key: &str,
         replicas: u32,
         timeout: Duration,
     ) -> RedisResult<u32> {
-        let mut cmd = redis::cmd("WAIT");
-        cmd.arg(replicas).arg(timeout.as_millis() as u64);
-        match &mut self.inner {
-            Inner::Cluster(con) => {
-                let reply = con.send_to_master_of(key, cmd).await?;
-                redis::from_redis_value(reply.extract_error()?).map_err(Into::into)
+        // The mark and the WAIT go as one pipeline, so that they run on one node: sent alone,
+        // a WAIT whose node is unreachable (killed, say) is sent by redis-rs to another node,
+        // whose replicas say nothing about the writes in question. The mark expires on its
+        // own: one small key per slot that pacer waits on, never more.
+        let mut pipe = redis::pipe();
+        pipe.cmd("SET")
+            .arg(crate::keys::replication_mark(key))
+            .arg(1)
+            .arg("PX")
+            .arg(60_000)
+            .cmd("WAIT")
+            .arg(replicas)
+            .arg(timeout.as_millis() as u64);
+        let replies = match &mut self.inner {
+            Inner::Cluster(con) => con.pipeline_to_master_of(key, pipe, 2).await?,
+            _ => pipe.query_async(self).await?,
+        };
+        let mut replies = replies.into_iter().map(Value::extract_error);
+        match (replies.next(), replies.next()) {
+            (Some(set), Some(wait)) => {
+                set?;
+                redis::from_redis_value(wait?).map_err(Into::into)
             }
-            _ => cmd.query_async(self).await,
+            _ => Err(redis::RedisError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "expected two replies to SET and WAIT",
+            ))),
         }
     }
 

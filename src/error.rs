@@ -11,6 +11,9 @@ pub enum Error {
     /// would not help.
     #[error(transparent)]
     Connect(#[from] crate::connection::ConnectError),
+    /// `redis.wait_replicas` not met: fewer replicas than wanted confirmed a write in time.
+    #[error("{got} of the {wanted} replicas redis.wait_replicas asks for confirmed the writes on {key}'s node within wait_timeout")]
+    ReplicasShort { wanted: u32, got: u32, key: String },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -21,7 +24,7 @@ impl Error {
         match self {
             Error::Redis(e) => crate::connection::is_fatal(e),
             Error::Connect(e) => e.is_fatal(),
-            Error::Reply { .. } => false,
+            Error::Reply { .. } | Error::ReplicasShort { .. } => false,
         }
     }
 

@@ -27,7 +27,7 @@ pub fn hash_tag(key: &str) -> &str {
 
 /// The Redis Cluster slot of `key`: CRC16 (XMODEM) of its hash tag, mod 16384. Computed here
 /// so that a worker knows which of its keys share a slot without asking Redis each time
-/// (`tests/cluster.rs` checks it against CLUSTER KEYSLOT).
+/// (`tests/connection.rs` checks it against CLUSTER KEYSLOT).
 pub fn slot(key: &str) -> u16 {
     let mut crc: u16 = 0;
     for &b in hash_tag(key).as_bytes() {
@@ -41,6 +41,14 @@ pub fn slot(key: &str) -> u16 {
         }
     }
     crc % 16384
+}
+
+/// A key in `key`'s slot that `redis.wait_replicas` writes just before each `WAIT`: WAIT counts
+/// the replicas holding everything the node had when this connection last wrote, so a fresh
+/// write makes it cover every earlier write to that node, whichever connection made it (a call
+/// retried after a reconnection or a failover may write nothing itself).
+pub fn replication_mark(key: &str) -> String {
+    format!("pacer:{{{}}}:replicated", hash_tag(key))
 }
 
 /// Why a stream name cannot be used: a `{` that does not open a usable hash tag makes Redis hash

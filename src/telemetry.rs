@@ -150,7 +150,7 @@ pub fn input_deleted(stream: &str, n: usize) {
     counter!(INPUT_DELETED_TOTAL, "stream" => stream.to_string()).increment(n as u64);
 }
 
-/// Writes that `redis.wait_replicas` replicas did not confirm in time (the worker went on).
+/// Calls whose writes `redis.wait_replicas` replicas did not confirm in time (each is made again).
 pub fn replication_short() {
     counter!(REPLICATION_SHORT_TOTAL).increment(1);
 }

@@ -348,7 +348,7 @@ fn a_frozen_master_holds_up_no_route_on_the_others() {
 
     let mut outputs: Vec<String> = routes.iter().map(|r| ready(r)).collect();
     outputs.extend(["pacer:rejected".to_string(), "pacer:dead".to_string()]);
-    assert_each_once(&cluster, &pushed, &outputs, &[input.clone()], &pacers);
+    assert_each_once(&cluster, &pushed, &outputs, std::slice::from_ref(&input), &pacers);
     assert!(entries(&cluster, "pacer:dead").is_empty());
 
     // While the third master was frozen (less a 300 ms margin for the freeze to bite and the
@@ -378,4 +378,138 @@ fn a_frozen_master_holds_up_no_route_on_the_others() {
             assert_eq!(during, 0, "the frozen master's route dispatched");
         }
     }
+}
+
+/// What one run of `lagging_takeover` left.
+struct Takeover {
+    pushed: usize,
+    /// Entries in no output and not pending: lost.
+    lost: usize,
+    /// Entries in more than one output entry.
+    doubled: usize,
+    /// From the promotion to the first entry the new master's ready stream took, ms.
+    followed_ms: i64,
+}
+
+/// A route on a master whose replica lags (frozen, its link cut) for 1 s while events flow; then the master
+/// is killed (-9) and the lagging replica promoted with `CLUSTER FAILOVER TAKEOVER`, so every
+/// write it had not received is gone; then the old master comes back as its replica. The input
+/// stream lives on another master, so acknowledgements survive while outputs may not.
+fn lagging_takeover(wait_replicas: u32) -> Takeover {
+    let mut cluster = Cluster::start(3, 1);
+    let masters = cluster.masters();
+    let dir = TempDir::new("takeover");
+    let route = cluster.name_on(masters[1], "r");
+    let input = cluster.name_on(masters[0], "out");
+    let body = format!(
+        "outbound:\n  streams: [{input}]\n  dedupe_ttl: 1m\n  rejected_stream: \"{{{input}}}:rejected\"\n  dead_letter_stream: \"{{{input}}}:dead\"\n  routes:\n    {route}: {{rate: 200/s, burst: 1, max_wait: 2s}}\n"
+    );
+    let pacers: Vec<Pacer> = (0..2)
+        .map(|i| {
+            let port = free_port();
+            let text = format!(
+                "redis:\n  url: {}\n  mode: cluster\n  timeout: 500ms\n  wait_replicas: {wait_replicas}\n  wait_timeout: 100ms\nmetrics:\n  listen: 127.0.0.1:{port}\nworker:\n  batch: 64\n  drain: 1s\n  claim_idle: 5s\n{body}",
+                cluster.urls()
+            );
+            start(&dir.write(&format!("w{i}.yaml"), &text), port)
+        })
+        .collect();
+    let url = cluster.server_of(&input).url();
+    let (feed_input, feed_route) = (input.clone(), route.clone());
+    let producer = std::thread::spawn(move || {
+        let mut con = redis::Client::open(url).unwrap().get_connection().unwrap();
+        let mut pushed = Vec::new();
+        let start = Instant::now();
+        let mut tick = 0usize;
+        while start.elapsed() < Duration::from_secs(5) {
+            let batch: Vec<_> = (0..10)
+                .map(|i| event(&[("route", &feed_route), ("n", &format!("{tick}.{i}"))]))
+                .collect();
+            pushed.extend(push_to(&mut con, &feed_input, &batch));
+            tick += 1;
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        pushed
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    let replica = cluster.replicas_of(masters[1])[0];
+    cluster.pause(replica);
+    // Frozen, the replica would still find in its socket what the master sent before dying;
+    // cut the link, so that what the master takes from now on reaches no replica.
+    let _: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("replica")
+        .query(&mut cluster.con(masters[1]))
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    cluster.kill(masters[1]);
+    cluster.resume(replica);
+    cluster.failover(replica, true);
+    let promoted_at = {
+        let (s, us): (i64, i64) = redis::cmd("TIME").query(&mut cluster.con(replica)).unwrap();
+        s * 1000 + us / 1000
+    };
+    cluster.restart(masters[1]);
+    let pushed = producer.join().unwrap();
+
+    let outputs = vec![
+        ready(&route),
+        format!("{{{input}}}:rejected"),
+        format!("{{{input}}}:dead"),
+    ];
+    let settled = wait_until(Duration::from_secs(30), || {
+        pending(cluster.server_of(&input), &input, "pacer") == 0
+    });
+    assert!(
+        settled,
+        "entries left pending; logs:\n{}",
+        tail(&pacers[0].log_text())
+    );
+    let at = placements(&cluster, &outputs);
+    let times: Vec<i64> = entries(&cluster, &ready(&route))
+        .iter()
+        .map(|e| e.ms)
+        .collect();
+    assert_windows(&route, &times, 200.0, 1.0);
+    let followed_ms = times
+        .iter()
+        .filter(|&&t| t >= promoted_at)
+        .min()
+        .map_or(i64::MAX, |t| t - promoted_at);
+    Takeover {
+        pushed: pushed.len(),
+        lost: pushed.iter().filter(|k| !at.contains_key(*k)).count(),
+        doubled: at.values().filter(|v| v.len() > 1).count(),
+        followed_ms,
+    }
+}
+
+/// Issue 15, point 4: Redis replicates asynchronously, so a promoted replica that lagged lacks
+/// writes its master acknowledged. Without `wait_replicas`, outputs written in that gap vanish
+/// while their input entries (on another master) stay acknowledged: lost, which this test
+/// first shows happens. With `wait_replicas: 1` nothing is acknowledged or slept on before a
+/// replica confirms it, so the same takeover loses and doubles nothing; pacing on the route
+/// stalls while no replica confirms, and resumes once the old master is back as a replica.
+#[test]
+fn a_lagging_replica_promoted_by_takeover_loses_nothing_with_wait_replicas() {
+    let without = lagging_takeover(0);
+    eprintln!(
+        "wait_replicas 0: {} pushed, {} lost, {} doubled, first dispatch {} ms after the promotion",
+        without.pushed, without.lost, without.doubled, without.followed_ms
+    );
+    assert!(
+        without.lost > 0,
+        "the takeover lost nothing without wait_replicas: this rig does not show what it is for"
+    );
+    assert!(
+        without.followed_ms <= 5000,
+        "the new master was not followed within 5 s"
+    );
+    let with = lagging_takeover(1);
+    eprintln!(
+        "wait_replicas 1: {} pushed, {} lost, {} doubled, first dispatch {} ms after the promotion",
+        with.pushed, with.lost, with.doubled, with.followed_ms
+    );
+    assert_eq!((with.lost, with.doubled), (0, 0));
 }

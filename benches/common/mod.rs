@@ -200,6 +200,7 @@ pub fn measure(
 ) -> Measured {
     let redis = RedisServer::start();
     let mut con = redis.con();
+    let _replicas = replicas_of(&redis, arg("--wait-replicas", 0));
     let dir = TempDir::new("bench");
     pacer::testkit::create_group(&mut con, "in", "pacer");
     preload(&mut con, events, fields);
@@ -222,6 +223,25 @@ pub fn measure(
         worker_us: worker_cpu * 1e6 / n,
         detail: commandstats_line(&calls, events),
     }
+}
+
+/// `n` replicas of `redis` (for `--wait-replicas n`), once each has synced.
+pub fn replicas_of(redis: &RedisServer, n: u64) -> Vec<RedisServer> {
+    let port = redis.port.to_string();
+    let replicas: Vec<RedisServer> = (0..n)
+        .map(|_| RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]))
+        .collect();
+    for r in &replicas {
+        let synced = wait_until(Duration::from_secs(20), || {
+            let info: String = redis::cmd("INFO")
+                .arg("replication")
+                .query(&mut r.con())
+                .unwrap_or_default();
+            info.contains("master_link_status:up")
+        });
+        assert!(synced, "a replica did not sync");
+    }
+    replicas
 }
 
 pub fn xlen(con: &mut redis::Connection, stream: &str) -> u64 {
@@ -252,8 +272,9 @@ pub fn outbound_throughput(bin: &Path, workers: u64, events: u64) -> Measured {
 /// A worker config with outbound `routes` (YAML lines under `routes:`) reading `in`.
 pub fn outbound_config(url: &str, port: u16, routes: &str) -> String {
     let batch = arg("--batch", 256);
+    let wait = arg("--wait-replicas", 0);
     format!(
-        "redis: {{url: \"{url}\"}}\nmetrics: {{listen: \"127.0.0.1:{port}\"}}\nworker: {{batch: {batch}, max_inflight: 100000}}\noutbound:\n  streams: [\"in\"]\n  routes:\n{routes}"
+        "redis: {{url: \"{url}\", wait_replicas: {wait}}}\nmetrics: {{listen: \"127.0.0.1:{port}\"}}\nworker: {{batch: {batch}, max_inflight: 100000}}\noutbound:\n  streams: [\"in\"]\n  routes:\n{routes}"
     )
 }
 

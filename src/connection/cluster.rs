@@ -13,7 +13,7 @@
 
 use redis::aio::ConnectionLike;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Arg, Cmd, ErrorKind, Pipeline, RedisFuture, RedisResult, ServerErrorKind, Value};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -75,14 +75,23 @@ impl ClusterConn {
         }
     }
 
-    /// Sends `cmd` to the master serving `key`'s slot, whatever keys `cmd` names (`WAIT`
-    /// names none, yet must reach the node that took the writes it waits for).
-    pub(super) async fn send_to_master_of(&mut self, key: &str, cmd: Cmd) -> RedisResult<Value> {
+    /// Sends `pipeline` as one to the master serving `key`'s slot. If redis-rs cannot reach that
+    /// node it sends the pipeline to another (a replica of the shard, or any node): a pipeline
+    /// that starts with a write to `key`'s slot then fails there (MOVED, READONLY) rather than
+    /// running its later commands on the wrong node.
+    pub(super) async fn pipeline_to_master_of(
+        &mut self,
+        key: &str,
+        pipeline: Pipeline,
+        count: usize,
+    ) -> RedisResult<Vec<Value>> {
         let route = Route::with_key(key, SlotAddr::Master);
         self.con
-            .route_command(
-                cmd,
-                RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+            .route_pipeline(
+                pipeline,
+                0,
+                count,
+                SingleNodeRoutingInfo::SpecificNode(route),
             )
             .await
     }

@@ -4,7 +4,7 @@ use crate::backoff::Backoff;
 use crate::clock::{Clock, RedisClock};
 use crate::config::{Config, Route};
 use crate::connection::RedisConn;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::health::Health;
 use crate::keys::{self, OutputKeys};
 use crate::scripts::{RouteCall, Scripts, Writing};
@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
+use tracing::{debug, warn};
 
 pub(crate) struct Context {
     pub(crate) cfg: Config,
@@ -44,37 +44,44 @@ pub(crate) struct Context {
 }
 
 impl Context {
-    /// With `redis.wait_replicas`, waits until that many replicas hold what the last call wrote
-    /// on `key`'s node (`WAIT`), before the worker goes on to acknowledge or sleep on it. Redis
-    /// replicates asynchronously: a master that dies before its replicas have a write loses it,
-    /// and an input entry acknowledged in another slot while its output is lost would be lost.
-    /// Tried three times; if the replicas still lag, the worker goes on (counted in
-    /// `pacer_replication_short_total`), since holding every entry for a replica that is gone
-    /// would stop pacing altogether.
-    pub(crate) async fn replicated(&self, key: &str) {
+    /// With `redis.wait_replicas`, whether that many replicas hold everything `key`'s node held
+    /// after the caller's last call (a fresh write to that node, then `WAIT` up to
+    /// `wait_timeout`). Redis replicates asynchronously: a master that dies before its replicas
+    /// have a write loses it, and an input entry acknowledged (in another slot) after its output
+    /// was lost would be lost with it. So a shortfall is an error, never a shrug: the caller
+    /// neither acknowledges nor sleeps on what it wrote, and repeats its call with backoff. Every
+    /// such call is idempotent (recorded decisions, write-once outputs), and a repeat on a
+    /// promoted replica that lacks the first write makes it again. While replicas lag, pacing
+    /// stalls (counted in `pacer_replication_short_total`, /readyz false): that is what asking
+    /// for replicas means, as `min-replicas-to-write` does in Redis itself.
+    pub(crate) async fn replicated(&self, key: &str) -> Result<()> {
         let wanted = self.cfg.redis.wait_replicas;
         if wanted == 0 {
-            return;
+            return Ok(());
         }
         let mut con = self.con.clone();
-        for _ in 0..3 {
-            match con
-                .wait_replicas(key, wanted, self.cfg.redis.wait_timeout)
-                .await
-            {
-                Ok(n) if n >= wanted => return,
-                Ok(_) => {}
-                Err(e) => {
-                    self.health.failed("wait", &e);
-                    return;
-                }
-            }
+        let got = con
+            .wait_replicas(key, wanted, self.cfg.redis.wait_timeout)
+            .await?;
+        if got >= wanted {
+            return Ok(());
         }
         telemetry::replication_short();
-        debug!(
-            key,
-            wanted, "replicas did not confirm the last writes in time"
-        );
+        Err(Error::ReplicasShort {
+            wanted,
+            got,
+            key: key.to_string(),
+        })
+    }
+
+    /// Reports a failed call to health, except replicas lagging behind `wait_replicas`: Redis
+    /// answers then, and other calls succeed meanwhile, so health would flip between failing
+    /// and answering on every call. That is counted (`pacer_replication_short_total`) and logged
+    /// once per streak by the caller instead.
+    pub(crate) fn failed(&self, op: &str, e: &Error) {
+        if !matches!(e, Error::ReplicasShort { .. }) {
+            self.health.failed(op, e);
+        }
     }
 
     /// Which input streams a script writing `output` (a key) may acknowledge entries of.
@@ -124,8 +131,11 @@ impl Context {
                 }
                 Err(e) => {
                     // Health says the outage once; here only the detail, at debug.
-                    self.health.failed(op, &e);
+                    self.failed(op, &e);
                     let delay = backoff.fail();
+                    if backoff.failures() == 1 && matches!(e, Error::ReplicasShort { .. }) {
+                        warn!(op, error = %e, "holding writes the replicas have not confirmed; retrying with backoff");
+                    }
                     debug!(op, error = %e, failures = backoff.failures(), retry_in = ?delay, "Redis call failed");
                     tokio::select! {
                         _ = stop.cancelled() => return None,

@@ -265,7 +265,7 @@ impl State {
                 reply
             }
             Err(e) => {
-                ctx.health.failed("dispatch", &e);
+                ctx.failed("dispatch", &e);
                 let backoff = self.failing.entry(route.index).or_default();
                 let delay = backoff.fail();
                 // One line per route per outage, not one per event.
@@ -386,11 +386,11 @@ async fn dispatch_route(
     let acks = ctx.acks_in_script(&route.keys.ready);
     let call = ctx.route_call(route, &acks);
     let mut con = ctx.con.clone();
-    let reply = telemetry::timed("dispatch", ctx.scripts.dispatch(&mut con, &call, &items)).await;
-    if reply.is_ok() {
-        ctx.replicated(&route.keys.ready).await;
-    }
-    reply
+    let reply = telemetry::timed("dispatch", ctx.scripts.dispatch(&mut con, &call, &items)).await?;
+    // Unconfirmed, the call counts as failed: its events sleep on and the call is made again
+    // (the markers make it a no-op where it went through, a redo where a failover lost it).
+    ctx.replicated(&route.keys.ready).await?;
+    Ok(reply)
 }
 
 #[cfg(test)]

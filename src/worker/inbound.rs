@@ -200,14 +200,26 @@ async fn admit_batch(
         stale_us: cfg.flow.dedupe_ttl.as_micros() as i64,
     };
     let mut backoff = Backoff::default();
+    // Replicas lagging is not the limiter failing: it never turns into `fail_policy`. The call
+    // is repeated (it gives back the decisions it recorded) until they confirm it.
+    let mut lagging = Backoff::default();
     loop {
         let mut con = ctx.con.clone();
         let call = ctx.scripts.admit(&mut con, &to, &cfg.rules, &items);
         match telemetry::timed("admit", call).await {
             Ok(reply) => {
                 ctx.health.succeeded();
-                ctx.replicated(&cfg.forward_stream).await;
-                return Some(Ok(reply));
+                let Err(e) = ctx.replicated(&cfg.forward_stream).await else {
+                    return Some(Ok(reply));
+                };
+                let delay = lagging.fail();
+                if lagging.failures() == 1 {
+                    warn!(error = %e, "holding admissions the replicas have not confirmed; retrying with backoff");
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => return None,
+                    _ = tokio::time::sleep(delay) => {}
+                }
             }
             Err(e) => {
                 ctx.health.failed("admit", &e);

@@ -140,13 +140,16 @@ pub(crate) async fn emit(
             acks: &acks,
         },
     };
+    // Write-once, so repeated until the replicas confirm it before anything is acknowledged.
     ctx.retry(op, stop, || {
         let mut con = ctx.con.clone();
         let (items, call) = (&items, &call);
-        async move { ctx.scripts.emit(&mut con, call, items).await }
+        async move {
+            ctx.scripts.emit(&mut con, call, items).await?;
+            ctx.replicated(&keys.stream).await
+        }
     })
     .await?;
-    ctx.replicated(&keys.stream).await;
     Some(
         entries
             .iter()

@@ -197,7 +197,6 @@ pub(crate) async fn place_on(
 ) -> Option<Placed> {
     let (group, mut reply) = schedule_on(ctx, route, group, stop).await;
     let mut reply = reply.take()?;
-    ctx.replicated(&route.keys.ready).await;
     let mut placed = Placed::default();
     ctx.clock.observe(reply.end_us, ctx.time.now());
     telemetry::route_queue(&route.name, reply.tat_us - reply.now_us);
@@ -387,10 +386,17 @@ async fn schedule_on(
             route.max_age.map_or(0, |a| a.as_micros() as i64),
             route.max_wait.as_micros() as i64,
         );
+        // Nothing sleeps on a decision its replicas have not confirmed: unconfirmed, the call
+        // is made again, and gives back the decisions it recorded (or records them anew on a
+        // promoted replica that lacks them).
         ctx.retry("schedule", stop, || {
             let mut con = ctx.con.clone();
             let (items, call) = (&items, &call);
-            async move { ctx.scripts.schedule(&mut con, call, ages, items).await }
+            async move {
+                let reply = ctx.scripts.schedule(&mut con, call, ages, items).await?;
+                ctx.replicated(call.keys.ready.as_str()).await?;
+                Ok(reply)
+            }
         })
         .await
     };
