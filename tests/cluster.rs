@@ -348,7 +348,13 @@ fn a_frozen_master_holds_up_no_route_on_the_others() {
 
     let mut outputs: Vec<String> = routes.iter().map(|r| ready(r)).collect();
     outputs.extend(["pacer:rejected".to_string(), "pacer:dead".to_string()]);
-    assert_each_once(&cluster, &pushed, &outputs, std::slice::from_ref(&input), &pacers);
+    assert_each_once(
+        &cluster,
+        &pushed,
+        &outputs,
+        std::slice::from_ref(&input),
+        &pacers,
+    );
     assert!(entries(&cluster, "pacer:dead").is_empty());
 
     // While the third master was frozen (less a 300 ms margin for the freeze to bite and the
