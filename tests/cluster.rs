@@ -10,33 +10,29 @@ use common::{event, pending, read, start};
 use pacer::report::{max_in_window, OutputEntry};
 use pacer::testkit::{free_port, wait_until, Cluster, Pacer, TempDir};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 const WORKER: &str = "  batch: 64\n  drain: 1s\n  claim_idle: 30s";
 
-/// A config for `cluster` (every node as a seed) with metrics on `metrics_port`.
-fn cluster_config(
+/// `n` workers on `cluster` (every node as a seed), each with its own metrics port: `redis`
+/// adds lines to the `redis:` section, `worker` is the `worker:` section, `body` the rest.
+fn workers(
     dir: &TempDir,
-    name: &str,
     cluster: &Cluster,
-    metrics_port: u16,
+    redis: &str,
+    worker: &str,
     body: &str,
-) -> PathBuf {
-    let text = format!(
-        "redis:\n  url: {}\n  mode: cluster\n  timeout: 500ms\nmetrics:\n  listen: 127.0.0.1:{metrics_port}\nworker:\n{WORKER}\n{body}\n",
-        cluster.urls()
-    );
-    dir.write(name, &text)
-}
-
-/// `n` workers on `body`, each with its own metrics port.
-fn workers(dir: &TempDir, cluster: &Cluster, body: &str, n: usize) -> Vec<Pacer> {
+    n: usize,
+) -> Vec<Pacer> {
     (0..n)
         .map(|i| {
             let port = free_port();
-            let cfg = cluster_config(dir, &format!("w{i}.yaml"), cluster, port, body);
-            start(&cfg, port)
+            let text = format!(
+                "redis:\n  url: {}\n  mode: cluster\n  timeout: 500ms\n{redis}metrics:\n  listen: 127.0.0.1:{port}\nworker:\n{worker}\n{body}\n",
+                cluster.urls()
+            );
+            start(&dir.write(&format!("w{i}.yaml"), &text), port)
         })
         .collect()
 }
@@ -121,21 +117,39 @@ fn ready(route: &str) -> String {
     format!("pacer:{{{route}}}:ready")
 }
 
-/// Pushes to the master serving `stream` (input streams do not move in these tests).
-fn push_to(
-    con: &mut redis::Connection,
+/// Pushes `per_tick` events (`make(tick, i)`) to `stream` every 100 ms for `seconds`, in a
+/// thread, on the master serving it (input streams do not move in these tests); returns
+/// (stream, id) of each.
+fn feed(
+    cluster: &Cluster,
     stream: &str,
-    events: &[Vec<(String, Vec<u8>)>],
-) -> Vec<(String, String)> {
-    let mut pipe = redis::pipe();
-    for fields in events {
-        let cmd = pipe.cmd("XADD").arg(stream).arg("*");
-        for (k, v) in fields {
-            cmd.arg(k).arg(v.as_slice());
+    seconds: u64,
+    per_tick: usize,
+    make: impl Fn(usize, usize) -> Vec<(String, Vec<u8>)> + Send + 'static,
+) -> JoinHandle<Vec<(String, String)>> {
+    let url = cluster.server_of(stream).url();
+    let stream = stream.to_string();
+    std::thread::spawn(move || {
+        let mut con = redis::Client::open(url).unwrap().get_connection().unwrap();
+        let mut pushed = Vec::new();
+        let start = Instant::now();
+        for tick in 0.. {
+            if start.elapsed() >= Duration::from_secs(seconds) {
+                break;
+            }
+            let mut pipe = redis::pipe();
+            for i in 0..per_tick {
+                let cmd = pipe.cmd("XADD").arg(&stream).arg("*");
+                for (k, v) in make(tick, i) {
+                    cmd.arg(k).arg(v);
+                }
+            }
+            let ids: Vec<String> = pipe.query(&mut con).expect("pushing events");
+            pushed.extend(ids.into_iter().map(|id| (stream.clone(), id)));
+            std::thread::sleep(Duration::from_millis(100));
         }
-    }
-    let ids: Vec<String> = pipe.query(con).expect("pushing events");
-    ids.into_iter().map(|id| (stream.to_string(), id)).collect()
+        pushed
+    })
 }
 
 /// Issue 15, points 1, 3 and 4 (graceful): 3 masters with a replica each, two routes and an
@@ -170,51 +184,25 @@ fn three_masters_pace_and_admit_exactly_while_a_slot_moves_and_a_master_fails_ov
         "outbound:\n  streams: [{}, {}]\n  routes:\n{routes}inbound:\n  streams: [{inq}]\n  forward_stream: \"{accepted}\"\n  rejected_stream: \"{in_rejected}\"\n  rules:\n    - {{name: per-source, key: [source], algorithm: sliding_log, limits: [20/s]}}\n    - {{name: per-tenant, key: [tenant], algorithm: gcra, limits: [60/s], burst: 10}}\n",
         outs[0], outs[1]
     );
-    let pacers = workers(&dir, &cluster, &body, 3);
+    let pacers = workers(&dir, &cluster, "", WORKER, &body, 3);
 
     // 1000 outbound events/s (600/s of room: the rest is rejected) and 300 inbound/s for 4 s.
-    let urls: Vec<String> = outs
+    let mut producers: Vec<_> = outs
         .iter()
-        .chain([&inq])
-        .map(|s| cluster.server_of(s).url())
-        .collect();
-    let (out_streams, a_routes, inq_name) = (outs.clone(), a.clone(), inq.clone());
-    let producer = std::thread::spawn(move || {
-        let mut cons: Vec<redis::Connection> = urls
-            .iter()
-            .map(|u| {
-                redis::Client::open(u.as_str())
-                    .unwrap()
-                    .get_connection()
-                    .unwrap()
+        .enumerate()
+        .map(|(s, stream)| {
+            let routes = a.clone();
+            feed(&cluster, stream, 4, 50, move |tick, i| {
+                let route = &routes[(tick + i + s) % 3];
+                event(&[("route", route), ("n", &format!("{tick}.{i}"))])
             })
-            .collect();
-        let mut pushed = Vec::new();
-        let start = Instant::now();
-        let mut tick = 0usize;
-        while start.elapsed() < Duration::from_secs(4) {
-            for s in 0..2 {
-                let batch: Vec<_> = (0..25)
-                    .map(|i| {
-                        let route = &a_routes[(tick + i + s) % 3];
-                        event(&[("route", route), ("n", &format!("{tick}.{s}.{i}"))])
-                    })
-                    .collect();
-                pushed.extend(push_to(&mut cons[s], &out_streams[s], &batch));
-            }
-            let batch: Vec<_> = (0..15)
-                .map(|i| {
-                    let source = format!("s{}", (tick + i) % 10);
-                    let tenant = format!("t{}", i % 3);
-                    event(&[("source", &source), ("tenant", &tenant)])
-                })
-                .collect();
-            pushed.extend(push_to(&mut cons[2], &inq_name, &batch));
-            tick += 1;
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        pushed
-    });
+        })
+        .collect();
+    producers.push(feed(&cluster, &inq, 4, 30, |tick, i| {
+        let source = format!("s{}", (tick + i) % 10);
+        let tenant = format!("t{}", i % 3);
+        event(&[("source", &source), ("tenant", &tenant)])
+    }));
 
     // A busy route's slot moves from the second master to the first, key by key, while events
     // flow through it; then the third master is failed over gracefully.
@@ -224,7 +212,10 @@ fn three_masters_pace_and_admit_exactly_while_a_slot_moves_and_a_master_fails_ov
     assert!(moved > 0, "the route's slot held no keys to move");
     let replica = cluster.replicas_of(masters[2])[0];
     cluster.failover(replica, false);
-    let pushed = producer.join().unwrap();
+    let pushed: Vec<_> = producers
+        .into_iter()
+        .flat_map(|p| p.join().unwrap())
+        .collect();
     assert!(
         !cluster.masters().contains(&masters[2]),
         "the failed-over master still serves slots"
@@ -308,34 +299,19 @@ fn a_frozen_master_holds_up_no_route_on_the_others() {
     for r in &routes {
         body += &format!("    {r}: {{rate: 200/s, burst: 1, max_wait: 5s}}\n");
     }
-    let pacers = workers(&dir, &cluster, &body, 2);
-    let url = cluster.server_of(&input).url();
+    let pacers = workers(&dir, &cluster, "", WORKER, &body, 2);
     let now_ms = |con: &mut redis::Connection| -> i64 {
         let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();
         s * 1000 + us / 1000
     };
 
     // 150 events/s per route (below its rate: each should go out as it arrives) for 6 s.
-    let (feed_input, feed_routes) = (input.clone(), routes.clone());
-    let producer = std::thread::spawn(move || {
-        let mut con = redis::Client::open(url).unwrap().get_connection().unwrap();
-        let mut pushed = Vec::new();
-        let start = Instant::now();
-        let mut tick = 0usize;
-        while start.elapsed() < Duration::from_secs(6) {
-            let batch: Vec<_> = (0..45)
-                .map(|i| {
-                    event(&[
-                        ("route", &feed_routes[i % 3]),
-                        ("n", &format!("{tick}.{i}")),
-                    ])
-                })
-                .collect();
-            pushed.extend(push_to(&mut con, &feed_input, &batch));
-            tick += 1;
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        pushed
+    let feed_routes = routes.clone();
+    let producer = feed(&cluster, &input, 6, 45, move |tick, i| {
+        event(&[
+            ("route", &feed_routes[i % 3]),
+            ("n", &format!("{tick}.{i}")),
+        ])
     });
     let mut clock = cluster.server_of(&input).con();
     std::thread::sleep(Duration::from_millis(1500));
@@ -410,32 +386,12 @@ fn lagging_takeover(wait_replicas: u32) -> Takeover {
     let body = format!(
         "outbound:\n  streams: [{input}]\n  dedupe_ttl: 1m\n  rejected_stream: \"{{{input}}}:rejected\"\n  dead_letter_stream: \"{{{input}}}:dead\"\n  routes:\n    {route}: {{rate: 200/s, burst: 1, max_wait: 2s}}\n"
     );
-    let pacers: Vec<Pacer> = (0..2)
-        .map(|i| {
-            let port = free_port();
-            let text = format!(
-                "redis:\n  url: {}\n  mode: cluster\n  timeout: 500ms\n  wait_replicas: {wait_replicas}\n  wait_timeout: 100ms\nmetrics:\n  listen: 127.0.0.1:{port}\nworker:\n  batch: 64\n  drain: 1s\n  claim_idle: 5s\n{body}",
-                cluster.urls()
-            );
-            start(&dir.write(&format!("w{i}.yaml"), &text), port)
-        })
-        .collect();
-    let url = cluster.server_of(&input).url();
-    let (feed_input, feed_route) = (input.clone(), route.clone());
-    let producer = std::thread::spawn(move || {
-        let mut con = redis::Client::open(url).unwrap().get_connection().unwrap();
-        let mut pushed = Vec::new();
-        let start = Instant::now();
-        let mut tick = 0usize;
-        while start.elapsed() < Duration::from_secs(5) {
-            let batch: Vec<_> = (0..10)
-                .map(|i| event(&[("route", &feed_route), ("n", &format!("{tick}.{i}"))]))
-                .collect();
-            pushed.extend(push_to(&mut con, &feed_input, &batch));
-            tick += 1;
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        pushed
+    let redis = format!("  wait_replicas: {wait_replicas}\n  wait_timeout: 100ms\n");
+    let worker = "  batch: 64\n  drain: 1s\n  claim_idle: 5s";
+    let pacers = workers(&dir, &cluster, &redis, worker, &body, 2);
+    let feed_route = route.clone();
+    let producer = feed(&cluster, &input, 5, 10, move |tick, i| {
+        event(&[("route", &feed_route), ("n", &format!("{tick}.{i}"))])
     });
     std::thread::sleep(Duration::from_millis(1500));
     let replica = cluster.replicas_of(masters[1])[0];
