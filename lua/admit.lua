@@ -1,18 +1,20 @@
 -- admit.lua: decide a batch of inbound events against their rules' limits, record each decision
--- and forward the accepted events (and write the rejected ones, when the rejected stream shares
--- the call's slot), all in one step. The same algorithms as src/admission/*.rs,
+-- and forward the accepted events (when the forward stream shares the call's slot), and write
+-- the rejected ones (when the rejected stream does), all in one step. The same algorithms as src/admission/*.rs,
 -- held to the same answers by tests/admit_differential.rs (which replays each call's now_us).
--- Every key is in the forward stream's hash slot (src/keys.rs, InboundKeys).
+-- Every key is in one slot: the forward stream's, or the inbound partition's (src/keys.rs,
+-- InboundKeys).
 --
--- KEYS[1]      the forward stream
--- KEYS[2]      the rejected stream, when ARGV[3] is 1 (it shares the call's slot)
--- KEYS[2 or 3..] s input streams whose entries this call may acknowledge (in its slot); then
+-- KEYS[1..w]   the streams this call writes, as ARGV[3] says: the forward stream (bit 1), then
+--              the rejected stream (bit 2); each shares the call's slot
+-- KEYS[w+1..]  s input streams whose entries this call may acknowledge (in its slot); then
 --              per event, in order: the hash its decision is recorded in (field: its owner),
 --              then its identities' limiter keys, one per check: every key field of every
 --              rule, rule by rule, in the order the rules list them
 -- ARGV[1]      decision time to live, ms (each decision hash lives that long after a write)
 -- ARGV[2]      approximate MAXLEN of the forward and rejected streams
--- ARGV[3]      1: write rejections to KEYS[2] here; 0: the caller writes them
+-- ARGV[3]      the outputs written here, bits: 1 the accepted events (to the forward stream),
+--              2 the rejected ones; the caller writes the others
 -- ARGV[4]      entries per read: a sliding log whose cap is more than this many entries per
 --              command that reading it by entry takes is read by entry, else whole (see `log`)
 -- ARGV[5]      the consumer group of the input streams
@@ -31,7 +33,8 @@
 --                its input stream's index among the s (0: the worker acknowledges it),
 --                then the forward entry's fields: nfields, name1, value1, ...
 -- Returns { now_us, then per event: code, decision, verdicts } (the codes are lib.lua's):
---   ADMITTED decided now: decision "A" (accepted, and written to the forward stream) or
+--   ADMITTED decided now: decision "A" (accepted, and written to the forward stream), "a" (the
+--            same, for the caller to write), or
 --            "r<retry_us>|<rule>|<limit>|<key field>" (rejected: the enforcing check that frees up
 --            last), "R…" the same when it was also written to the rejected stream; verdicts holds one character per rule, '1' passed, '0' over its limits
 --            (shadow rules included: their '0's are the would-be rejections)
@@ -54,13 +57,23 @@
 -- go from ARGV to XADD without a copy; and an event an earlier delivery decided is not checked.
 
 local ttl, maxlen = num(1, 'ttl'), num(2, 'maxlen')
--- Writing a rejection here, in the step that decides it, makes it atomic with its record: no
--- write-once marker and no second call, which the rejected stream in another slot would need.
-local rejected = ARGV[3] == '1' and KEYS[2]
+-- Writing an output here, in the step that decides it, makes it atomic with its record: no
+-- write-once marker and no second call, which a stream in another slot needs.
+local here = num(3, 'outputs')
+if here < 0 or here > 3 or here % 1 ~= 0 then
+  bad('outputs (ARGV[3])')
+end
+local stream_at = 1
+local forward, rejected = false, false
+if here % 2 == 1 then
+  forward, stream_at = KEYS[stream_at], stream_at + 1
+end
+if math.floor(here / 2) % 2 == 1 then
+  rejected, stream_at = KEYS[stream_at], stream_at + 1
+end
 local entries_per_read = num(4, 'entries per read')
 local group, nstreams = ARGV[5], num(6, 'streams')
 local stale, oldest = num(7, 'stale'), num(8, 'oldest')
-local stream_at = rejected and 3 or 2
 local at = 9
 
 local rules = {}
@@ -165,7 +178,9 @@ end
 -- Check the streams this call writes or acknowledges before anything is written: a key of
 -- another type, or a group gone, fails the call here rather than halfway. (Reads only: after a
 -- script's first write Redis lets it write past maxmemory.)
-redis.call('XLEN', KEYS[1])
+if forward then
+  redis.call('XLEN', forward)
+end
 if rejected then
   redis.call('XLEN', rejected)
 end
@@ -283,7 +298,7 @@ for i = 1, n do
       end
     end
     local accepted = binding == nil
-    local decision = 'A'
+    local decision = forward and 'A' or 'a'
     if not accepted then
       local rule = rules[check_rule[binding]]
       local label = (best_lim == 0 and rule.spacing_label) or rule.limits[best_lim].label
@@ -312,9 +327,9 @@ for i = 1, n do
         st.alg.charge(st, rule, ok)
       end
     end
-    if accepted then
+    if accepted and forward then
       local f = fields_at[i]
-      redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '*', unpack(ARGV, f + 1, fields_end(f) - 1))
+      redis.call('XADD', forward, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, f + 1, fields_end(f) - 1))
       ack(i)
     end
     local h = hash[i]

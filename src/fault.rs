@@ -7,8 +7,9 @@
 //! - `dispatched`: a dispatch call wrote events to their ready streams; their input entries are
 //!   acknowledged in that same call where the input stream shares the route's slot (always on a
 //!   Redis that is not a cluster), otherwise not yet;
-//! - `admitted`: inbound events are decided and charged (accepted ones forwarded), their
-//!   rejections not yet written, their entries not acknowledged.
+//! - `admitted`: inbound events are decided and charged (accepted ones forwarded where the
+//!   forward stream shares their partition's slot), their other outputs not yet written, their
+//!   entries not acknowledged.
 //!
 //! Unset, a point costs one atomic load.
 

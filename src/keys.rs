@@ -11,7 +11,10 @@
 //!   `{<its tag>}:…`, which land in the stream's own slot even when its name carries no braces;
 //! - every inbound key (each identity's limiter state, each input entry's decision marker) takes
 //!   the tag of the inbound forward stream, so one admission call decides a whole batch, records
-//!   each decision and forwards the accepted entries atomically (`InboundKeys`).
+//!   each decision and forwards the accepted entries atomically (`InboundKeys`); with
+//!   `inbound.partitions`, the tag of the identity's partition instead, so the inbound state
+//!   spreads over a cluster's masters (the forward stream is then written once per entry by a
+//!   second call where it lies in another slot).
 
 /// The part of `key` that Redis Cluster hashes.
 pub fn hash_tag(key: &str) -> &str {
@@ -29,8 +32,13 @@ pub fn hash_tag(key: &str) -> &str {
 /// so that a worker knows which of its keys share a slot without asking Redis each time
 /// (`tests/connection.rs` checks it against CLUSTER KEYSLOT).
 pub fn slot(key: &str) -> u16 {
+    crc16(hash_tag(key).as_bytes()) % 16384
+}
+
+/// CRC16 (XMODEM), the checksum Redis Cluster hashes keys with.
+fn crc16(bytes: &[u8]) -> u16 {
     let mut crc: u16 = 0;
-    for &b in hash_tag(key).as_bytes() {
+    for &b in bytes {
         crc ^= u16::from(b) << 8;
         for _ in 0..8 {
             crc = if crc & 0x8000 != 0 {
@@ -40,7 +48,18 @@ pub fn slot(key: &str) -> u16 {
             };
         }
     }
-    crc % 16384
+    crc
+}
+
+/// The inbound partition of an identity value, one of `n`: CRC16 (XMODEM) of its bytes, mod
+/// `n`. Stable across versions (a change would move every identity's state), and the same
+/// checksum Redis Cluster uses, so a producer can compute it too.
+pub fn partition(value: &[u8], n: usize) -> usize {
+    if n <= 1 {
+        0
+    } else {
+        usize::from(crc16(value)) % n
+    }
 }
 
 /// A key in `key`'s slot that `redis.wait_replicas` writes just before each `WAIT`: WAIT counts
@@ -146,7 +165,10 @@ impl OutputKeys {
     }
 }
 
-/// Keys of the inbound flow, all in the slot of the forward stream's hash tag.
+/// Keys of the inbound flow (or of one of its partitions), all in one slot: the forward
+/// stream's, when the flow is one partition; with `inbound.partitions: n`, partition `k`'s own,
+/// `pacer:in:{<forward stream's tag>/<k>}:…`, so that n partitions spread over a cluster's
+/// masters while each decision stays atomic in one slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InboundKeys {
     pub forward: String,
@@ -159,6 +181,22 @@ impl InboundKeys {
             forward: forward_stream.to_string(),
             prefix: format!("pacer:in:{{{}}}:", hash_tag(forward_stream)),
         }
+    }
+
+    /// The keys of partition `k` of `n` (the unpartitioned keys when `n` is 1).
+    pub fn partition(forward_stream: &str, k: usize, n: usize) -> Self {
+        if n <= 1 {
+            return InboundKeys::new(forward_stream);
+        }
+        InboundKeys {
+            forward: forward_stream.to_string(),
+            prefix: format!("pacer:in:{{{}/{k}}}:", hash_tag(forward_stream)),
+        }
+    }
+
+    /// A key name in these keys' slot (for comparing slots).
+    pub fn slot_key(&self) -> &str {
+        &self.prefix
     }
 
     /// The hash that records the decisions of input entries whose ids fall in one span
@@ -239,6 +277,28 @@ mod tests {
             hash_tag(&InboundKeys::new("x:{out}").decisions("1-0")),
             "out"
         );
+    }
+
+    #[test]
+    fn inbound_partitions_have_a_tag_each_and_one_partition_keeps_the_forward_streams() {
+        assert_eq!(
+            InboundKeys::partition("pacer:accepted", 0, 1),
+            InboundKeys::new("pacer:accepted")
+        );
+        let tags: Vec<String> = (0..4)
+            .map(|k| {
+                let keys = InboundKeys::partition("x:{fwd}", k, 4);
+                let id = keys.identity("r", "log", "source", b"s1");
+                assert_eq!(hash_tag(&id), hash_tag(&keys.decisions("1-0")));
+                assert_eq!(keys.forward, "x:{fwd}");
+                hash_tag(keys.slot_key()).to_string()
+            })
+            .collect();
+        assert_eq!(tags, ["fwd/0", "fwd/1", "fwd/2", "fwd/3"]);
+        // CRC16/XMODEM of "123456789" is 0x31C3: the published check value.
+        assert_eq!(partition(b"123456789", 65536), 0x31C3);
+        assert_eq!(partition(b"123456789", 1), 0);
+        assert_eq!(partition(b"123456789", 10), 0x31C3 % 10);
     }
 
     #[test]

@@ -88,7 +88,6 @@ impl Worker {
             dead: OutputKeys::new(&cfg.outbound.flow.dead_letter_stream),
             marker_ttl_ms: cfg.outbound.flow.dedupe_ttl.as_millis() as u64,
             permits: Arc::new(Semaphore::new(cfg.worker.max_inflight)),
-            rejects_in_admission: AtomicBool::new(false),
             cluster: AtomicBool::new(false),
             policy_seen: Default::default(),
             cfg,

@@ -85,6 +85,8 @@ struct Case {
     rules: Vec<(Rule, bool, usize)>,
     /// Whether the script writes rejections itself (to the stream "rej").
     rejects_here: bool,
+    /// Whether it writes accepted events itself (to the stream "fwd"): decision `A`, else `a`.
+    forwards_here: bool,
     /// Whether it reads sliding logs whole or entry by entry (`AdmitTargets::log_entries_per_read`).
     whole_logs: bool,
     /// (sleep before it in µs, events)
@@ -104,13 +106,17 @@ fn case() -> impl Strategy<Value = Case> {
             proptest::collection::vec(batch, 3..12),
             any::<bool>(),
             any::<bool>(),
+            any::<bool>(),
         )
-            .prop_map(move |(batches, rejects_here, whole_logs)| Case {
-                rules: rules.clone(),
-                rejects_here,
-                whole_logs,
-                batches,
-            })
+            .prop_map(
+                move |(batches, rejects_here, forwards_here, whole_logs)| Case {
+                    rules: rules.clone(),
+                    rejects_here,
+                    forwards_here,
+                    whole_logs,
+                    batches,
+                },
+            )
     })
 }
 
@@ -129,16 +135,17 @@ fn inbound_rules(case: &Case) -> Vec<InboundRule> {
         .collect()
 }
 
-/// The decision string the script writes, from the engine's verdict (`R` for a rejection the
-/// script writes itself).
+/// The decision string the script writes, from the engine's verdict (`A` and `R` for what the
+/// script writes itself, `a` and `r` for what it leaves to the worker).
 fn expected_decision(
     rules: &[InboundRule],
     checks: &[(usize, String, String)],
     v: &pacer::admission::Verdict,
-    rejects_here: bool,
+    case: &Case,
 ) -> String {
     match v.binding {
-        None => "A".into(),
+        None if case.forwards_here => "A".into(),
+        None => "a".into(),
         Some((r, i, check)) => {
             let rule = &rules[r];
             let label = if check.limit == SPACING {
@@ -146,7 +153,7 @@ fn expected_decision(
             } else {
                 rule.rule.limits[check.limit].label.clone()
             };
-            let kind = if rejects_here { 'R' } else { 'r' };
+            let kind = if case.rejects_here { 'R' } else { 'r' };
             format!(
                 "{kind}{}|{}|{label}|{}",
                 check.retry_us, rule.name, checks[i].1
@@ -170,6 +177,7 @@ fn inbound_event(owner: &str) -> InboundEvent {
             deliveries: 1,
         },
         identities: Vec::new(),
+        partition: 0,
         carried: fields,
     }
 }
@@ -246,6 +254,7 @@ fn run_case(
         let no_acks = |_: &str| false;
         let to = AdmitTargets {
             keys: &keys,
+            forward: case.forwards_here,
             rejected,
             decision_ttl_ms: 600_000,
             max_len: 10_000,
@@ -272,7 +281,7 @@ fn run_case(
                     let identities: Vec<(usize, String)> =
                         checks.iter().map(|(r, _, k)| (*r, k.clone())).collect();
                     let v = engine.admit(reply.now_us, &identities);
-                    let decision = expected_decision(&rules, checks, &v, case.rejects_here);
+                    let decision = expected_decision(&rules, checks, &v, case);
                     if decision.starts_with('R') {
                         let d = Decision::parse(&decision).expect("a readable decision");
                         rejections.push(rejected_fields(event, &d));

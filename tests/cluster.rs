@@ -283,6 +283,111 @@ fn three_masters_pace_and_admit_exactly_while_a_slot_moves_and_a_master_fails_ov
     );
 }
 
+/// Issue 15, point 8: inbound state partitioned by identity. 12 partitions of one flow spread
+/// over 3 masters, an input stream on each, the forward stream on one and the rejected stream on
+/// another (so some partitions write them in the deciding call, most in a second, write-once
+/// call); 3 workers, one of which is killed (as by kill -9) right after an admission call, its
+/// entries claimed by the others. 30 sources offer 150 events each within a minute against
+/// 100/min: each gets exactly 100 forwarded, every entry ends once, and every master holds
+/// identity state.
+#[test]
+fn inbound_partitions_spread_identities_over_every_master_and_admit_exactly() {
+    let cluster = Cluster::start(3, 0);
+    let masters = cluster.masters();
+    let dir = TempDir::new("cluster-partitions");
+    let inputs: Vec<String> = masters.iter().map(|&m| cluster.name_on(m, "in")).collect();
+    let accepted = cluster.name_on(masters[0], "acc");
+    let rejected = cluster.name_on(masters[1], "rej");
+    let body = format!(
+        "inbound:\n  streams: [{}]\n  forward_stream: \"{accepted}\"\n  rejected_stream: \"{rejected}\"\n  partitions: 12\n  partition_by: source\n  rules:\n    - {{name: per-minute, key: [source], algorithm: sliding_log, limits: [100/min]}}\n    - {{name: per-second, key: [source], algorithm: gcra, limits: [1000/s]}}\n",
+        inputs.join(", ")
+    );
+    let worker = "  batch: 64\n  drain: 1s\n  claim_idle: 1s";
+    let config = |i: usize, port: u16| {
+        let text = format!(
+            "redis:\n  url: {}\n  mode: cluster\n  timeout: 500ms\nmetrics:\n  listen: 127.0.0.1:{port}\nworker:\n{worker}\n{body}\n",
+            cluster.urls()
+        );
+        dir.write(&format!("w{i}.yaml"), &text)
+    };
+    let port = free_port();
+    let mut doomed = common::start_wrapped(
+        &[],
+        &[("PACER_CRASH_AT", "admitted:5")],
+        &config(0, port),
+        port,
+    );
+    let mut pacers: Vec<Pacer> = (1..3)
+        .map(|i| {
+            let port = free_port();
+            start(&config(i, port), port)
+        })
+        .collect();
+    // 30 sources x 150 events over 3 s, spread over the three input streams.
+    let producers: Vec<_> = inputs
+        .iter()
+        .enumerate()
+        .map(|(s, stream)| {
+            feed(&cluster, stream, 3, 50, move |tick, i| {
+                let source = format!("s{}", (tick * 50 + i) % 10 + 10 * s);
+                event(&[("source", &source)])
+            })
+        })
+        .collect();
+    let pushed: Vec<_> = producers
+        .into_iter()
+        .flat_map(|p| p.join().unwrap())
+        .collect();
+    assert!(
+        doomed.wait_for(Duration::from_secs(10)).is_some()
+            && doomed
+                .log_text()
+                .contains("PACER_CRASH_AT reached admitted"),
+        "the crash point was never reached:\n{}",
+        doomed.log_text()
+    );
+    pacers.push(doomed);
+    let outputs = [
+        accepted.clone(),
+        rejected.clone(),
+        "pacer:in-dead".to_string(),
+    ];
+    assert_each_once(&cluster, &pushed, &outputs, &inputs, &pacers);
+
+    let mut by_source: BTreeMap<String, usize> = BTreeMap::new();
+    for e in entries(&cluster, &accepted) {
+        *by_source
+            .entry(e.field("source").unwrap().to_string())
+            .or_default() += 1;
+    }
+    assert_eq!(by_source.len(), 30, "{by_source:?}");
+    for (source, n) in &by_source {
+        assert_eq!(*n, 100, "source {source}: forwarded within one minute");
+    }
+    assert_eq!(entries(&cluster, &rejected).len(), pushed.len() - 3000);
+    // Identity state on every master, each key on the master of its partition's slot.
+    let mut per_master = Vec::new();
+    for &m in &masters {
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("pacer:in:*:per-minute:*")
+            .query(&mut cluster.con(m))
+            .unwrap();
+        for key in &keys {
+            assert_eq!(cluster.owner_of(key), m, "{key}");
+        }
+        per_master.push(keys.len());
+    }
+    assert_eq!(per_master.iter().sum::<usize>(), 30, "{per_master:?}");
+    assert!(
+        per_master.iter().all(|&n| n > 0),
+        "identity state on every master: {per_master:?}"
+    );
+    eprintln!(
+        "partitions: {} entries ended once, 30 sources x 100 forwarded, identities per master {per_master:?}",
+        pushed.len()
+    );
+}
+
 /// Issue 15, point 2: one route's trouble never blocks another's. Three masters without
 /// replicas (and `cluster-require-full-coverage no`, without which Redis itself refuses every
 /// slot while one master is down); one route per master, their events interleaved in one input

@@ -76,7 +76,7 @@ impl Rig {
         let owners: Vec<String> = events.iter().map(|e| e.entry.owner()).collect();
         let hashes: Vec<String> = events
             .iter()
-            .map(|e| self.cfg.keys.decisions(&e.entry.id))
+            .map(|e| self.cfg.keys[0].decisions(&e.entry.id))
             .collect();
         let fields: Vec<Fields> = events.iter().map(forward_fields).collect();
         let items: Vec<AdmitItem<'_>> = events
@@ -93,7 +93,8 @@ impl Rig {
             .collect();
         let no_acks = |_: &str| false;
         let to = AdmitTargets {
-            keys: &self.cfg.keys,
+            keys: &self.cfg.keys[0],
+            forward: true,
             rejected: self.rejects_here.then_some("rej"),
             decision_ttl_ms: 600_000,
             max_len: 100_000,
@@ -141,7 +142,9 @@ fn decisions(reply: &AdmitReply) -> Vec<Decision> {
 }
 
 fn accepted(d: &[Decision]) -> usize {
-    d.iter().filter(|d| **d == Decision::Accepted).count()
+    d.iter()
+        .filter(|d| **d == Decision::Accepted { written: true })
+        .count()
 }
 
 fn retry_ms(d: &Decision) -> i64 {
@@ -205,8 +208,14 @@ fn several_identities_an_event_passes_only_if_every_identity_has_room_and_a_reje
         let e = rig.event(&[("ip", ip), ("user", user)]);
         decisions(&rig.admit(&[e])).remove(0)
     };
-    assert_eq!(ev(&mut rig, "1.1.1.1", "u"), Decision::Accepted);
-    assert_eq!(ev(&mut rig, "1.1.1.1", "u"), Decision::Accepted);
+    assert_eq!(
+        ev(&mut rig, "1.1.1.1", "u"),
+        Decision::Accepted { written: true }
+    );
+    assert_eq!(
+        ev(&mut rig, "1.1.1.1", "u"),
+        Decision::Accepted { written: true }
+    );
     // ip and user both full.
     assert!(
         matches!(ev(&mut rig, "1.1.1.1", "v"), Decision::Rejected { ref key, .. } if key == "ip")
@@ -215,8 +224,14 @@ fn several_identities_an_event_passes_only_if_every_identity_has_room_and_a_reje
         matches!(ev(&mut rig, "2.2.2.2", "u"), Decision::Rejected { ref key, .. } if key == "user")
     );
     // The rejected events charged neither their other identity: v and 2.2.2.2 still have 2 each.
-    assert_eq!(ev(&mut rig, "2.2.2.2", "v"), Decision::Accepted);
-    assert_eq!(ev(&mut rig, "2.2.2.2", "v"), Decision::Accepted);
+    assert_eq!(
+        ev(&mut rig, "2.2.2.2", "v"),
+        Decision::Accepted { written: true }
+    );
+    assert_eq!(
+        ev(&mut rig, "2.2.2.2", "v"),
+        Decision::Accepted { written: true }
+    );
     assert!(matches!(
         ev(&mut rig, "2.2.2.2", "v"),
         Decision::Rejected { .. }
@@ -242,10 +257,14 @@ fn several_identities_an_event_passes_only_if_every_identity_has_room_and_a_reje
         "    - {name: fast, key: [ip], limits: [3/min]}\n    - {name: slow, key: [user], algorithm: gcra, limits: [1/h]}\n",
     );
     let (_, d) = rig.burst(2, &[("ip", "x"), ("user", "y")]);
-    assert_eq!(d[0], Decision::Accepted);
+    assert_eq!(d[0], Decision::Accepted { written: true });
     assert!(matches!(&d[1], Decision::Rejected { rule, .. } if rule == "slow"));
     let (_, d) = rig.burst(1, &[("ip", "x"), ("user", "z")]);
-    assert_eq!(d[0], Decision::Accepted, "ip x was charged once, not twice");
+    assert_eq!(
+        d[0],
+        Decision::Accepted { written: true },
+        "ip x was charged once, not twice"
+    );
 }
 
 #[test]
@@ -316,7 +335,7 @@ fn min_spacing_separates_accepted_events_of_an_identity() {
     while start.elapsed() < Duration::from_millis(600) {
         let (now, d) = rig.burst(1, &[("source", "a")]);
         match &d[0] {
-            Decision::Accepted => accepted_at.push(now),
+            Decision::Accepted { written: true } => accepted_at.push(now),
             Decision::Rejected {
                 limit, retry_us, ..
             } => {
@@ -431,7 +450,7 @@ fn a_redelivered_entry_gets_its_recorded_decision_and_is_not_charged_again() {
     assert_eq!(forwarded, 2, "forwarded once per entry");
     // The decisions expire with the dedupe TTL.
     let pttl: i64 = redis::cmd("PTTL")
-        .arg(rig.cfg.keys.decisions(&events[0].entry.id))
+        .arg(rig.cfg.keys[0].decisions(&events[0].entry.id))
         .query(&mut con)
         .unwrap();
     assert!(pttl > 590_000 && pttl <= 600_000, "{pttl}");

@@ -42,8 +42,15 @@ pub struct InboundConfig {
     /// Admission calls tried (with backoff) before `fail_policy` decides instead.
     pub limiter_attempts: u32,
     pub rules: Vec<InboundRule>,
-    pub keys: InboundKeys,
+    /// The field whose value picks an event's partition, when there are several.
+    pub partition_by: Option<String>,
+    /// The keys of each partition (`inbound.partitions`, one by default): an identity's state
+    /// and its events' decisions live in partition `keys::partition(value, n)`.
+    pub keys: Vec<InboundKeys>,
 }
+
+/// The most `inbound.partitions`: far more than a cluster has masters.
+pub const PARTITIONS_MAX: u64 = 1024;
 
 pub(super) fn read_inbound(
     p: &mut Problems,
@@ -64,6 +71,8 @@ pub(super) fn read_inbound(
         "max_event_fields",
         "fail_policy",
         "limiter_attempts",
+        "partitions",
+        "partition_by",
         "rules",
     ];
     p.unknown_keys("inbound", &raw.unknown, &known);
@@ -98,6 +107,9 @@ pub(super) fn read_inbound(
     let limiter_attempts =
         p.integer("inbound.limiter_attempts", &raw.limiter_attempts, 3, 1, 20) as u32;
     let rules = read_rules(p, raw.rules);
+    let partitions =
+        p.integer("inbound.partitions", &raw.partitions, 1, 1, PARTITIONS_MAX) as usize;
+    let partition_by = read_partition_by(p, &raw.partition_by, partitions, &rules);
 
     // Stream names: usable tags, and no loop (an output that pacer reads again).
     let mut inputs: BTreeMap<String, String> = BTreeMap::new();
@@ -189,11 +201,56 @@ pub(super) fn read_inbound(
     }
 
     Some(InboundConfig {
-        keys: InboundKeys::new(&forward_stream),
+        keys: (0..partitions)
+            .map(|k| InboundKeys::partition(&forward_stream, k, partitions))
+            .collect(),
         flow,
         forward_stream,
         fail_policy,
         limiter_attempts,
         rules,
+        partition_by,
     })
+}
+
+/// `inbound.partition_by`, which several partitions need. An event's decision is one atomic
+/// call in its partition's slot, so every identity it is checked as must live there: each rule
+/// must limit by that field alone, with the same `default_identity` (an event lacking the field
+/// then lands where an event carrying the default would).
+fn read_partition_by(
+    p: &mut Problems,
+    v: &Option<Value>,
+    partitions: usize,
+    rules: &[InboundRule],
+) -> Option<String> {
+    if partitions <= 1 {
+        if !matches!(v, None | Some(Value::Null)) {
+            p.push(
+                "inbound.partition_by",
+                "only means something with inbound.partitions above 1",
+            );
+        }
+        return None;
+    }
+    let field = p.string("inbound.partition_by", v, None);
+    if field.is_empty() {
+        return None;
+    }
+    let default = rules.first().and_then(|r| r.default_identity.clone());
+    for (i, rule) in rules.iter().enumerate() {
+        if rule.key != [field.as_str()] {
+            p.push(
+                format!("inbound.rules[{i}].key"),
+                format!(
+                    "must be [{field}] with inbound.partition_by: {field}: each decision is atomic in its partition's slot, so a rule cannot limit by a field the partition is not chosen by"
+                ),
+            );
+        } else if rule.default_identity != default {
+            p.push(
+                format!("inbound.rules[{i}].default_identity"),
+                "must be the same in every rule when inbound.partitions is above 1: an event lacking the field must land in one partition",
+            );
+        }
+    }
+    Some(field)
 }

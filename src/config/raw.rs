@@ -125,6 +125,8 @@ pub struct RawInbound {
     pub forward_stream: Leaf,
     pub fail_policy: Leaf,
     pub limiter_attempts: Leaf,
+    pub partitions: Leaf,
+    pub partition_by: Leaf,
     pub rules: Leaf,
     #[serde(flatten)]
     pub unknown: Mapping,

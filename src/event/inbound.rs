@@ -18,6 +18,9 @@ pub struct InboundEvent {
     /// rule by rule, in config order (the order `admit.lua` reads them in, so the rule and field
     /// of each are implied).
     pub identities: Vec<String>,
+    /// Its partition (`inbound.partitions`): the index of the keys its identities and
+    /// decision are in.
+    pub partition: usize,
     /// Every field but the ones pacer writes.
     pub carried: Fields,
 }
@@ -27,7 +30,7 @@ pub struct InboundEvent {
 /// (`missing_key`).
 pub fn parse_inbound(entry: Entry, cfg: &InboundConfig) -> Result<InboundEvent, (Entry, Refused)> {
     match identities(&entry, cfg) {
-        Ok(identities) => {
+        Ok((partition, identities)) => {
             let carried = entry
                 .fields
                 .iter()
@@ -37,6 +40,7 @@ pub fn parse_inbound(entry: Entry, cfg: &InboundConfig) -> Result<InboundEvent, 
             Ok(InboundEvent {
                 entry,
                 identities,
+                partition,
                 carried,
             })
         }
@@ -44,9 +48,10 @@ pub fn parse_inbound(entry: Entry, cfg: &InboundConfig) -> Result<InboundEvent, 
     }
 }
 
-fn identities(entry: &Entry, cfg: &InboundConfig) -> Result<Vec<String>, Refused> {
+/// The event's partition and its identities' limiter keys in it.
+fn identities(entry: &Entry, cfg: &InboundConfig) -> Result<(usize, Vec<String>), Refused> {
     super::check_size(entry, &cfg.flow, "inbound")?;
-    let mut checks = Vec::new();
+    let mut found: Vec<(&str, &str, &[u8])> = Vec::new();
     for rule in &cfg.rules {
         for field in &rule.key {
             let mut values = entry
@@ -79,15 +84,23 @@ fn identities(entry: &Entry, cfg: &InboundConfig) -> Result<Vec<String>, Refused
                     value.len()
                 )));
             }
-            checks.push(cfg.keys.identity(
-                &rule.name,
-                rule.rule.algorithm.key_part(),
-                field,
-                value,
-            ));
+            found.push((rule.name.as_str(), rule.rule.algorithm.key_part(), value));
         }
     }
-    Ok(checks)
+    // With several partitions every rule limits by `partition_by` alone, with one default
+    // (config/inbound.rs), so any identity's value is the partition's.
+    let partition = match found.first() {
+        Some((_, _, value)) => crate::keys::partition(value, cfg.keys.len()),
+        None => 0,
+    };
+    let keys = &cfg.keys[partition];
+    let fields = cfg.rules.iter().flat_map(|r| r.key.iter());
+    let checks = found
+        .iter()
+        .zip(fields)
+        .map(|((rule, algorithm, value), field)| keys.identity(rule, algorithm, field, value))
+        .collect();
+    Ok((partition, checks))
 }
 
 /// The fields of a forwarded entry (the admission script writes it).
@@ -144,8 +157,10 @@ pub const FAIL_CLOSED_RETRY_MS: u64 = 1000;
 /// The decision recorded for an input entry (its marker's value, see `lua/admit.lua`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
-    /// `A`: accepted; the admission script wrote it to the forward stream in the same step.
-    Accepted,
+    /// `A`: accepted, and written to the forward stream by the admission script in the step
+    /// that decided it; `a` the same, to be written by the worker (the forward stream is in
+    /// another slot than the partition's).
+    Accepted { written: bool },
     /// `r<retry µs>|<rule>|<limit>|<key field>`: over a limit; `R…` the same, written to the
     /// rejected stream by the admission script in the step that decided it.
     Rejected {
@@ -170,7 +185,7 @@ impl Decision {
             Decision::FailedOpen => "o",
             Decision::FailedClosed => "c",
             Decision::Voided => "v",
-            Decision::Accepted => "A",
+            Decision::Accepted { .. } => "A",
             Decision::Rejected { .. } => "r",
         }
     }
@@ -178,7 +193,9 @@ impl Decision {
     pub fn parse(value: &str) -> Option<Decision> {
         let (kind, rest) = value.split_at_checked(1)?;
         match kind {
-            "A" => Some(Decision::Accepted),
+            "A" | "a" => Some(Decision::Accepted {
+                written: kind == "A",
+            }),
             "o" => Some(Decision::FailedOpen),
             "c" => Some(Decision::FailedClosed),
             "v" => Some(Decision::Voided),
@@ -243,6 +260,40 @@ inbound:
     }
 
     #[test]
+    fn a_partitioned_flow_puts_each_identity_in_its_values_partition() {
+        let yaml = r#"
+inbound:
+  streams: [in]
+  partitions: 8
+  partition_by: source
+  rules:
+    - {name: a, key: [source], limits: [10/s], default_identity: nobody}
+    - {name: b, key: [source], algorithm: gcra, limits: [100/s], default_identity: nobody}
+"#;
+        let cfg = Config::parse(yaml, &Overrides::default())
+            .unwrap()
+            .inbound
+            .unwrap();
+        let mut seen = std::collections::BTreeSet::new();
+        for source in ["s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "s9"] {
+            let e = parse_inbound(entry(&[(b"source", source.as_bytes())]), &cfg).unwrap();
+            let k = crate::keys::partition(source.as_bytes(), 8);
+            assert_eq!(e.partition, k);
+            seen.insert(k);
+            let tag = format!("pacer:accepted/{k}");
+            for id in &e.identities {
+                assert_eq!(crate::keys::hash_tag(id), tag, "{id}");
+            }
+        }
+        assert!(seen.len() > 3, "ten sources over 8 partitions: {seen:?}");
+        // Lacking the field: the default's partition, where an event naming it lands too.
+        let lacking = parse_inbound(entry(&[(b"x", b"1")]), &cfg).unwrap();
+        let naming = parse_inbound(entry(&[(b"source", b"nobody")]), &cfg).unwrap();
+        assert_eq!(lacking.partition, naming.partition);
+        assert_eq!(lacking.identities, naming.identities);
+    }
+
+    #[test]
     fn a_missing_key_is_refused_with_the_field_or_takes_the_default() {
         let (_, r) = parse_inbound(entry(&[(b"ip", b"1")]), &cfg()).unwrap_err();
         assert_eq!(r.reason, Reason::MissingKey);
@@ -276,7 +327,14 @@ inbound:
                 })
             );
         }
-        assert_eq!(Decision::parse("A"), Some(Decision::Accepted));
+        assert_eq!(
+            Decision::parse("A"),
+            Some(Decision::Accepted { written: true })
+        );
+        assert_eq!(
+            Decision::parse("a"),
+            Some(Decision::Accepted { written: false })
+        );
         assert_eq!(Decision::parse("c"), Some(Decision::FailedClosed));
         assert_eq!(Decision::parse("r12"), None);
         assert_eq!(Decision::parse(""), None);

@@ -1,5 +1,5 @@
-//! Inbound admission in one call per batch (`admit.lua`): decide, record, forward, and write
-//! rejections where the slot allows.
+//! Inbound admission in one call per batch (`admit.lua`): decide, record, and write the
+//! accepted and rejected events where the slot allows.
 
 use super::{push_fields, reply, KeyIndex, Reply, Scripts};
 use crate::config::InboundRule;
@@ -11,9 +11,13 @@ use redis::Value;
 
 /// Where an `admit` call writes, and how long what it records lasts.
 pub struct AdmitTargets<'a> {
+    /// The keys of the partition the call decides in.
     pub keys: &'a InboundKeys,
-    /// The rejected stream, when the call writes rejections itself: it may only when the stream
-    /// shares the forward stream's slot, or Redis is not a cluster (`streams::same_slot`).
+    /// Whether the call writes accepted events to `keys.forward` itself: it may only when the
+    /// stream shares the partition's slot, or Redis is not a cluster. `false`: the caller
+    /// writes them (decision `a`), in a second call.
+    pub forward: bool,
+    /// The rejected stream, when the call writes rejections itself (the same condition).
     /// `None`: the caller writes them, in a second call.
     pub rejected: Option<&'a str>,
     pub decision_ttl_ms: u64,
@@ -25,8 +29,8 @@ pub struct AdmitTargets<'a> {
     pub log_entries_per_read: i64,
     /// The consumer group of the input streams (for acknowledging).
     pub group: &'a str,
-    /// Whether the call may acknowledge entries of an input stream (it shares the forward
-    /// stream's slot, or Redis is not a cluster).
+    /// Whether the call may acknowledge entries of an input stream (it shares the partition's
+    /// slot, or Redis is not a cluster).
     pub acks: &'a (dyn Fn(&str) -> bool + Sync),
     /// An entry this old (µs) with no decision on record is not decided (`Admitted::Stale`).
     pub stale_us: i64,
@@ -99,7 +103,9 @@ impl Scripts {
             .collect();
         let oldest = items.iter().map(|i| i.entry_ms).min().unwrap_or(0);
         let mut call = self.admit.prepare_invoke();
-        call.key(&to.keys.forward);
+        if to.forward {
+            call.key(&to.keys.forward);
+        }
         if let Some(stream) = to.rejected {
             call.key(stream);
         }
@@ -108,7 +114,7 @@ impl Scripts {
         }
         call.arg(to.decision_ttl_ms)
             .arg(to.max_len)
-            .arg(u8::from(to.rejected.is_some()))
+            .arg(u8::from(to.forward) | (u8::from(to.rejected.is_some()) << 1))
             .arg(to.log_entries_per_read)
             .arg(to.group)
             .arg(streams.len())

@@ -32,9 +32,6 @@ pub(crate) struct Context {
     pub(crate) marker_ttl_ms: u64,
     /// One permit per event this process holds; the reader stops when they run out.
     pub(crate) permits: Arc<Semaphore>,
-    /// Whether the admission script writes inbound rejections itself (the rejected stream
-    /// shares the forward stream's slot, or Redis is not a cluster); found when preparing.
-    pub(crate) rejects_in_admission: AtomicBool,
     /// Whether Redis is a cluster (found when preparing): then one script may touch only keys of
     /// one slot, and acknowledging an input entry in the script that writes its output works only
     /// where the input stream shares the output's slot.
@@ -82,6 +79,11 @@ impl Context {
         if !matches!(e, Error::ReplicasShort { .. }) {
             self.health.failed(op, e);
         }
+    }
+
+    /// Whether one script may touch both keys: Redis is not a cluster, or they share a slot.
+    pub(crate) fn same_slot(&self, a: &str, b: &str) -> bool {
+        !self.cluster.load(Ordering::Relaxed) || keys::slot(a) == keys::slot(b)
     }
 
     /// Which input streams a script writing `output` (a key) may acknowledge entries of.

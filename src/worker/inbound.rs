@@ -21,10 +21,11 @@ use crate::config::{FailPolicy, InboundConfig};
 use crate::error::Result;
 use crate::event::inbound::{self as ev, Decision, InboundEvent};
 use crate::event::{self, Entry, Fields, Reason, Refused};
-use crate::keys::OutputKeys;
+use crate::keys::{InboundKeys, OutputKeys};
 use crate::scripts::{AdmitItem, AdmitReply, AdmitTargets, Admitted, LOG_ENTRIES_PER_READ};
 use crate::telemetry::{self, InboundOutcome};
-use std::sync::atomic::Ordering;
+use futures_util::future::join_all;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
@@ -56,24 +57,57 @@ pub(super) async fn admit(
 async fn handle(ctx: &Context, cfg: &InboundConfig, entries: Vec<Entry>, stop: &CancellationToken) {
     let max = ctx.cfg.worker.max_deliveries;
     let mut dead: Vec<(Entry, Refused)> = Vec::new();
-    let mut fresh: Vec<InboundEvent> = Vec::new();
-    let mut over: Vec<InboundEvent> = Vec::new();
+    // Per partition: the entries delivered too often, the others.
+    let mut parts: BTreeMap<usize, (Vec<InboundEvent>, Vec<InboundEvent>)> = BTreeMap::new();
     for entry in entries {
         match ev::parse_inbound(entry, cfg) {
-            Ok(e) if e.entry.deliveries > max => over.push(e),
-            Ok(e) => fresh.push(e),
+            Ok(e) => {
+                let (over, fresh) = parts.entry(e.partition).or_default();
+                if e.entry.deliveries > max {
+                    over.push(e);
+                } else {
+                    fresh.push(e);
+                }
+            }
             // An entry that cannot be decided is dead-lettered for that, however often it came.
             Err((entry, refused)) => dead.push((entry, refused)),
         }
     }
+    // Each partition is decided in its own slot by its own call, and finished on its own: a
+    // partition whose node is slow or failing holds up no other's entries.
+    let partitions = parts.into_iter().map(|(k, (over, fresh))| async move {
+        let keys = &cfg.keys[k];
+        let mut dead = Vec::new();
+        if let Some(decided) = decide(ctx, cfg, keys, over, fresh, &mut dead, stop).await {
+            finish(ctx, cfg, keys, decided, dead, stop).await;
+        }
+    });
+    let undecidable = async {
+        if !dead.is_empty() {
+            finish(ctx, cfg, &cfg.keys[0], Vec::new(), dead, stop).await;
+        }
+    };
+    tokio::join!(join_all(partitions), undecidable);
+}
+
+/// Decides one partition's entries: those delivered too often (`over`) are voided unless a
+/// decision was recorded, the others admitted. Entries that cannot be decided go to `dead`.
+/// `None` if shutdown came first.
+async fn decide(
+    ctx: &Context,
+    cfg: &InboundConfig,
+    keys: &InboundKeys,
+    over: Vec<InboundEvent>,
+    fresh: Vec<InboundEvent>,
+    dead: &mut Vec<(Entry, Refused)>,
+    stop: &CancellationToken,
+) -> Option<Vec<(InboundEvent, Decision)>> {
     let mut decided: Vec<(InboundEvent, Decision)> = Vec::new();
 
     // Delivered too often (each delivery's worker died on it): void it unless a decision
     // was recorded, in which case that decision is carried out.
     if !over.is_empty() {
-        let Some(prev) = record(ctx, cfg, &over, Decision::Voided, stop).await else {
-            return;
-        };
+        let prev = record(ctx, cfg, keys, &over, Decision::Voided, stop).await?;
         for (e, prev) in over.into_iter().zip(prev) {
             warn!(entry = %e.entry.id, stream = %e.entry.stream, deliveries = e.entry.deliveries, "poison inbound entry");
             decided.push((e, prev.unwrap_or(Decision::Voided)));
@@ -84,9 +118,8 @@ async fn handle(ctx: &Context, cfg: &InboundConfig, entries: Vec<Entry>, stop: &
         // Per rule: events it passed, events it failed.
         let mut verdicts_by_rule = vec![(0, 0); cfg.rules.len()];
         let fields: Vec<Fields> = fresh.iter().map(ev::forward_fields).collect();
-        match admit_batch(ctx, cfg, &fresh, &fields, stop).await {
-            None => return,
-            Some(Ok(reply)) => {
+        match admit_batch(ctx, cfg, keys, &fresh, &fields, stop).await? {
+            Ok(reply) => {
                 for (e, item) in fresh.into_iter().zip(reply.items) {
                     let (value, fresh_verdicts) = match item {
                         Admitted::Now { decision, verdicts } => (decision, Some(verdicts)),
@@ -135,7 +168,7 @@ async fn handle(ctx: &Context, cfg: &InboundConfig, entries: Vec<Entry>, stop: &
                     telemetry::inbound_decisions(&rule.name, rule.shadow, passed, failed);
                 }
             }
-            Some(Err(e)) => {
+            Err(e) => {
                 let policy = cfg.fail_policy;
                 warn!(error = %e, policy = policy.as_str(), events = fresh.len(), "admission failed; applying inbound.fail_policy");
                 telemetry::limiter_unavailable(policy.as_str(), fresh.len());
@@ -143,9 +176,7 @@ async fn handle(ctx: &Context, cfg: &InboundConfig, entries: Vec<Entry>, stop: &
                     FailPolicy::FailOpen => Decision::FailedOpen,
                     FailPolicy::FailClosed => Decision::FailedClosed,
                 };
-                let Some(prev) = record(ctx, cfg, &fresh, decision.clone(), stop).await else {
-                    return;
-                };
+                let prev = record(ctx, cfg, keys, &fresh, decision.clone(), stop).await?;
                 for (e, prev) in fresh.into_iter().zip(prev) {
                     // A decision already there: the admission did run (its reply was lost).
                     decided.push((e, prev.unwrap_or_else(|| decision.clone())));
@@ -156,7 +187,7 @@ async fn handle(ctx: &Context, cfg: &InboundConfig, entries: Vec<Entry>, stop: &
     if !decided.is_empty() {
         crate::fault::point("admitted");
     }
-    finish(ctx, cfg, decided, dead, stop).await;
+    Some(decided)
 }
 
 /// One admission call for the batch, tried up to `limiter_attempts` times with backoff.
@@ -164,15 +195,13 @@ async fn handle(ctx: &Context, cfg: &InboundConfig, entries: Vec<Entry>, stop: &
 async fn admit_batch(
     ctx: &Context,
     cfg: &InboundConfig,
+    keys: &InboundKeys,
     events: &[InboundEvent],
     fields: &[Fields],
     stop: &CancellationToken,
 ) -> Option<Result<AdmitReply>> {
     let owners: Vec<String> = events.iter().map(|e| e.entry.owner()).collect();
-    let hashes: Vec<String> = events
-        .iter()
-        .map(|e| cfg.keys.decisions(&e.entry.id))
-        .collect();
+    let hashes: Vec<String> = events.iter().map(|e| keys.decisions(&e.entry.id)).collect();
     let items: Vec<AdmitItem<'_>> = events
         .iter()
         .zip(&owners)
@@ -187,11 +216,14 @@ async fn admit_batch(
             fields,
         })
         .collect();
-    let in_admission = ctx.rejects_in_admission.load(Ordering::Relaxed);
-    let acks = ctx.acks_in_script(&cfg.forward_stream);
+    let acks = ctx.acks_in_script(keys.slot_key());
+    let rejected = &cfg.flow.rejected_stream;
     let to = AdmitTargets {
-        keys: &cfg.keys,
-        rejected: in_admission.then_some(cfg.flow.rejected_stream.as_str()),
+        keys,
+        forward: ctx.same_slot(keys.slot_key(), &cfg.forward_stream),
+        rejected: ctx
+            .same_slot(keys.slot_key(), rejected)
+            .then_some(rejected.as_str()),
         decision_ttl_ms: cfg.flow.dedupe_ttl.as_millis() as u64,
         max_len: cfg.flow.max_len,
         log_entries_per_read: LOG_ENTRIES_PER_READ,
@@ -209,7 +241,7 @@ async fn admit_batch(
         match telemetry::timed("admit", call).await {
             Ok(reply) => {
                 ctx.health.succeeded();
-                let Err(e) = ctx.replicated(&cfg.forward_stream).await else {
+                let Err(e) = ctx.replicated(keys.slot_key()).await else {
                     return Some(Ok(reply));
                 };
                 let delay = lagging.fail();
@@ -243,17 +275,18 @@ async fn admit_batch(
 async fn record(
     ctx: &Context,
     cfg: &InboundConfig,
+    keys: &InboundKeys,
     events: &[InboundEvent],
     decision: Decision,
     stop: &CancellationToken,
 ) -> Option<Vec<Option<Decision>>> {
     let targets: Vec<(String, String)> = events
         .iter()
-        .map(|e| (cfg.keys.decisions(&e.entry.id), e.entry.owner()))
+        .map(|e| (keys.decisions(&e.entry.id), e.entry.owner()))
         .collect();
     let ttl_ms = cfg.flow.dedupe_ttl.as_millis() as u64;
     let value = decision.marker();
-    // In one MULTI (the hashes share the forward stream's slot): set where unset, read what
+    // In one MULTI (the hashes share the partition's slot): set where unset, read what
     // stands, renew each hash's time to live.
     let now: Vec<Option<String>> = ctx
         .retry("record", stop, || {
@@ -291,13 +324,14 @@ async fn record(
 async fn finish(
     ctx: &Context,
     cfg: &InboundConfig,
+    keys: &InboundKeys,
     decided: Vec<(InboundEvent, Decision)>,
     mut dead: Vec<(Entry, Refused)>,
     stop: &CancellationToken,
 ) {
     let mut acks: Vec<(Arc<str>, String)> = Vec::new();
     // The admission call acknowledged what it wrote where the stream was in its reach.
-    let in_call = ctx.acks_in_script(&cfg.forward_stream);
+    let in_call = ctx.acks_in_script(keys.slot_key());
     let ack_unless_done = |acks: &mut Vec<(Arc<str>, String)>, e: &InboundEvent| {
         if !in_call(&e.entry.stream) {
             acks.push((e.entry.stream.clone(), e.entry.id.clone()));
@@ -310,8 +344,12 @@ async fn finish(
     let max = ctx.cfg.worker.max_deliveries;
     for (e, d) in &decided {
         match d {
-            Decision::Accepted => {
+            Decision::Accepted { written: true } => {
                 ack_unless_done(&mut acks, e);
+                counts[InboundOutcome::Accepted as usize] += 1;
+            }
+            Decision::Accepted { written: false } => {
+                forward.push((&e.entry, ev::forward_fields(e)));
                 counts[InboundOutcome::Accepted as usize] += 1;
             }
             Decision::FailedOpen => {

@@ -7,7 +7,6 @@ use super::monitor;
 use crate::backoff::Backoff;
 use crate::config::RedisMode;
 use crate::error::Result;
-use crate::keys;
 use crate::streams;
 use crate::telemetry;
 use std::sync::atomic::Ordering;
@@ -57,17 +56,20 @@ async fn prepare_once(ctx: &Context) -> Result<()> {
     };
     ctx.cluster.store(cluster, Ordering::Relaxed);
     if let Some(inbound) = &ctx.cfg.inbound {
-        let here = !cluster
-            || keys::slot(&inbound.forward_stream) == keys::slot(&inbound.flow.rejected_stream);
-        ctx.rejects_in_admission.store(here, Ordering::Relaxed);
+        // Where an output shares the admission call's slot, the call writes it in the step that
+        // decides it; elsewhere a second, write-once call does.
+        let by_call = |stream: &str| {
+            inbound
+                .keys
+                .iter()
+                .filter(|k| ctx.same_slot(k.slot_key(), stream))
+                .count()
+        };
         info!(
-            in_admission = here,
-            "inbound rejections are written {}",
-            if here {
-                "by the admission call itself"
-            } else {
-                "by a second call (the rejected stream is in another cluster slot)"
-            }
+            partitions = inbound.keys.len(),
+            forwarded_by_admission = by_call(&inbound.forward_stream),
+            rejected_by_admission = by_call(&inbound.flow.rejected_stream),
+            "inbound partitions whose admission call writes the accepted and rejected events itself"
         );
     }
     ctx.scripts.load(&mut con).await?;
