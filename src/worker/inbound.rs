@@ -1,10 +1,10 @@
 //! The inbound flow: entries of the inbound streams, read by the same reader and consumer group
 //! as the outbound ones (so claiming covers them too), are decided at once.
 //!
-//! One `admit.lua` call per batch decides every event, records each decision in a marker and
-//! writes the accepted ones to the forward stream, atomically (every key shares the forward
-//! stream's slot), and the rejected ones to the rejected stream when it may (that stream shares
-//! the slot, or Redis is not a cluster). Then whatever the call did not write (rejections it
+//! One `admit.lua` call per batch and partition (`inbound.partitions`, one by default) decides
+//! every event, records each decision in a marker and writes the accepted ones to the forward
+//! stream and the rejected ones to the rejected stream, atomically, where it may (the stream
+//! shares the partition's slot, or Redis is not a cluster). Then whatever the call did not write (rejections it
 //! could not, dead letters) is written once each (write-once `emit`) and the entries
 //! acknowledged. A redelivered entry finds its marker: the recorded decision is
 //! carried out again, idempotently, and nothing is charged twice.
