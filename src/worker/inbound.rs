@@ -4,9 +4,9 @@
 //! One `admit.lua` call per batch and partition (`inbound.partitions`, one by default) decides
 //! every event, records each decision in a marker and writes the accepted ones to the forward
 //! stream and the rejected ones to the rejected stream, atomically, where it may (the stream
-//! shares the partition's slot, or Redis is not a cluster). Then whatever the call did not write (rejections it
-//! could not, dead letters) is written once each (write-once `emit`) and the entries
-//! acknowledged. A redelivered entry finds its marker: the recorded decision is
+//! shares the partition's slot, or Redis is not a cluster). Then whatever the call did not write
+//! (outputs in other slots, dead letters) is written once each (write-once `emit`) and the
+//! entries acknowledged. A redelivered entry finds its marker: the recorded decision is
 //! carried out again, idempotently, and nothing is charged twice.
 //!
 //! When admission itself fails `limiter_attempts` times in a row, `fail_policy` decides; that
