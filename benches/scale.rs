@@ -89,15 +89,21 @@ struct Run {
 }
 
 /// Preloads `events` on `inputs` (`fields(i)` each, round robin), starts the workers with
-/// `body` (the config after `redis:`), and waits until `done` counts every event out.
+/// `body` (the config after `redis:`), and waits until the `outputs` streams hold every event.
 fn run(
     target: &Target,
     inputs: &[String],
     events: u64,
     fields: impl Fn(u64) -> Vec<(String, String)>,
     body: &str,
-    done: impl Fn() -> u64,
+    outputs: &[String],
 ) -> Run {
+    let done = || -> u64 {
+        outputs
+            .iter()
+            .map(|s| xlen(&mut target.server_of(s).con(), s))
+            .sum()
+    };
     let workers = arg("--workers", 3);
     for stream in inputs {
         let mut con = target.server_of(stream).con();
@@ -182,12 +188,7 @@ fn outbound(target: &Target, events: u64) -> Run {
             ]
         },
         &body,
-        || {
-            ready
-                .iter()
-                .map(|s| xlen(&mut target.server_of(s).con(), s))
-                .sum()
-        },
+        &ready,
     )
 }
 
@@ -212,7 +213,6 @@ fn inbound(target: &Target, events: u64) -> Run {
         }
         println!("  inbound partitions per master: {per_master:?}");
     }
-    let con = |s: &str| target.server_of(s).con();
     run(
         target,
         &inputs,
@@ -224,7 +224,7 @@ fn inbound(target: &Target, events: u64) -> Run {
             ]
         },
         &body,
-        || xlen(&mut con(&forward), &forward) + xlen(&mut con(&rejected), &rejected),
+        &[forward.clone(), rejected.clone()],
     )
 }
 

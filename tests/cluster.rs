@@ -10,6 +10,7 @@ use common::{event, pending, read, start};
 use pacer::report::{max_in_window, OutputEntry};
 use pacer::testkit::{free_port, wait_until, Cluster, Pacer, TempDir};
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -27,14 +28,27 @@ fn workers(
 ) -> Vec<Pacer> {
     (0..n)
         .map(|i| {
-            let port = free_port();
-            let text = format!(
-                "redis:\n  url: {}\n  mode: cluster\n  timeout: 500ms\n{redis}metrics:\n  listen: 127.0.0.1:{port}\nworker:\n{worker}\n{body}\n",
-                cluster.urls()
-            );
-            start(&dir.write(&format!("w{i}.yaml"), &text), port)
+            let (config, port) = worker_config(dir, cluster, redis, worker, body, i);
+            start(&config, port)
         })
         .collect()
+}
+
+/// Worker `i`'s config file (see `workers`) and the metrics port it names.
+fn worker_config(
+    dir: &TempDir,
+    cluster: &Cluster,
+    redis: &str,
+    worker: &str,
+    body: &str,
+    i: usize,
+) -> (PathBuf, u16) {
+    let port = free_port();
+    let text = format!(
+        "redis:\n  url: {}\n  mode: cluster\n  timeout: 500ms\n{redis}metrics:\n  listen: 127.0.0.1:{port}\nworker:\n{worker}\n{body}\n",
+        cluster.urls()
+    );
+    (dir.write(&format!("w{i}.yaml"), &text), port)
 }
 
 /// Every entry of `stream`, read on the master serving it now.
@@ -303,26 +317,9 @@ fn inbound_partitions_spread_identities_over_every_master_and_admit_exactly() {
         inputs.join(", ")
     );
     let worker = "  batch: 64\n  drain: 1s\n  claim_idle: 1s";
-    let config = |i: usize, port: u16| {
-        let text = format!(
-            "redis:\n  url: {}\n  mode: cluster\n  timeout: 500ms\nmetrics:\n  listen: 127.0.0.1:{port}\nworker:\n{worker}\n{body}\n",
-            cluster.urls()
-        );
-        dir.write(&format!("w{i}.yaml"), &text)
-    };
-    let port = free_port();
-    let mut doomed = common::start_wrapped(
-        &[],
-        &[("PACER_CRASH_AT", "admitted:5")],
-        &config(0, port),
-        port,
-    );
-    let mut pacers: Vec<Pacer> = (1..3)
-        .map(|i| {
-            let port = free_port();
-            start(&config(i, port), port)
-        })
-        .collect();
+    let (config, port) = worker_config(&dir, &cluster, "", worker, &body, 2);
+    let mut doomed = common::start_wrapped(&[], &[("PACER_CRASH_AT", "admitted:5")], &config, port);
+    let mut pacers = workers(&dir, &cluster, "", worker, &body, 2);
     // 30 sources x 150 events over 3 s, spread over the three input streams.
     let producers: Vec<_> = inputs
         .iter()

@@ -17,6 +17,9 @@ use pacer::scripts::{
 use pacer::testkit::{free_port, http_get, metric, wait_until, RedisServer, TempDir};
 use std::time::Duration;
 
+/// Accepted, and forwarded by the admission call itself (its stream shares the slot here).
+const ACCEPTED: Decision = Decision::Accepted { written: true };
+
 // ------------------------------------------------------------------- the script, called directly
 
 struct Rig {
@@ -142,9 +145,7 @@ fn decisions(reply: &AdmitReply) -> Vec<Decision> {
 }
 
 fn accepted(d: &[Decision]) -> usize {
-    d.iter()
-        .filter(|d| **d == Decision::Accepted { written: true })
-        .count()
+    d.iter().filter(|d| **d == ACCEPTED).count()
 }
 
 fn retry_ms(d: &Decision) -> i64 {
@@ -208,14 +209,8 @@ fn several_identities_an_event_passes_only_if_every_identity_has_room_and_a_reje
         let e = rig.event(&[("ip", ip), ("user", user)]);
         decisions(&rig.admit(&[e])).remove(0)
     };
-    assert_eq!(
-        ev(&mut rig, "1.1.1.1", "u"),
-        Decision::Accepted { written: true }
-    );
-    assert_eq!(
-        ev(&mut rig, "1.1.1.1", "u"),
-        Decision::Accepted { written: true }
-    );
+    assert_eq!(ev(&mut rig, "1.1.1.1", "u"), ACCEPTED);
+    assert_eq!(ev(&mut rig, "1.1.1.1", "u"), ACCEPTED);
     // ip and user both full.
     assert!(
         matches!(ev(&mut rig, "1.1.1.1", "v"), Decision::Rejected { ref key, .. } if key == "ip")
@@ -224,14 +219,8 @@ fn several_identities_an_event_passes_only_if_every_identity_has_room_and_a_reje
         matches!(ev(&mut rig, "2.2.2.2", "u"), Decision::Rejected { ref key, .. } if key == "user")
     );
     // The rejected events charged neither their other identity: v and 2.2.2.2 still have 2 each.
-    assert_eq!(
-        ev(&mut rig, "2.2.2.2", "v"),
-        Decision::Accepted { written: true }
-    );
-    assert_eq!(
-        ev(&mut rig, "2.2.2.2", "v"),
-        Decision::Accepted { written: true }
-    );
+    assert_eq!(ev(&mut rig, "2.2.2.2", "v"), ACCEPTED);
+    assert_eq!(ev(&mut rig, "2.2.2.2", "v"), ACCEPTED);
     assert!(matches!(
         ev(&mut rig, "2.2.2.2", "v"),
         Decision::Rejected { .. }
@@ -257,14 +246,10 @@ fn several_identities_an_event_passes_only_if_every_identity_has_room_and_a_reje
         "    - {name: fast, key: [ip], limits: [3/min]}\n    - {name: slow, key: [user], algorithm: gcra, limits: [1/h]}\n",
     );
     let (_, d) = rig.burst(2, &[("ip", "x"), ("user", "y")]);
-    assert_eq!(d[0], Decision::Accepted { written: true });
+    assert_eq!(d[0], ACCEPTED);
     assert!(matches!(&d[1], Decision::Rejected { rule, .. } if rule == "slow"));
     let (_, d) = rig.burst(1, &[("ip", "x"), ("user", "z")]);
-    assert_eq!(
-        d[0],
-        Decision::Accepted { written: true },
-        "ip x was charged once, not twice"
-    );
+    assert_eq!(d[0], ACCEPTED, "ip x was charged once, not twice");
 }
 
 #[test]

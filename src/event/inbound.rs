@@ -286,6 +286,16 @@ inbound:
             }
         }
         assert!(seen.len() > 3, "ten sources over 8 partitions: {seen:?}");
+        // Binary values, braces included, stay in their partition's slot.
+        let odd = parse_inbound(entry(&[(b"source", b"\xff\x00}{x")]), &cfg).unwrap();
+        let tag = format!(
+            "pacer:accepted/{}",
+            crate::keys::partition(b"\xff\x00}{x", 8)
+        );
+        assert_eq!(odd.partition, crate::keys::partition(b"\xff\x00}{x", 8));
+        for id in &odd.identities {
+            assert_eq!(crate::keys::hash_tag(id), tag, "{id}");
+        }
         // Lacking the field: the default's partition, where an event naming it lands too.
         let lacking = parse_inbound(entry(&[(b"x", b"1")]), &cfg).unwrap();
         let naming = parse_inbound(entry(&[(b"source", b"nobody")]), &cfg).unwrap();
