@@ -7,8 +7,9 @@
 //! 1. outbound: 30 routes whose rate does not bind, spread evenly over the masters by their
 //!    tags, every event dispatched to its route's ready stream;
 //! 2. inbound: one flow in `--partitions` partitions by `source` (`--sources` of them), a
-//!    sliding-log rule that rejects about a third, the forward and rejected streams on the first
-//!    master.
+//!    sliding-log rule that rejects about a third; each partition writes its own forward and
+//!    rejected streams (`inbound.partitioned_outputs`), or with `--partitioned-outputs 0` all
+//!    write the one forward and one rejected stream on the first master.
 //!
 //! Each prints events/s end to end (worker start included), the Redis CPU µs per event of each
 //! master (`INFO cpu`, the spread as max/mean − 1) and in all, and the workers' CPU µs per
@@ -17,11 +18,12 @@
 //! core's limit.
 //!
 //! `cargo bench --bench scale -- [--masters 3] [--workers 3] [--events 150000]
-//! [--partitions 12] [--sources 3000]`
+//! [--partitions 12] [--sources 3000] [--partitioned-outputs 1]`
 
 mod common;
 
 use common::{arg, cpu_seconds, process_cpu_seconds, xlen};
+use pacer::keys::InboundKeys;
 use pacer::testkit::{
     create_group, free_port, http_get, wait_until, Cluster, Pacer, RedisServer, TempDir,
 };
@@ -198,20 +200,31 @@ fn inbound(target: &Target, events: u64) -> Run {
     let inputs: Vec<String> = (0..3).map(|i| target.name(i, "in")).collect();
     let forward = target.name(0, "acc");
     let rejected = format!("{{{forward}}}:rejected");
+    let own_outputs = arg("--partitioned-outputs", 1) != 0;
     // Each source offers events / sources; the limit lets two thirds through.
     let limit = (events / sources * 2 / 3).max(1);
     let body = format!(
-        "inbound:\n  streams: [{}]\n  forward_stream: \"{forward}\"\n  rejected_stream: \"{rejected}\"\n  partitions: {partitions}\n  partition_by: source\n  rules:\n    - {{name: per-source, key: [source], algorithm: sliding_log, limits: [{limit}/h]}}\n",
+        "inbound:\n  streams: [{}]\n  forward_stream: \"{forward}\"\n  rejected_stream: \"{rejected}\"\n  partitions: {partitions}\n  partition_by: source\n  partitioned_outputs: {own_outputs}\n  rules:\n    - {{name: per-source, key: [source], algorithm: sliding_log, limits: [{limit}/h]}}\n",
         inputs.join(", ")
     );
+    let keys: Vec<InboundKeys> = (0..partitions as usize)
+        .map(|k| InboundKeys::partition(&forward, &rejected, k, partitions as usize, own_outputs))
+        .collect();
     if let Target::Cluster(c) = target {
         let mut per_master = vec![0; c.masters().len()];
-        for k in 0..partitions as usize {
-            let keys = pacer::keys::InboundKeys::partition(&forward, k, partitions as usize);
-            let owner = c.owner_of(keys.slot_key());
+        for k in &keys {
+            let owner = c.owner_of(k.slot_key());
             per_master[c.masters().iter().position(|&m| m == owner).unwrap()] += 1;
         }
         println!("  inbound partitions per master: {per_master:?}");
+    }
+    let mut outputs: Vec<String> = Vec::new();
+    for k in &keys {
+        for s in [&k.forward, &k.rejected] {
+            if !outputs.contains(s) {
+                outputs.push(s.clone());
+            }
+        }
     }
     run(
         target,
@@ -224,7 +237,7 @@ fn inbound(target: &Target, events: u64) -> Run {
             ]
         },
         &body,
-        &[forward.clone(), rejected.clone()],
+        &outputs,
     )
 }
 

@@ -166,7 +166,7 @@ impl Config {
         let redis = redis::read_redis(&mut p, raw.redis, overrides);
         let worker = read_worker(&mut p, raw.worker);
         let metrics = read_metrics(&mut p, raw.metrics, overrides);
-        let outbound = read_outbound(&mut p, raw.outbound);
+        let mut outbound = read_outbound(&mut p, raw.outbound);
         check_recovery(&mut p, &worker, &outbound);
         let inbound = inbound::read_inbound(
             &mut p,
@@ -174,6 +174,16 @@ impl Config {
             &worker,
             has_outbound.then_some(&outbound),
         );
+        // The outbound flow reading the forward stream reads the partitions' copies of it too.
+        if let Some(i) = inbound.as_ref().filter(|_| has_outbound) {
+            if outbound.flow.streams.contains(&i.forward_stream) {
+                for s in i.forward_streams() {
+                    if !outbound.flow.streams.contains(&s) {
+                        outbound.flow.streams.push(s);
+                    }
+                }
+            }
+        }
         p.into_result(|| Config {
             redis,
             worker,
@@ -275,6 +285,25 @@ outbound:
             c.outbound.routes["carrier-b"].max_wait,
             Duration::from_secs(1)
         );
+    }
+
+    #[test]
+    fn the_outbound_flow_reads_the_partitions_own_copies_of_its_input() {
+        let text = format!(
+            "{GOOD}inbound:\n  streams: [in]\n  forward_stream: \"pacer:out\"\n  partitions: 3\n  partition_by: source\n  partitioned_outputs: true\n  rules:\n    - {{name: a, key: [source], limits: [10/s]}}\n"
+        );
+        let c = Config::parse(&text, &Overrides::default()).unwrap();
+        assert_eq!(
+            c.outbound.flow.streams,
+            [
+                "pacer:out",
+                "pacer:out:{pacer:out/0}",
+                "pacer:out:{pacer:out/1}",
+                "pacer:out:{pacer:out/2}"
+            ]
+        );
+        let inbound = c.inbound.unwrap();
+        assert_eq!(inbound.keys[2].rejected, "pacer:in-rejected:{pacer:out/2}");
     }
 
     #[test]

@@ -14,7 +14,8 @@
 //!   each decision and forwards the accepted entries atomically (`InboundKeys`); with
 //!   `inbound.partitions`, the tag of the identity's partition instead, so the inbound state
 //!   spreads over a cluster's masters (the forward stream is then written once per entry by a
-//!   second call where it lies in another slot).
+//!   second call where it lies in another slot, unless each partition writes its own copy of it,
+//!   `inbound.partitioned_outputs`, named by [`partition_stream`]).
 
 /// The part of `key` that Redis Cluster hashes.
 pub fn hash_tag(key: &str) -> &str {
@@ -59,6 +60,21 @@ pub fn partition(value: &[u8], n: usize) -> usize {
         0
     } else {
         usize::from(crc16(value)) % n
+    }
+}
+
+/// A partition's own copy of `stream`, in the slot of hash tag `tag`: the stream's name with its
+/// hash tag replaced by `tag`, or with `:{<tag>}` appended when it has none, like
+/// `pacer:accepted:{pacer:accepted/3}` or `{in/3}:rejected` (for `{in}:rejected`).
+pub fn partition_stream(stream: &str, tag: &str) -> String {
+    let own = hash_tag(stream);
+    if own.len() < stream.len() {
+        // A usable tag: `own` sits between the first '{' and the next '}'.
+        let open = stream.find('{').expect("a hash tag opens with '{'");
+        let close = open + 1 + own.len();
+        format!("{}{{{tag}}}{}", &stream[..open], &stream[close + 1..])
+    } else {
+        format!("{stream}:{{{tag}}}")
     }
 }
 
@@ -168,29 +184,51 @@ impl OutputKeys {
 /// Keys of the inbound flow (or of one of its partitions), all in one slot: the forward
 /// stream's, when the flow is one partition; with `inbound.partitions: n`, partition `k`'s own,
 /// `pacer:in:{<forward stream's tag>/<k>}:…`, so that n partitions spread over a cluster's
-/// masters while each decision stays atomic in one slot.
+/// masters while each decision stays atomic in one slot. With `inbound.partitioned_outputs`,
+/// each partition also writes its own copies of the forward and rejected streams
+/// ([`partition_stream`]), in its slot, so that no master writes every partition's outputs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InboundKeys {
+    /// Where this partition's accepted events go.
     pub forward: String,
+    /// Where this partition's rejected events go.
+    pub rejected: String,
     prefix: String,
 }
 
 impl InboundKeys {
-    pub fn new(forward_stream: &str) -> Self {
+    pub fn new(forward_stream: &str, rejected_stream: &str) -> Self {
         InboundKeys {
             forward: forward_stream.to_string(),
+            rejected: rejected_stream.to_string(),
             prefix: format!("pacer:in:{{{}}}:", hash_tag(forward_stream)),
         }
     }
 
-    /// The keys of partition `k` of `n` (the unpartitioned keys when `n` is 1).
-    pub fn partition(forward_stream: &str, k: usize, n: usize) -> Self {
+    /// The keys of partition `k` of `n` (the unpartitioned keys when `n` is 1); with
+    /// `own_outputs`, its outputs are its own copies of the two streams.
+    pub fn partition(
+        forward_stream: &str,
+        rejected_stream: &str,
+        k: usize,
+        n: usize,
+        own_outputs: bool,
+    ) -> Self {
         if n <= 1 {
-            return InboundKeys::new(forward_stream);
+            return InboundKeys::new(forward_stream, rejected_stream);
         }
+        let tag = format!("{}/{k}", hash_tag(forward_stream));
+        let output = |stream: &str| {
+            if own_outputs {
+                partition_stream(stream, &tag)
+            } else {
+                stream.to_string()
+            }
+        };
         InboundKeys {
-            forward: forward_stream.to_string(),
-            prefix: format!("pacer:in:{{{}/{k}}}:", hash_tag(forward_stream)),
+            forward: output(forward_stream),
+            rejected: output(rejected_stream),
+            prefix: format!("pacer:in:{{{tag}}}:"),
         }
     }
 
@@ -267,34 +305,48 @@ mod tests {
 
     #[test]
     fn inbound_keys_share_the_forward_streams_tag_whatever_the_identity() {
-        let keys = InboundKeys::new("pacer:accepted");
+        let keys = InboundKeys::new("pacer:accepted", "pacer:in-rejected");
         let id = keys.identity("r", "log", "ip", b"a}{b c\xff%");
         assert_eq!(id, "pacer:in:{pacer:accepted}:r:log:ip=a%7D%7Bb%20c%FF%25");
         for key in [&id, &keys.decisions("1-0")] {
             assert_eq!(hash_tag(key), "pacer:accepted", "{key}");
         }
         assert_eq!(
-            hash_tag(&InboundKeys::new("x:{out}").decisions("1-0")),
+            hash_tag(&InboundKeys::new("x:{out}", "r").decisions("1-0")),
             "out"
         );
     }
 
     #[test]
     fn inbound_partitions_have_a_tag_each_and_one_partition_keeps_the_forward_streams() {
-        assert_eq!(
-            InboundKeys::partition("pacer:accepted", 0, 1),
-            InboundKeys::new("pacer:accepted")
-        );
+        for own_outputs in [false, true] {
+            assert_eq!(
+                InboundKeys::partition("pacer:accepted", "rej", 0, 1, own_outputs),
+                InboundKeys::new("pacer:accepted", "rej")
+            );
+        }
         let tags: Vec<String> = (0..4)
             .map(|k| {
-                let keys = InboundKeys::partition("x:{fwd}", k, 4);
+                let keys = InboundKeys::partition("x:{fwd}", "rej", k, 4, false);
                 let id = keys.identity("r", "log", "source", b"s1");
                 assert_eq!(hash_tag(&id), hash_tag(&keys.decisions("1-0")));
-                assert_eq!(keys.forward, "x:{fwd}");
+                assert_eq!(
+                    (keys.forward.as_str(), keys.rejected.as_str()),
+                    ("x:{fwd}", "rej")
+                );
                 hash_tag(keys.slot_key()).to_string()
             })
             .collect();
         assert_eq!(tags, ["fwd/0", "fwd/1", "fwd/2", "fwd/3"]);
+        // With outputs of its own, a partition's streams share its slot.
+        let keys = InboundKeys::partition("x:{fwd}:acc", "pacer:in-rejected", 3, 4, true);
+        assert_eq!(keys.forward, "x:{fwd/3}:acc");
+        assert_eq!(keys.rejected, "pacer:in-rejected:{fwd/3}");
+        for stream in [&keys.forward, &keys.rejected] {
+            assert_eq!(hash_tag(stream), hash_tag(keys.slot_key()), "{stream}");
+            assert_eq!(check_stream_name(stream), Ok(()));
+        }
+        assert_eq!(partition_stream("a{b}c{d}", "t"), "a{t}c{d}");
         // CRC16/XMODEM of "123456789" is 0x31C3: the published check value.
         assert_eq!(partition(b"123456789", 65536), 0x31C3);
         assert_eq!(partition(b"123456789", 1), 0);
@@ -303,7 +355,7 @@ mod tests {
 
     #[test]
     fn inbound_decisions_share_a_hash_per_span_of_entry_ids() {
-        let keys = InboundKeys::new("fwd");
+        let keys = InboundKeys::new("fwd", "rej");
         assert_eq!(
             keys.decisions("1700000000123-5"),
             "pacer:in:{fwd}:decided:17000000001"

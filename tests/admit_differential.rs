@@ -190,7 +190,7 @@ fn run_case(
 ) -> Result<(), TestCaseError> {
     let _: () = redis::cmd("FLUSHALL").query(sync).unwrap();
     let scripts = Scripts::default();
-    let keys = InboundKeys::new("fwd");
+    let keys = InboundKeys::new("fwd", "rej");
     let rules = inbound_rules(case);
     let mut engine = Engine::new(
         rules
@@ -201,7 +201,6 @@ fn run_case(
             })
             .collect(),
     );
-    let rejected = case.rejects_here.then_some("rej");
     // Every event sent so far: (owner, checks, decision); the rejections the script should
     // have written, in order.
     let mut sent: Vec<(String, Checks, String)> = Vec::new();
@@ -255,7 +254,7 @@ fn run_case(
         let to = AdmitTargets {
             keys: &keys,
             forward: case.forwards_here,
-            rejected,
+            rejected: case.rejects_here,
             decision_ttl_ms: 600_000,
             max_len: 10_000,
             group: "pacer",

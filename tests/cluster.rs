@@ -7,6 +7,7 @@
 mod common;
 
 use common::{event, pending, read, start};
+use pacer::keys::InboundKeys;
 use pacer::report::{max_in_window, OutputEntry};
 use pacer::testkit::{free_port, wait_until, Cluster, Pacer, TempDir};
 use std::collections::BTreeMap;
@@ -306,17 +307,46 @@ fn three_masters_pace_and_admit_exactly_while_a_slot_moves_and_a_master_fails_ov
 /// identity state.
 #[test]
 fn inbound_partitions_spread_identities_over_every_master_and_admit_exactly() {
+    partitioned_admission(false);
+}
+
+/// The same with `inbound.partitioned_outputs`: each partition writes its own copies of the
+/// forward and rejected streams, in its slot, so every decision's output is written by the call
+/// that decides it (no decision is recorded as `a` or `r…`, left for a second call) and each
+/// accepted event lands in its source's partition's stream. The forward stream is an outbound
+/// input here: the outbound flow reads every partition's copy and dispatches each accepted
+/// event once.
+#[test]
+fn partitions_with_their_own_outputs_write_them_in_the_deciding_call_and_feed_outbound() {
+    partitioned_admission(true);
+}
+
+fn partitioned_admission(own_outputs: bool) {
+    const PARTITIONS: usize = 12;
     let cluster = Cluster::start(3, 0);
     let masters = cluster.masters();
     let dir = TempDir::new("cluster-partitions");
     let inputs: Vec<String> = masters.iter().map(|&m| cluster.name_on(m, "in")).collect();
     let accepted = cluster.name_on(masters[0], "acc");
     let rejected = cluster.name_on(masters[1], "rej");
-    let body = format!(
-        "inbound:\n  streams: [{}]\n  forward_stream: \"{accepted}\"\n  rejected_stream: \"{rejected}\"\n  partitions: 12\n  partition_by: source\n  rules:\n    - {{name: per-minute, key: [source], algorithm: sliding_log, limits: [100/min]}}\n    - {{name: per-second, key: [source], algorithm: gcra, limits: [1000/s]}}\n",
+    let route = cluster.name_on(masters[2], "r");
+    let mut body = format!(
+        "inbound:\n  streams: [{}]\n  forward_stream: \"{accepted}\"\n  rejected_stream: \"{rejected}\"\n  partitions: {PARTITIONS}\n  partition_by: source\n  partitioned_outputs: {own_outputs}\n  rules:\n    - {{name: per-minute, key: [source], algorithm: sliding_log, limits: [100/min]}}\n    - {{name: per-second, key: [source], algorithm: gcra, limits: [1000/s]}}\n",
         inputs.join(", ")
     );
-    let worker = "  batch: 64\n  drain: 1s\n  claim_idle: 1s";
+    if own_outputs {
+        body += &format!(
+            "outbound:\n  streams: [\"{accepted}\"]\n  routes:\n    {route}: {{rate: 100000/s, burst: 1000, max_wait: 500ms}}\n"
+        );
+    }
+    let keys: Vec<InboundKeys> = (0..PARTITIONS)
+        .map(|k| InboundKeys::partition(&accepted, &rejected, k, PARTITIONS, own_outputs))
+        .collect();
+    let mut forwards: Vec<String> = keys.iter().map(|k| k.forward.clone()).collect();
+    let mut rejecteds: Vec<String> = keys.iter().map(|k| k.rejected.clone()).collect();
+    forwards.dedup();
+    rejecteds.dedup();
+    let worker = "  batch: 64\n  drain: 1s\n  claim_idle: 2s";
     let (config, port) = worker_config(&dir, &cluster, "", worker, &body, 2);
     let mut doomed = common::start_wrapped(&[], &[("PACER_CRASH_AT", "admitted:5")], &config, port);
     let mut pacers = workers(&dir, &cluster, "", worker, &body, 2);
@@ -325,9 +355,10 @@ fn inbound_partitions_spread_identities_over_every_master_and_admit_exactly() {
         .iter()
         .enumerate()
         .map(|(s, stream)| {
+            let route = route.clone();
             feed(&cluster, stream, 3, 50, move |tick, i| {
                 let source = format!("s{}", (tick * 50 + i) % 10 + 10 * s);
-                event(&[("source", &source)])
+                event(&[("source", &source), ("route", &route)])
             })
         })
         .collect();
@@ -344,43 +375,69 @@ fn inbound_partitions_spread_identities_over_every_master_and_admit_exactly() {
         doomed.log_text()
     );
     pacers.push(doomed);
-    let outputs = [
-        accepted.clone(),
-        rejected.clone(),
-        "pacer:in-dead".to_string(),
-    ];
+    let mut outputs: Vec<String> = forwards.iter().chain(&rejecteds).cloned().collect();
+    outputs.push("pacer:in-dead".to_string());
     assert_each_once(&cluster, &pushed, &outputs, &inputs, &pacers);
 
     let mut by_source: BTreeMap<String, usize> = BTreeMap::new();
-    for e in entries(&cluster, &accepted) {
-        *by_source
-            .entry(e.field("source").unwrap().to_string())
-            .or_default() += 1;
+    let mut forwarded = Vec::new();
+    for stream in &forwards {
+        for e in entries(&cluster, stream) {
+            let source = e.field("source").unwrap().to_string();
+            let k = pacer::keys::partition(source.as_bytes(), PARTITIONS);
+            assert_eq!(*stream, keys[k].forward, "{source} in partition {k}");
+            *by_source.entry(source).or_default() += 1;
+            forwarded.push((stream.clone(), e.id.clone()));
+        }
     }
     assert_eq!(by_source.len(), 30, "{by_source:?}");
     for (source, n) in &by_source {
         assert_eq!(*n, 100, "source {source}: forwarded within one minute");
     }
-    assert_eq!(entries(&cluster, &rejected).len(), pushed.len() - 3000);
-    // Identity state on every master, each key on the master of its partition's slot.
+    let rejections: usize = rejecteds.iter().map(|s| entries(&cluster, s).len()).sum();
+    assert_eq!(rejections, pushed.len() - 3000);
+    // Identity state on every master, each key on the master of its partition's slot; and
+    // the decisions left for a second call (lowercase), none with outputs of their own.
     let mut per_master = Vec::new();
+    let mut left_for_a_second_call = 0;
     for &m in &masters {
+        let mut con = cluster.con(m);
         let keys: Vec<String> = redis::cmd("KEYS")
             .arg("pacer:in:*:per-minute:*")
-            .query(&mut cluster.con(m))
+            .query(&mut con)
             .unwrap();
         for key in &keys {
             assert_eq!(cluster.owner_of(key), m, "{key}");
         }
         per_master.push(keys.len());
+        let hashes: Vec<String> = redis::cmd("KEYS")
+            .arg("pacer:in:*:decided:*")
+            .query(&mut con)
+            .unwrap();
+        for hash in hashes {
+            let decisions: Vec<String> = redis::cmd("HVALS").arg(&hash).query(&mut con).unwrap();
+            left_for_a_second_call += decisions
+                .iter()
+                .filter(|d| d.starts_with(['a', 'r']))
+                .count();
+        }
     }
     assert_eq!(per_master.iter().sum::<usize>(), 30, "{per_master:?}");
     assert!(
         per_master.iter().all(|&n| n > 0),
         "identity state on every master: {per_master:?}"
     );
+    if own_outputs {
+        assert_eq!(left_for_a_second_call, 0);
+        // The outbound leg: every accepted event dispatched once, from every partition's copy.
+        let ended = [ready(&route), "pacer:rejected".into(), "pacer:dead".into()];
+        let at = assert_each_once(&cluster, &forwarded, &ended, &forwards, &pacers);
+        assert!(at.values().all(|to| to[0] == ended[0]), "{at:?}");
+    } else {
+        assert!(left_for_a_second_call > 0, "the outputs lie in other slots");
+    }
     eprintln!(
-        "partitions: {} entries ended once, 30 sources x 100 forwarded, identities per master {per_master:?}",
+        "partitions (own outputs: {own_outputs}): {} entries ended once, 30 sources x 100 forwarded, identities per master {per_master:?}, {left_for_a_second_call} decisions written by a second call",
         pushed.len()
     );
 }

@@ -29,9 +29,6 @@ struct Rig {
     cfg: InboundConfig,
     rt: tokio::runtime::Runtime,
     next: u64,
-    /// Whether the script writes rejections itself (to "rej"); off, as on a cluster whose
-    /// rejected stream is in another slot.
-    rejects_here: bool,
     /// `AdmitTargets::log_entries_per_read`: 0 reads every sliding log by entry.
     log_entries_per_read: i64,
 }
@@ -55,7 +52,6 @@ impl Rig {
             cfg,
             rt,
             next: 0,
-            rejects_here: false,
             log_entries_per_read: LOG_ENTRIES_PER_READ,
         }
     }
@@ -98,7 +94,9 @@ impl Rig {
         let to = AdmitTargets {
             keys: &self.cfg.keys[0],
             forward: true,
-            rejected: self.rejects_here.then_some("rej"),
+            // The rig writes no rejections, as on a cluster whose rejected stream is in
+            // another slot (the differential test draws both).
+            rejected: false,
             decision_ttl_ms: 600_000,
             max_len: 100_000,
             log_entries_per_read: self.log_entries_per_read,

@@ -36,7 +36,8 @@ pub struct InboundConfig {
     /// Its input streams, outputs and limits; a redelivery within `dedupe_ttl` gets its entry's
     /// recorded decision back and is not charged again.
     pub flow: Flow,
-    /// Accepted events go here (often an outbound input stream).
+    /// Accepted events go here (often an outbound input stream); with partitioned outputs,
+    /// to each partition's own copy of it instead (`keys[k].forward`).
     pub forward_stream: String,
     pub fail_policy: FailPolicy,
     /// Admission calls tried (with backoff) before `fail_policy` decides instead.
@@ -45,8 +46,24 @@ pub struct InboundConfig {
     /// The field whose value picks an event's partition, when there are several.
     pub partition_by: Option<String>,
     /// The keys of each partition (`inbound.partitions`, one by default): an identity's state
-    /// and its events' decisions live in partition `keys::partition(value, n)`.
+    /// and its events' decisions live in partition `keys::partition(value, n)`, and its
+    /// outputs are `keys[k].forward` and `keys[k].rejected`.
     pub keys: Vec<InboundKeys>,
+}
+
+impl InboundConfig {
+    /// The streams that hold what the configured `forward_stream` would: itself, and each
+    /// partition's own copy of it when the partitions have their own outputs. A reader of the
+    /// forward stream (the outbound flow, when it is one of its inputs) reads them all.
+    pub fn forward_streams(&self) -> Vec<String> {
+        let mut streams = vec![self.forward_stream.clone()];
+        for k in &self.keys {
+            if !streams.contains(&k.forward) {
+                streams.push(k.forward.clone());
+            }
+        }
+        streams
+    }
 }
 
 /// The most `inbound.partitions`: far more than a cluster has masters.
@@ -73,6 +90,7 @@ pub(super) fn read_inbound(
         "limiter_attempts",
         "partitions",
         "partition_by",
+        "partitioned_outputs",
         "rules",
     ];
     p.unknown_keys("inbound", &raw.unknown, &known);
@@ -110,6 +128,28 @@ pub(super) fn read_inbound(
     let partitions =
         p.integer("inbound.partitions", &raw.partitions, 1, 1, PARTITIONS_MAX) as usize;
     let partition_by = read_partition_by(p, &raw.partition_by, partitions, &rules);
+    let partitioned_outputs = p.boolean(
+        "inbound.partitioned_outputs",
+        &raw.partitioned_outputs,
+        false,
+    );
+    if partitioned_outputs && partitions <= 1 {
+        p.push(
+            "inbound.partitioned_outputs",
+            "only means something with inbound.partitions above 1",
+        );
+    }
+    let keys: Vec<InboundKeys> = (0..partitions)
+        .map(|k| {
+            InboundKeys::partition(
+                &forward_stream,
+                &flow.rejected_stream,
+                k,
+                partitions,
+                partitioned_outputs,
+            )
+        })
+        .collect();
 
     // Stream names: usable tags, and no loop (an output that pacer reads again).
     let mut inputs: BTreeMap<String, String> = BTreeMap::new();
@@ -200,10 +240,26 @@ pub(super) fn read_inbound(
         );
     }
 
+    // A partition's own outputs, named after the configured ones, must not be streams that
+    // pacer reads or that something else writes.
+    if partitioned_outputs {
+        for k in &keys {
+            for (path, stream) in [
+                ("inbound.forward_stream", &k.forward),
+                ("inbound.rejected_stream", &k.rejected),
+            ] {
+                if let Some(first) = inputs.get(stream).or_else(|| outbound_outputs.get(stream)) {
+                    p.push(
+                        path,
+                        format!("partition stream {stream:?} is already used by {first}"),
+                    );
+                }
+            }
+        }
+    }
+
     Some(InboundConfig {
-        keys: (0..partitions)
-            .map(|k| InboundKeys::partition(&forward_stream, k, partitions))
-            .collect(),
+        keys,
         flow,
         forward_stream,
         fail_policy,

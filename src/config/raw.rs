@@ -127,6 +127,7 @@ pub struct RawInbound {
     pub limiter_attempts: Leaf,
     pub partitions: Leaf,
     pub partition_by: Leaf,
+    pub partitioned_outputs: Leaf,
     pub rules: Leaf,
     #[serde(flatten)]
     pub unknown: Mapping,

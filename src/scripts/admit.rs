@@ -17,9 +17,9 @@ pub struct AdmitTargets<'a> {
     /// stream shares the partition's slot, or Redis is not a cluster. `false`: the caller
     /// writes them (decision `a`), in a second call.
     pub forward: bool,
-    /// The rejected stream, when the call writes rejections itself (the same condition).
-    /// `None`: the caller writes them, in a second call.
-    pub rejected: Option<&'a str>,
+    /// Whether the call writes rejected events to `keys.rejected` itself (the same condition).
+    /// `false`: the caller writes them, in a second call.
+    pub rejected: bool,
     pub decision_ttl_ms: u64,
     /// Output streams are trimmed to about this many entries.
     pub max_len: u64,
@@ -106,15 +106,15 @@ impl Scripts {
         if to.forward {
             call.key(&to.keys.forward);
         }
-        if let Some(stream) = to.rejected {
-            call.key(stream);
+        if to.rejected {
+            call.key(&to.keys.rejected);
         }
         for key in streams.keys() {
             call.key(key);
         }
         call.arg(to.decision_ttl_ms)
             .arg(to.max_len)
-            .arg(u8::from(to.forward) | (u8::from(to.rejected.is_some()) << 1))
+            .arg(u8::from(to.forward) | (u8::from(to.rejected) << 1))
             .arg(to.log_entries_per_read)
             .arg(to.group)
             .arg(streams.len())

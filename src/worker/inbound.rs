@@ -217,13 +217,10 @@ async fn admit_batch(
         })
         .collect();
     let acks = ctx.acks_in_script(keys.slot_key());
-    let rejected = &cfg.flow.rejected_stream;
     let to = AdmitTargets {
         keys,
-        forward: ctx.same_slot(keys.slot_key(), &cfg.forward_stream),
-        rejected: ctx
-            .same_slot(keys.slot_key(), rejected)
-            .then_some(rejected.as_str()),
+        forward: ctx.same_slot(keys.slot_key(), &keys.forward),
+        rejected: ctx.same_slot(keys.slot_key(), &keys.rejected),
         decision_ttl_ms: cfg.flow.dedupe_ttl.as_millis() as u64,
         max_len: cfg.flow.max_len,
         log_entries_per_read: LOG_ENTRIES_PER_READ,
@@ -389,8 +386,8 @@ async fn finish(
         .map(|(e, r)| (e, event::dead_letter_fields(e, r)))
         .collect();
     let writes = [
-        ("forward", &cfg.forward_stream, &forward),
-        ("reject", &cfg.flow.rejected_stream, &rejected),
+        ("forward", &keys.forward, &forward),
+        ("reject", &keys.rejected, &rejected),
         ("deadletter", &cfg.flow.dead_letter_stream, &dead_fields),
     ];
     for (op, stream, items) in writes {

@@ -7,6 +7,7 @@ use super::monitor;
 use crate::backoff::Backoff;
 use crate::config::RedisMode;
 use crate::error::Result;
+use crate::keys::InboundKeys;
 use crate::streams;
 use crate::telemetry;
 use std::sync::atomic::Ordering;
@@ -58,17 +59,17 @@ async fn prepare_once(ctx: &Context) -> Result<()> {
     if let Some(inbound) = &ctx.cfg.inbound {
         // Where an output shares the admission call's slot, the call writes it in the step that
         // decides it; elsewhere a second, write-once call does.
-        let by_call = |stream: &str| {
+        let by_call = |stream: fn(&InboundKeys) -> &str| {
             inbound
                 .keys
                 .iter()
-                .filter(|k| ctx.same_slot(k.slot_key(), stream))
+                .filter(|k| ctx.same_slot(k.slot_key(), stream(k)))
                 .count()
         };
         info!(
             partitions = inbound.keys.len(),
-            forwarded_by_admission = by_call(&inbound.forward_stream),
-            rejected_by_admission = by_call(&inbound.flow.rejected_stream),
+            forwarded_by_admission = by_call(|k| &k.forward),
+            rejected_by_admission = by_call(|k| &k.rejected),
             "inbound partitions whose admission call writes the accepted and rejected events itself"
         );
     }
