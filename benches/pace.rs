@@ -5,7 +5,9 @@
 //!    including those run inside scripts, from `INFO commandstats`) and Redis CPU µs per event
 //!    (from `INFO cpu`).
 //! 2. Lateness of a paced run: 500 events/s spread over 10 routes, arriving in bursts that the
-//!    routes must pace; prints (ready entry id ms − pacer_slot_us / 1000) percentiles.
+//!    routes must pace; prints (ready entry id ms − pacer_slot_us / 1000) percentiles, and the
+//!    same lateness to the µs from the workers' `pacer_lateness_seconds` histograms (Redis's
+//!    time in the dispatch call − the slot, in sub-millisecond buckets).
 //!
 //! `cargo bench --bench pace -- [--workers 3] [--events 200000] [--paced-seconds 10]
 //! [--skew-seconds 5] [--wait-replicas 1]` (`--skew-seconds` runs the first worker's wall clock
@@ -18,7 +20,7 @@ mod common;
 
 use common::{arg, outbound_config, outbound_throughput, start_workers_first_wrapped, xlen};
 use pacer::report::{quantile, read_all};
-use pacer::testkit::{wait_until, RedisServer, TempDir};
+use pacer::testkit::{http_get, wait_until, RedisServer, TempDir};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -82,12 +84,16 @@ fn lateness(bin: &Path, workers: u64, seconds: u64, skew_seconds: u64) {
     } else {
         vec![]
     };
+    let ports = std::cell::RefCell::new(Vec::new());
     let workers_run = start_workers_first_wrapped(
         bin,
         &dir,
         &redis,
         workers,
-        &|url, port| outbound_config(url, port, &routes),
+        &|url, port| {
+            ports.borrow_mut().push(port);
+            outbound_config(url, port, &routes)
+        },
         &wrapper,
     );
     let start = Instant::now();
@@ -173,6 +179,62 @@ fn lateness(bin: &Path, workers: u64, seconds: u64, skew_seconds: u64) {
         .map(|(ms, n)| format!("{ms}ms:{n}"))
         .collect();
     println!("  histogram: {}", h.join(" "));
+    print_lateness_buckets(&ports.borrow());
+}
+
+/// The workers' `pacer_lateness_seconds` histograms, summed over workers and routes: the share
+/// of dispatches within each bucket, and the bucket that holds p99 and p99.9.
+fn print_lateness_buckets(ports: &[u16]) {
+    // le (s) -> dispatches at most that late.
+    let mut buckets: BTreeMap<u64, f64> = BTreeMap::new();
+    for &port in ports {
+        let Some((200, text)) = http_get(port, "/metrics") else {
+            println!("  (worker on port {port} gave no metrics)");
+            return;
+        };
+        for line in text.lines() {
+            let Some(rest) = line.strip_prefix("pacer_lateness_seconds_bucket{") else {
+                continue;
+            };
+            let le = rest.split("le=\"").nth(1).and_then(|v| v.split('"').next());
+            let count = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+            if let (Some(le), Some(count)) = (le, count) {
+                // In ns, to key the map exactly; +Inf last.
+                let ns = le
+                    .parse::<f64>()
+                    .map_or(u64::MAX, |s| (s * 1e9).round() as u64);
+                *buckets.entry(ns).or_default() += count;
+            }
+        }
+    }
+    let Some(&total) = buckets.get(&u64::MAX) else {
+        println!("  (no lateness histogram)");
+        return;
+    };
+    let label = |ns: u64| {
+        if ns == u64::MAX {
+            "+Inf".to_string()
+        } else {
+            format!("{} µs", ns / 1000)
+        }
+    };
+    let within = |q: f64| {
+        buckets
+            .iter()
+            .find(|(_, &n)| n >= q * total)
+            .map_or("?".into(), |(&ns, _)| label(ns))
+    };
+    let shares: Vec<String> = buckets
+        .iter()
+        .map(|(&ns, &n)| format!("≤{}:{:.2}%", label(ns), 100.0 * n / total))
+        .collect();
+    println!(
+        "  workers' histograms (Redis time of the dispatch call − slot, {total} dispatches): p50 ≤ {}, p99 ≤ {}, p99.9 ≤ {}",
+        within(0.5),
+        within(0.99),
+        within(0.999)
+    );
+    println!("  cumulative: {}", shares.join(" "));
 }
 
 fn main() {

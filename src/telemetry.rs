@@ -133,8 +133,8 @@ pub fn scheduled_wait(route: &str, wait_us: i64) {
     histogram!(WAIT_SECONDS, "route" => route.to_string()).record(wait_us.max(0) as f64 / 1e6);
 }
 
-/// How long after its slot an event's ready entry was written (µs; the entry's id is a whole
-/// millisecond, so up to 999 µs of it is the id's own rounding).
+/// How long after its slot an event's ready entry was written (µs, by Redis's clock as the
+/// dispatch call read it: the entry's id holds only the millisecond).
 pub fn lateness(route: &str, late_us: i64) {
     histogram!(LATENESS_SECONDS, "route" => route.to_string()).record(late_us.max(0) as f64 / 1e6);
 }

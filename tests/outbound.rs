@@ -6,7 +6,6 @@ mod common;
 
 use common::*;
 use pacer::keys::hash_tag;
-use pacer::report::quantile;
 use pacer::testkit::{free_port, http_get, metric, wait_until, RedisServer, TempDir};
 use std::time::{Duration, Instant};
 
@@ -368,13 +367,30 @@ fn a_worker_with_a_skewed_clock_paces_exactly_like_the_rest() {
         "the skewed worker dispatched only {by_skewed}"
     );
     // Had it used its own clock it would dispatch 45 s off; by Redis's clock it is on time.
-    let mut late: Vec<i64> = read(&redis, "pacer:{shared}:ready")
+    let early: Vec<i64> = read(&redis, "pacer:{shared}:ready")
         .iter()
         .map(|e| e.ms - e.field("pacer_slot_us").unwrap().parse::<i64>().unwrap() / 1000)
+        .filter(|&late| late < 0)
         .collect();
-    late.sort();
-    assert!(late[0] >= 0, "dispatched {} ms before its slot", -late[0]);
-    assert!(quantile(&late, 0.99).unwrap() <= 20, "lateness {:?}", late);
+    assert!(early.is_empty(), "dispatched before the slot: {early:?} ms");
+    // Lateness to the µs against the decided slot, from both workers' histograms (an entry's
+    // pacer_slot_us is the time it was let go when it missed its slot, so the entries cannot
+    // tell): 99% within 25 ms, which the intermittent 100 ms spikes once broke.
+    let (mut within, mut all) = (0.0, 0.0);
+    for port in [p1, p2] {
+        let (_, text) = http_get(port, "/metrics").unwrap();
+        within += metric(
+            &text,
+            "pacer_lateness_seconds_bucket{route=\"shared\",le=\"0.025\"}",
+        );
+        all += metric(&text, "pacer_lateness_seconds_count{route=\"shared\"}");
+    }
+    assert_eq!(all, n as f64, "every dispatch is in a histogram");
+    assert!(
+        within >= 0.99 * all,
+        "{} of {all} dispatches more than 25 ms after their slot",
+        all - within
+    );
 }
 
 #[test]

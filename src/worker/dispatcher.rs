@@ -290,7 +290,9 @@ impl State {
                     if let Some(late) = learn {
                         self.timers.learn(late);
                     }
-                    telemetry::lateness(&route.name, id_ms * 1000 - s.slot_us);
+                    // The call's own time, to the µs; the id's millisecond when the call
+                    // had to write past it (ids kept increasing over a clock step back).
+                    telemetry::lateness(&route.name, reply.now_us.max(id_ms * 1000) - s.slot_us);
                     count_dispatch(&s.event, route);
                     dispatched = true;
                     if !acked(&s.event.stream) {
