@@ -18,7 +18,8 @@
 //! core's limit.
 //!
 //! `cargo bench --bench scale -- [--masters 3] [--workers 3] [--events 150000]
-//! [--partitions 12] [--sources 3000] [--partitioned-outputs 1]`
+//! [--partitions 12] [--sources 3000] [--partitioned-outputs 1] [--batch 256]` (`--batch` is
+//! `worker.batch`, entries read per stream per call)
 
 mod common;
 
@@ -133,11 +134,12 @@ fn run(
     let cpu0: Vec<f64> = masters.iter().map(|m| cpu_seconds(&mut m.con())).collect();
     let dir = TempDir::new("scale");
     let start = Instant::now();
+    let batch = arg("--batch", 256);
     let running: Vec<Pacer> = (0..workers)
         .map(|i| {
             let port = free_port();
             let text = format!(
-                "redis: {}\nmetrics: {{listen: \"127.0.0.1:{port}\"}}\nworker: {{batch: 256, max_inflight: 100000}}\n{body}",
+                "redis: {}\nmetrics: {{listen: \"127.0.0.1:{port}\"}}\nworker: {{batch: {batch}, max_inflight: 100000}}\n{body}",
                 target.redis_yaml()
             );
             let cfg = dir.write(&format!("w{i}.yaml"), &text);

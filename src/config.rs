@@ -297,13 +297,16 @@ outbound:
             c.outbound.flow.streams,
             [
                 "pacer:out",
-                "pacer:out:{pacer:out/0}",
-                "pacer:out:{pacer:out/1}",
-                "pacer:out:{pacer:out/2}"
+                "pacer:out:{pacer:out/0.2}",
+                "pacer:out:{pacer:out/1.4}",
+                "pacer:out:{pacer:out/2.3}"
             ]
         );
         let inbound = c.inbound.unwrap();
-        assert_eq!(inbound.keys[2].rejected, "pacer:in-rejected:{pacer:out/2}");
+        assert_eq!(
+            inbound.keys[2].rejected,
+            "pacer:in-rejected:{pacer:out/2.3}"
+        );
     }
 
     #[test]

@@ -38,18 +38,57 @@ pub fn slot(key: &str) -> u16 {
 
 /// CRC16 (XMODEM), the checksum Redis Cluster hashes keys with.
 fn crc16(bytes: &[u8]) -> u16 {
-    let mut crc: u16 = 0;
+    crc16_from(0, bytes)
+}
+
+/// CRC16 (XMODEM) of `bytes` continued from the checksum `crc` of what came before them.
+fn crc16_from(mut crc: u16, bytes: &[u8]) -> u16 {
     for &b in bytes {
-        crc ^= u16::from(b) << 8;
-        for _ in 0..8 {
+        crc = (crc << 8) ^ CRC16_TABLE[usize::from((crc >> 8) as u8 ^ b)];
+    }
+    crc
+}
+
+/// CRC16 (XMODEM) a byte at a time: `partition_tag` tries many tags for a large `partitions`.
+const CRC16_TABLE: [u16; 256] = {
+    let mut table = [0u16; 256];
+    let mut i = 0;
+    while i < 256 {
+        let mut crc = (i as u16) << 8;
+        let mut bit = 0;
+        while bit < 8 {
             crc = if crc & 0x8000 != 0 {
                 (crc << 1) ^ 0x1021
             } else {
                 crc << 1
             };
+            bit += 1;
         }
+        table[i] = crc;
+        i += 1;
     }
-    crc
+    table
+};
+
+/// The hash tag of inbound partition `k` of `n` of the flow whose forward stream's tag is
+/// `forward_tag`: `<forward_tag>/<k>`, or `<forward_tag>/<k>.<j>` for the first `j` that puts
+/// it in the k-th n-th of the slot space. Spread evenly over the slots, the partitions spread
+/// evenly over masters that own equal ranges of slots (as `redis-cli --cluster create` and
+/// `rebalance` leave them): 12 partitions on 3 masters are 4 each, where tags hashed at random
+/// fell 4/5/3. About n tags are tried per partition, each a few table lookups.
+pub fn partition_tag(forward_tag: &str, k: usize, n: usize) -> String {
+    let base = format!("{forward_tag}/{k}");
+    let (low, high) = (k * 16384 / n, (k + 1) * 16384 / n);
+    let in_range = |crc: u16| (low..high).contains(&usize::from(crc % 16384));
+    let crc = crc16(base.as_bytes());
+    if in_range(crc) {
+        return base;
+    }
+    // Every range holds at least 16 slots (n <= 1024), so some j < 2^32 lands in it.
+    let j = (1u32..)
+        .find(|j| in_range(crc16_from(crc, format!(".{j}").as_bytes())))
+        .expect("a tag in every range");
+    format!("{base}.{j}")
 }
 
 /// The inbound partition of an identity value, one of `n`: CRC16 (XMODEM) of its bytes, mod
@@ -65,7 +104,7 @@ pub fn partition(value: &[u8], n: usize) -> usize {
 
 /// A partition's own copy of `stream`, in the slot of hash tag `tag`: the stream's name with its
 /// hash tag replaced by `tag`, or with `:{<tag>}` appended when it has none, like
-/// `pacer:accepted:{pacer:accepted/3}` or `{in/3}:rejected` (for `{in}:rejected`).
+/// `pacer:accepted:{pacer:accepted/3.7}` or `{in/3.7}:rejected` (for `{in}:rejected`).
 pub fn partition_stream(stream: &str, tag: &str) -> String {
     let own = hash_tag(stream);
     if own.len() < stream.len() {
@@ -183,7 +222,7 @@ impl OutputKeys {
 
 /// Keys of the inbound flow (or of one of its partitions), all in one slot: the forward
 /// stream's, when the flow is one partition; with `inbound.partitions: n`, partition `k`'s own,
-/// `pacer:in:{<forward stream's tag>/<k>}:…`, so that n partitions spread over a cluster's
+/// `pacer:in:{<partition_tag>}:…`, so that n partitions spread over a cluster's
 /// masters while each decision stays atomic in one slot. With `inbound.partitioned_outputs`,
 /// each partition also writes its own copies of the forward and rejected streams
 /// ([`partition_stream`]), in its slot, so that no master writes every partition's outputs.
@@ -217,7 +256,7 @@ impl InboundKeys {
         if n <= 1 {
             return InboundKeys::new(forward_stream, rejected_stream);
         }
-        let tag = format!("{}/{k}", hash_tag(forward_stream));
+        let tag = partition_tag(hash_tag(forward_stream), k, n);
         let output = |stream: &str| {
             if own_outputs {
                 partition_stream(stream, &tag)
@@ -337,11 +376,14 @@ mod tests {
                 hash_tag(keys.slot_key()).to_string()
             })
             .collect();
-        assert_eq!(tags, ["fwd/0", "fwd/1", "fwd/2", "fwd/3"]);
+        for (k, tag) in tags.iter().enumerate() {
+            assert_eq!(*tag, partition_tag("fwd", k, 4));
+        }
         // With outputs of its own, a partition's streams share its slot.
         let keys = InboundKeys::partition("x:{fwd}:acc", "pacer:in-rejected", 3, 4, true);
-        assert_eq!(keys.forward, "x:{fwd/3}:acc");
-        assert_eq!(keys.rejected, "pacer:in-rejected:{fwd/3}");
+        let tag = partition_tag("fwd", 3, 4);
+        assert_eq!(keys.forward, format!("x:{{{tag}}}:acc"));
+        assert_eq!(keys.rejected, format!("pacer:in-rejected:{{{tag}}}"));
         for stream in [&keys.forward, &keys.rejected] {
             assert_eq!(hash_tag(stream), hash_tag(keys.slot_key()), "{stream}");
             assert_eq!(check_stream_name(stream), Ok(()));
@@ -351,6 +393,31 @@ mod tests {
         assert_eq!(partition(b"123456789", 65536), 0x31C3);
         assert_eq!(partition(b"123456789", 1), 0);
         assert_eq!(partition(b"123456789", 10), 0x31C3 % 10);
+    }
+
+    #[test]
+    fn partition_tags_spread_evenly_over_the_slots() {
+        for n in [2, 3, 7, 12, 100, 1024] {
+            for k in 0..n {
+                let tag = partition_tag("pacer:accepted", k, n);
+                assert!(tag.starts_with(&format!("pacer:accepted/{k}")), "{tag}");
+                let slot = usize::from(slot(&format!("{{{tag}}}")));
+                assert!(
+                    (k * 16384 / n..(k + 1) * 16384 / n).contains(&slot),
+                    "partition {k} of {n}: {tag} in slot {slot}"
+                );
+            }
+        }
+        // Three masters with equal ranges (as redis-cli --cluster create makes them).
+        let mut per_master = [0; 3];
+        for k in 0..12 {
+            let slot = usize::from(slot(&format!("{{{}}}", partition_tag("x", k, 12))));
+            per_master[slot * 3 / 16384] += 1;
+        }
+        assert_eq!(per_master, [4, 4, 4]);
+        // The table-driven checksum is the bitwise one, continued or not.
+        assert_eq!(crc16(b"123456789"), 0x31C3);
+        assert_eq!(crc16_from(crc16(b"1234"), b"56789"), 0x31C3);
     }
 
     #[test]

@@ -280,7 +280,7 @@ inbound:
             let k = crate::keys::partition(source.as_bytes(), 8);
             assert_eq!(e.partition, k);
             seen.insert(k);
-            let tag = format!("pacer:accepted/{k}");
+            let tag = crate::keys::partition_tag("pacer:accepted", k, 8);
             for id in &e.identities {
                 assert_eq!(crate::keys::hash_tag(id), tag, "{id}");
             }
@@ -288,9 +288,10 @@ inbound:
         assert!(seen.len() > 3, "ten sources over 8 partitions: {seen:?}");
         // Binary values, braces included, stay in their partition's slot.
         let odd = parse_inbound(entry(&[(b"source", b"\xff\x00}{x")]), &cfg).unwrap();
-        let tag = format!(
-            "pacer:accepted/{}",
-            crate::keys::partition(b"\xff\x00}{x", 8)
+        let tag = crate::keys::partition_tag(
+            "pacer:accepted",
+            crate::keys::partition(b"\xff\x00}{x", 8),
+            8,
         );
         assert_eq!(odd.partition, crate::keys::partition(b"\xff\x00}{x", 8));
         for id in &odd.identities {
