@@ -18,8 +18,8 @@
 //! core's limit.
 //!
 //! `cargo bench --bench scale -- [--masters 3] [--workers 3] [--events 150000]
-//! [--partitions 12] [--sources 3000] [--partitioned-outputs 1] [--batch 256]` (`--batch` is
-//! `worker.batch`, entries read per stream per call)
+//! [--partitions 12] [--sources 3000] [--partitioned-outputs 1] [--batch 512]` (`--batch` is
+//! `worker.batch`, entries read per stream per call; 512 is its default)
 
 mod common;
 
@@ -134,7 +134,7 @@ fn run(
     let cpu0: Vec<f64> = masters.iter().map(|m| cpu_seconds(&mut m.con())).collect();
     let dir = TempDir::new("scale");
     let start = Instant::now();
-    let batch = arg("--batch", 256);
+    let batch = arg("--batch", 512);
     let running: Vec<Pacer> = (0..workers)
         .map(|i| {
             let port = free_port();
