@@ -64,7 +64,7 @@ fn a_killed_master_is_followed_through_the_sentinels_losing_and_doubling_nothing
 
     // 6 s of traffic, to whichever node the sentinels name master: 10 outbound events and
     // 10 inbound ones (5 sources offering 20/s each against 10/s) every 100 ms. A push that
-    // fails during the failover is skipped; what counts is what the promoted master holds.
+    // fails during the failover is skipped; every push a master acknowledged is recorded.
     let ports = sentinels.sentinel_ports();
     let name = sentinels.master_name.clone();
     let producer = std::thread::spawn(move || {
