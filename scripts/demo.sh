@@ -123,4 +123,6 @@ since="$((SECONDS - produced_at + 2))s"
 timeout "$limit" $pacer report --config config.yaml --since "$since" || fail "pacer report failed or took over ${limit}s"
 echo
 echo "rate x 1 s + burst is the most any 1-second window may hold; 'rerouted' counts events that"
-echo "came to a route as a fallback; lateness is ready entry id ms minus its slot (pacer_slot_us, in ms)."
+echo "came to a route as a fallback; lateness is ready entry id ms minus its slot (pacer_slot_us, in ms),"
+echo "which is re-planned to when the event went if it missed its slot by over 1 ms: the metric"
+echo "pacer_lateness_seconds measures lateness against the decided slot."
