@@ -213,11 +213,7 @@ fn inbound(target: &Target, events: u64) -> Run {
         .map(|k| InboundKeys::partition(&forward, &rejected, k, partitions as usize, own_outputs))
         .collect();
     if let Target::Cluster(c) = target {
-        let mut per_master = vec![0; c.masters().len()];
-        for k in &keys {
-            let owner = c.owner_of(k.slot_key());
-            per_master[c.masters().iter().position(|&m| m == owner).unwrap()] += 1;
-        }
+        let per_master = c.count_per_master(keys.iter().map(InboundKeys::slot_key));
         println!("  inbound partitions per master: {per_master:?}");
     }
     let mut outputs: Vec<String> = Vec::new();

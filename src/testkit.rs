@@ -15,7 +15,7 @@ mod tls;
 
 pub use clock_shift::ClockShift;
 pub use cluster::{Cluster, ClusterNode, NodeInfo};
-pub use sentinel::Sentinels;
+pub use sentinel::{master_port_of, Sentinels};
 pub use tls::TlsFiles;
 
 use std::net::TcpListener;

@@ -8,27 +8,12 @@ mod common;
 
 use common::{inbound_body, pending, placements_by_stream, read, redis_time_ms, start};
 use pacer::report::max_in_window;
-use pacer::testkit::{free_port, wait_until, RedisServer, Sentinels, TempDir};
+
+use pacer::testkit::{free_port, master_port_of, wait_until, RedisServer, Sentinels, TempDir};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 const ROUTE_READY: &str = "pacer:{r}:ready";
-
-/// The master's URL, as the first sentinel that answers names it.
-fn master_url(sentinel_ports: &[u16], name: &str) -> Option<String> {
-    sentinel_ports.iter().find_map(|p| {
-        let mut con = redis::Client::open(format!("redis://127.0.0.1:{p}"))
-            .ok()?
-            .get_connection()
-            .ok()?;
-        let (host, port): (String, u16) = redis::cmd("SENTINEL")
-            .arg("GET-MASTER-ADDR-BY-NAME")
-            .arg(name)
-            .query(&mut con)
-            .ok()?;
-        Some(format!("redis://{host}:{port}"))
-    })
-}
 
 /// Every entry id of `stream` on `redis`.
 fn ids(redis: &RedisServer, stream: &str) -> Vec<String> {
@@ -66,7 +51,6 @@ fn a_killed_master_is_followed_through_the_sentinels_losing_and_doubling_nothing
     // 10 inbound ones (5 sources offering 20/s each against 10/s) every 100 ms. A push that
     // fails during the failover is skipped; every push a master acknowledged is recorded.
     let ports = sentinels.sentinel_ports();
-    let name = sentinels.master_name.clone();
     let producer = std::thread::spawn(move || {
         let start = Instant::now();
         let mut pushed: Vec<(String, String)> = Vec::new();
@@ -74,7 +58,8 @@ fn a_killed_master_is_followed_through_the_sentinels_losing_and_doubling_nothing
             if start.elapsed() >= Duration::from_secs(6) {
                 break;
             }
-            let ids = master_url(&ports, &name).and_then(|url| {
+            let ids = master_port_of(&ports).and_then(|port| {
+                let url = format!("redis://127.0.0.1:{port}");
                 let mut con = redis::Client::open(url).ok()?.get_connection().ok()?;
                 let mut pipe = redis::pipe();
                 for i in 0..10 {

@@ -194,6 +194,19 @@ impl Cluster {
         self.slot_owner(key_slot(key))
     }
 
+    /// How many of `keys` each master serves now, in the order of `masters()`.
+    pub fn count_per_master<'a>(&self, keys: impl IntoIterator<Item = &'a str>) -> Vec<usize> {
+        let masters = self.masters();
+        let mut counts = vec![0; masters.len()];
+        for key in keys {
+            let owner = self.owner_of(key);
+            if let Some(i) = masters.iter().position(|&m| m == owner) {
+                counts[i] += 1;
+            }
+        }
+        counts
+    }
+
     /// The server of the master serving `key` now, to read or write `key` on it directly.
     pub fn server_of(&self, key: &str) -> &RedisServer {
         &self.node(self.owner_of(key)).server

@@ -115,18 +115,7 @@ impl Sentinels {
 
     /// The master's port as the first sentinel that answers names it.
     pub fn master_port(&self) -> Option<u16> {
-        self.sentinels.iter().find_map(|s| {
-            let mut con = redis::Client::open(format!("redis://127.0.0.1:{}", s.port))
-                .ok()?
-                .get_connection()
-                .ok()?;
-            let (_host, port): (String, u16) = redis::cmd("SENTINEL")
-                .arg("GET-MASTER-ADDR-BY-NAME")
-                .arg(MASTER_NAME)
-                .query(&mut con)
-                .ok()?;
-            Some(port)
-        })
+        master_port_of(&self.sentinel_ports())
     }
 
     /// The data node on `port`.
@@ -192,6 +181,23 @@ impl Sentinels {
         .then_some(found)
         .flatten()
     }
+}
+
+/// The master's port as the first of the sentinels on `sentinel_ports` that answers names it:
+/// for a thread that cannot borrow the `Sentinels` (a producer following failovers).
+pub fn master_port_of(sentinel_ports: &[u16]) -> Option<u16> {
+    sentinel_ports.iter().find_map(|p| {
+        let mut con = redis::Client::open(format!("redis://127.0.0.1:{p}"))
+            .ok()?
+            .get_connection()
+            .ok()?;
+        let (_host, port): (String, u16) = redis::cmd("SENTINEL")
+            .arg("GET-MASTER-ADDR-BY-NAME")
+            .arg(MASTER_NAME)
+            .query(&mut con)
+            .ok()?;
+        Some(port)
+    })
 }
 
 fn info(server: &RedisServer, section: &str) -> String {

@@ -6,8 +6,9 @@
 //! stream and the rejected ones to the rejected stream, atomically, where it may (the stream
 //! shares the partition's slot, or Redis is not a cluster). Then whatever the call did not write
 //! (outputs in other slots, dead letters) is written once each (write-once `emit`) and the
-//! entries acknowledged. A redelivered entry finds its marker: the recorded decision is
-//! carried out again, idempotently, and nothing is charged twice.
+//! batch's remaining entries acknowledged, one XACK per input stream. A redelivered entry finds
+//! its marker: the recorded decision is carried out again, idempotently, and nothing is charged
+//! twice.
 //!
 //! When admission itself fails `limiter_attempts` times in a row, `fail_policy` decides; that
 //! decision is recorded in the same marker (set only if none exists), so a late-running or
@@ -73,21 +74,31 @@ async fn handle(ctx: &Context, cfg: &InboundConfig, entries: Vec<Entry>, stop: &
             Err((entry, refused)) => dead.push((entry, refused)),
         }
     }
-    // Each partition is decided in its own slot by its own call, and finished on its own: a
-    // partition whose node is slow or failing holds up no other's entries.
+    // Each partition is decided in its own slot by its own call, and its outputs written on
+    // their own: a partition whose node is slow or failing holds up no other's outputs.
     let partitions = parts.into_iter().map(|(k, (over, fresh))| async move {
         let keys = &cfg.keys[k];
         let mut dead = Vec::new();
-        if let Some(decided) = decide(ctx, cfg, keys, over, fresh, &mut dead, stop).await {
-            finish(ctx, cfg, keys, decided, dead, stop).await;
-        }
+        let decided = decide(ctx, cfg, keys, over, fresh, &mut dead, stop).await?;
+        finish(ctx, cfg, keys, decided, dead, stop).await
     });
     let undecidable = async {
-        if !dead.is_empty() {
-            finish(ctx, cfg, &cfg.keys[0], Vec::new(), dead, stop).await;
+        if dead.is_empty() {
+            return Some(Vec::new());
         }
+        finish(ctx, cfg, &cfg.keys[0], Vec::new(), dead, stop).await
     };
-    tokio::join!(join_all(partitions), undecidable);
+    let (finished, undecidable) = tokio::join!(join_all(partitions), undecidable);
+    // Then one acknowledgement per input stream for the whole batch, not one per partition:
+    // the entries of every partition share the input streams, and the batch's permits are
+    // held until here anyway. (Shutdown first: left pending, to be claimed and found decided.)
+    let acks: Vec<(Arc<str>, String)> = finished
+        .into_iter()
+        .chain([undecidable])
+        .flatten()
+        .flatten()
+        .collect();
+    outputs::ack(ctx, acks, stop).await;
 }
 
 /// Decides one partition's entries: those delivered too often (`over`) are voided unless a
@@ -316,8 +327,8 @@ async fn record(
     )
 }
 
-/// Carries out each decision: writes (once each) what the admission script did not, counts,
-/// then acknowledges.
+/// Carries out each decision: writes (once each) what the admission script did not, counts;
+/// returns the entries left to acknowledge (`None` if shutdown came first).
 async fn finish(
     ctx: &Context,
     cfg: &InboundConfig,
@@ -325,7 +336,7 @@ async fn finish(
     decided: Vec<(InboundEvent, Decision)>,
     mut dead: Vec<(Entry, Refused)>,
     stop: &CancellationToken,
-) {
+) -> Option<Vec<(Arc<str>, String)>> {
     let mut acks: Vec<(Arc<str>, String)> = Vec::new();
     // The admission call acknowledged what it wrote where the stream was in its reach.
     let in_call = ctx.acks_in_script(keys.slot_key());
@@ -391,7 +402,7 @@ async fn finish(
         ("deadletter", &cfg.flow.dead_letter_stream, &dead_fields),
     ];
     for (op, stream, items) in writes {
-        let Some(unacked) = outputs::emit(
+        let unacked = outputs::emit(
             ctx,
             op,
             &OutputKeys::new(stream),
@@ -399,10 +410,7 @@ async fn finish(
             items,
             stop,
         )
-        .await
-        else {
-            return;
-        };
+        .await?;
         acks.extend(unacked);
     }
     for (entry, refused) in &dead {
@@ -412,7 +420,7 @@ async fn finish(
     for (outcome, n) in InboundOutcome::ALL.into_iter().zip(counts) {
         telemetry::inbound_events(outcome, n);
     }
-    outputs::ack(ctx, acks, stop).await;
+    Some(acks)
 }
 
 /// Every input stream a worker reads: the outbound ones, then the inbound ones.
