@@ -21,6 +21,20 @@ local function spacing_check(last, rule)
   return 0
 end
 
+-- Folds min_spacing into an algorithm's room (left, lim, reset for its limits; left is
+-- math.huge for a rule with none): one at once when the last charge is far enough back, none
+-- until it is (src/admission.rs, `spacing_room`; a tie keeps the limit).
+local function spacing_room(last, rule, left, lim, reset)
+  if rule.spacing > 0 then
+    local wait = spacing_check(last, rule)
+    local n = wait > 0 and 0 or 1
+    if n < left then
+      return n, 0, wait
+    end
+  end
+  return left, lim, reset
+end
+
 -- Milliseconds from now until `t`, at least 1.
 local function ms_until(t)
   return math.max(1, math.ceil((t - now) / 1000))
@@ -94,3 +108,49 @@ local function save_numbers(st, n, until_t)
   redis.call('PSETEX', st.key, ms_until(until_t), struct_pack(packing(n + 1), unpack(v, 1, n + 1)))
 end
 
+
+-- Reads the rules from ARGV[at..] as src/scripts/admit.rs's `push_rules` writes them: r, then
+-- per rule name, algorithm (sliding_log | gcra | fixed_window), shadow (0/1), count_rejected
+-- (0/1), spacing_us (0: none), spacing label, horizon_us, log cap (most entries a sliding log
+-- keeps), nkeys, the key field names, nlimits, then per limit: window_us, count, interval_us,
+-- tolerance_us (gcra), label. A sliding log whose cap is more than entries_per_read entries per
+-- command that reading it by entry takes is read by entry. Returns the rules, their number and
+-- the index after them.
+local function read_rules(at, entries_per_read)
+  local rules = {}
+  local nrules = num(at, 'rules')
+  at = at + 1
+  local known = { sliding_log = true, gcra = true, fixed_window = true }
+  for r = 1, nrules do
+    local rule = {
+      name = ARGV[at], alg = ARGV[at + 1], shadow = ARGV[at + 2] == '1',
+      count_rejected = ARGV[at + 3] == '1', spacing = num(at + 4, 'spacing'),
+      spacing_label = ARGV[at + 5], horizon = num(at + 6, 'horizon'), cap = num(at + 7, 'cap'),
+      fields = {}, limits = {},
+    }
+    if not known[rule.alg] then
+      bad('algorithm ' .. tostring(rule.alg))
+    end
+    at = at + 8
+    local nf = num(at, 'key count')
+    for f = 1, nf do
+      rule.fields[f] = ARGV[at + f]
+    end
+    at = at + nf + 1
+    local nl = num(at, 'limit count')
+    rule.nlimits = nl
+    at = at + 1
+    for l = 1, nl do
+      rule.limits[l] = {
+        window = num(at, 'window'), count = num(at + 1, 'count'),
+        interval = num(at + 2, 'interval'), tol = num(at + 3, 'tolerance'), label = ARGV[at + 4],
+      }
+      at = at + 5
+    end
+    -- Reading a log by entry takes a STRLEN, then a GETRANGE per limit and one for min_spacing.
+    local reads = 1 + nl + (rule.spacing > 0 and 1 or 0)
+    rule.by_entry = rule.alg == 'sliding_log' and rule.cap > entries_per_read * reads
+    rules[r] = rule
+  end
+  return rules, nrules, at
+end

@@ -22,12 +22,7 @@
 -- ARGV[7]      stale_us: an entry this old with no decision on record may have had one expire:
 --              it is not decided (STALE)
 -- ARGV[8]      the oldest entry's milliseconds: when no entry can be too old, none is looked at
--- ARGV[9]      r, the number of rules; then per rule:
---                name, algorithm (sliding_log | gcra | fixed_window), shadow (0/1),
---                count_rejected (0/1), spacing_us (0: none), spacing label, horizon_us,
---                log cap (most entries a sliding log keeps), nkeys, the key field names,
---                nlimits, then per limit: window_us, count, interval_us, tolerance_us (gcra),
---                label
+-- ARGV[9..]    the rules (admission.lua's read_rules)
 -- then         n, the number of events; then per event:
 --                owner ("<entry id>@<stream>": its field in the decision hash),
 --                its input stream's index among the s (0: the worker acknowledges it),
@@ -76,41 +71,8 @@ local group, nstreams = ARGV[5], num(6, 'streams')
 local stale, oldest = num(7, 'stale'), num(8, 'oldest')
 local at = 9
 
-local rules = {}
-local nrules = num(at, 'rules')
-at = at + 1
-local known = { sliding_log = true, gcra = true, fixed_window = true }
-for r = 1, nrules do
-  local rule = {
-    name = ARGV[at], alg = ARGV[at + 1], shadow = ARGV[at + 2] == '1',
-    count_rejected = ARGV[at + 3] == '1', spacing = num(at + 4, 'spacing'),
-    spacing_label = ARGV[at + 5], horizon = num(at + 6, 'horizon'), cap = num(at + 7, 'cap'),
-    fields = {}, limits = {},
-  }
-  if not known[rule.alg] then
-    bad('algorithm ' .. tostring(rule.alg))
-  end
-  at = at + 8
-  local nf = num(at, 'key count')
-  for f = 1, nf do
-    rule.fields[f] = ARGV[at + f]
-  end
-  at = at + nf + 1
-  local nl = num(at, 'limit count')
-  rule.nlimits = nl
-  at = at + 1
-  for l = 1, nl do
-    rule.limits[l] = {
-      window = num(at, 'window'), count = num(at + 1, 'count'),
-      interval = num(at + 2, 'interval'), tol = num(at + 3, 'tolerance'), label = ARGV[at + 4],
-    }
-    at = at + 5
-  end
-  -- Reading a log by entry takes a STRLEN, then a GETRANGE per limit and one for min_spacing.
-  local reads = 1 + nl + (rule.spacing > 0 and 1 or 0)
-  rule.by_entry = rule.alg == 'sliding_log' and rule.cap > entries_per_read * reads
-  rules[r] = rule
-end
+local rules, nrules
+rules, nrules, at = read_rules(at, entries_per_read)
 
 -- The checks every event makes, in order: (rule index, key field) for each key of each rule.
 local check_rule, check_field = {}, {}
@@ -283,7 +245,7 @@ for i = 1, n do
       local r = check_rule[x]
       local rule = rules[r]
       local st = state(KEYS[base + x], rule)
-      local retry, lim = st.alg.check(st, rule)
+      local retry, lim = st.alg.check(st, rule, 1)
       if retry > 0 then
         if not failed then
           failed = true
@@ -324,7 +286,7 @@ for i = 1, n do
       local ok = accepted and (not failed or passed[r] == '1')
       if ok or rule.count_rejected then
         local st = states[KEYS[base + x]]
-        st.alg.charge(st, rule, ok)
+        st.alg.charge(st, rule, ok, 1)
       end
     end
     if accepted and forward then

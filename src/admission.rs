@@ -168,6 +168,54 @@ impl Check {
     }
 }
 
+/// How much room an identity has left under a rule at some instant: the limit with the least
+/// (`remaining` events could go at once; 0 when it is full), and in how long it is whole
+/// again (µs: the window empty, the bucket full). What a synchronous caller is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Room {
+    pub remaining: i64,
+    /// An index into `Rule::limits`, or [`SPACING`].
+    pub limit: usize,
+    pub reset_us: i64,
+}
+
+impl Room {
+    /// No limit at all (a rule with none, before `min_spacing` is looked at).
+    pub const UNLIMITED: Room = Room {
+        remaining: i64::MAX,
+        limit: SPACING,
+        reset_us: 0,
+    };
+
+    pub fn of(remaining: i64, limit: usize, reset_us: i64) -> Room {
+        Room {
+            remaining: remaining.max(0),
+            limit,
+            reset_us: reset_us.max(0),
+        }
+    }
+
+    /// The one with less room; ties keep `self`.
+    pub fn tighter(self, other: Room) -> Room {
+        if other.remaining < self.remaining {
+            other
+        } else {
+            self
+        }
+    }
+}
+
+/// `min_spacing`'s room: one at once when the last charge is far enough back, none until it is.
+pub fn spacing_room(last_us: Option<i64>, now_us: i64, spacing_us: i64) -> Room {
+    if spacing_us <= 0 {
+        return Room::UNLIMITED;
+    }
+    match spacing_check(last_us, now_us, spacing_us) {
+        Check::PASS => Room::of(1, SPACING, 0),
+        c => Room::of(0, SPACING, c.retry_us),
+    }
+}
+
 /// `min_spacing` against the last charged event of an identity.
 pub fn spacing_check(last_us: Option<i64>, now_us: i64, spacing_us: i64) -> Check {
     match last_us {
@@ -204,10 +252,24 @@ impl State {
     }
 
     pub fn check(&self, now_us: i64, rule: &Rule) -> Check {
+        self.check_n(now_us, rule, 1)
+    }
+
+    /// Whether `cost` more events fit at `now`.
+    pub fn check_n(&self, now_us: i64, rule: &Rule, cost: i64) -> Check {
         match self {
-            State::Log(log) => sliding_log::check(log, now_us, rule),
-            State::Gcra(s) => gcra::check(s, now_us, rule),
-            State::Fixed(s) => fixed_window::check(s, now_us, rule),
+            State::Log(log) => sliding_log::check_n(log, now_us, rule, cost),
+            State::Gcra(s) => gcra::check_n(s, now_us, rule, cost),
+            State::Fixed(s) => fixed_window::check_n(s, now_us, rule, cost),
+        }
+    }
+
+    /// The room left at `now`.
+    pub fn room(&self, now_us: i64, rule: &Rule) -> Room {
+        match self {
+            State::Log(log) => sliding_log::room(log, now_us, rule),
+            State::Gcra(s) => gcra::room(s, now_us, rule),
+            State::Fixed(s) => fixed_window::room(s, now_us, rule),
         }
     }
 
@@ -224,10 +286,15 @@ impl State {
     /// Charges one event; `passed` says whether the rule let it through (a gcra charge for a
     /// rejected attempt is capped, see [`gcra::charge`]).
     pub fn charge(&mut self, now_us: i64, rule: &Rule, passed: bool) {
+        self.charge_n(now_us, rule, passed, 1)
+    }
+
+    /// Charges `cost` events at `now`.
+    pub fn charge_n(&mut self, now_us: i64, rule: &Rule, passed: bool, cost: i64) {
         match self {
-            State::Log(log) => sliding_log::charge(log, now_us, rule),
-            State::Gcra(s) => gcra::charge(s, now_us, rule, passed),
-            State::Fixed(s) => fixed_window::charge(s, now_us, rule),
+            State::Log(log) => sliding_log::charge_n(log, now_us, rule, cost),
+            State::Gcra(s) => gcra::charge_n(s, now_us, rule, passed, cost),
+            State::Fixed(s) => fixed_window::charge_n(s, now_us, rule, cost),
         }
     }
 }
@@ -304,6 +371,132 @@ impl Engine {
             accepted,
             binding,
             passed,
+        }
+    }
+}
+
+/// What a synchronous caller asks of one check (one identity under one rule) besides the
+/// decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ask {
+    /// Check and charge it.
+    Decide,
+    /// The caller spent a token it leased: neither checked nor charged.
+    Covered,
+    /// Check and charge it, then, if the request is accepted, lease up to this many more
+    /// tokens (charged now; gcra and fixed_window only).
+    Lease(i64),
+}
+
+/// One check's outcome in a synchronous decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckOutcome {
+    pub passed: bool,
+    /// The room left after the request (and its lease); `None` for a covered check.
+    pub room: Option<Room>,
+    /// Tokens leased.
+    pub granted: i64,
+    /// How long they may be spent, µs: a fixed window's time to its end; 0 for no bound but
+    /// the caller's lease ttl.
+    pub lease_us: i64,
+}
+
+/// A synchronous decision (`lua/decide.lua`; [`Engine::decide`] in memory).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyncVerdict {
+    pub accepted: bool,
+    /// 0 if accepted; else µs until the binding check would pass.
+    pub retry_us: i64,
+    /// The binding check (an index into the request's checks) and its limit (an index into
+    /// its rule's limits, or [`SPACING`]).
+    pub binding: Option<(usize, usize)>,
+    pub checks: Vec<CheckOutcome>,
+}
+
+impl Engine {
+    /// Decides one synchronous request of `cost` events at `now` (what `lua/decide.lua` does):
+    /// every check first, then the charges, then the leases asked for, then each check's room.
+    pub fn decide(
+        &mut self,
+        now_us: i64,
+        checks: &[(usize, String, Ask)],
+        cost: i64,
+    ) -> SyncVerdict {
+        let mut rule_passed = vec![true; self.rules.len()];
+        let mut passed = vec![true; checks.len()];
+        let mut best: Option<(usize, Check)> = None;
+        for (x, (r, identity, ask)) in checks.iter().enumerate() {
+            if *ask == Ask::Covered {
+                continue;
+            }
+            let rule = &self.rules[*r];
+            let state = self
+                .states
+                .entry((*r, identity.clone()))
+                .or_insert_with(|| State::empty(&rule.rule));
+            state.trim(now_us, &rule.rule);
+            let check = state.check_n(now_us, &rule.rule, cost);
+            if !check.passed() {
+                passed[x] = false;
+                rule_passed[*r] = false;
+                if !rule.shadow && best.is_none_or(|(_, b)| check.retry_us > b.retry_us) {
+                    best = Some((x, check));
+                }
+            }
+        }
+        let accepted = best.is_none();
+        let mut outcomes = Vec::with_capacity(checks.len());
+        for (r, identity, ask) in checks {
+            if *ask == Ask::Covered {
+                continue;
+            }
+            let rule = &self.rules[*r].rule;
+            let ok = accepted && rule_passed[*r];
+            if rule.charges(accepted, rule_passed[*r]) {
+                let state = self
+                    .states
+                    .get_mut(&(*r, identity.clone()))
+                    .expect("loaded");
+                state.charge_n(now_us, rule, ok, cost);
+            }
+        }
+        for (x, (r, identity, ask)) in checks.iter().enumerate() {
+            if *ask == Ask::Covered {
+                outcomes.push(CheckOutcome {
+                    passed: true,
+                    room: None,
+                    granted: 0,
+                    lease_us: 0,
+                });
+                continue;
+            }
+            let rule = &self.rules[*r].rule;
+            let state = self
+                .states
+                .get_mut(&(*r, identity.clone()))
+                .expect("loaded");
+            let (mut granted, mut lease_us) = (0, 0);
+            if let (true, Ask::Lease(want)) = (accepted, ask) {
+                granted = (*want).min(state.room(now_us, rule).remaining);
+                if granted > 0 {
+                    state.charge_n(now_us, rule, true, granted);
+                }
+                if rule.algorithm == Algorithm::FixedWindow {
+                    lease_us = fixed_window::lease_span(now_us, rule);
+                }
+            }
+            outcomes.push(CheckOutcome {
+                passed: passed[x],
+                room: Some(state.room(now_us, rule)),
+                granted,
+                lease_us,
+            });
+        }
+        SyncVerdict {
+            accepted,
+            retry_us: best.map_or(0, |(_, c)| c.retry_us),
+            binding: best.map(|(x, c)| (x, c.limit)),
+            checks: outcomes,
         }
     }
 }

@@ -8,12 +8,14 @@
 //! redis-rs loads a script again when Redis answers NOSCRIPT (after a restart or SCRIPT FLUSH).
 
 mod admit;
+mod decide;
 mod outputs;
 mod pacing;
 
 pub use admit::{
     spacing_label, AdmitItem, AdmitReply, AdmitTargets, Admitted, LOG_ENTRIES_PER_READ,
 };
+pub use decide::DecideCheck;
 pub use outputs::{EmitCall, EmitItem, Voided};
 pub use pacing::{
     DispatchItem, DispatchReply, Dispatched, EventRef, RouteCall, ScheduleItem, ScheduleReply,
@@ -49,6 +51,14 @@ pub const ADMIT: &str = lua!(
     "admission/gcra.lua",
     "admission/fixed_window.lua",
     "admit.lua"
+);
+pub const DECIDE: &str = lua!(
+    "lib.lua",
+    "admission.lua",
+    "admission/sliding_log.lua",
+    "admission/gcra.lua",
+    "admission/fixed_window.lua",
+    "decide.lua"
 );
 
 /// The scripts' reply codes, one meaning each (`lua/lib.lua` defines the same).
@@ -141,6 +151,7 @@ pub struct Scripts {
     void: Script,
     reap: Script,
     admit: Script,
+    decide: Script,
 }
 
 impl Default for Scripts {
@@ -152,6 +163,7 @@ impl Default for Scripts {
             void: Script::new(VOID),
             reap: Script::new(REAP),
             admit: Script::new(ADMIT),
+            decide: Script::new(DECIDE),
         }
     }
 }
@@ -166,6 +178,7 @@ impl Scripts {
             &self.void,
             &self.reap,
             &self.admit,
+            &self.decide,
         ] {
             script.prepare_invoke().load_async(con).await?;
         }

@@ -9,7 +9,7 @@
 //! whose strategies read together.
 
 use pacer::admission::{
-    fixed_window, gcra, sliding_log, Algorithm, Check, Engine, EngineRule, Limit, Rule, State,
+    fixed_window, gcra, sliding_log, Algorithm, Ask, Check, Engine, EngineRule, Limit, Rule, State,
     SPACING,
 };
 use pacer::config::InboundRule;
@@ -17,7 +17,7 @@ use pacer::event::inbound::{forward_fields, rejected_fields, Decision, InboundEv
 use pacer::event::{Entry, Fields};
 use pacer::keys::InboundKeys;
 use pacer::scripts::{
-    spacing_label, AdmitItem, AdmitTargets, Admitted, Scripts, LOG_ENTRIES_PER_READ,
+    spacing_label, AdmitItem, AdmitTargets, Admitted, DecideCheck, Scripts, LOG_ENTRIES_PER_READ,
 };
 use pacer::testkit::RedisServer;
 use proptest::prelude::*;
@@ -385,6 +385,131 @@ fn lua_and_rust_decide_alike_on_redis_time() {
     runner
         .run(&case(), |case| {
             run_case(&case, &mut con.borrow_mut(), &rt, &mut sync.borrow_mut())
+        })
+        .unwrap();
+}
+
+// ------------------------------------------ synchronous decisions: decide.lua against Rust
+
+/// One synchronous request: per check, which of 3 values and what is asked (0 decide, 1 covered
+/// by a lease, n > 1 lease n - 1 tokens); its cost; the sleep before it (µs).
+#[derive(Debug, Clone)]
+struct Request {
+    values: Vec<(u8, u8)>,
+    cost: i64,
+    sleep_us: u64,
+}
+
+/// Rules (rule, shadow, key fields), whether logs are read whole, and the requests.
+type SyncCase = (Vec<(Rule, bool, usize)>, bool, Vec<Request>);
+
+fn sync_case() -> impl Strategy<Value = SyncCase> {
+    proptest::collection::vec(rule_strategy(), 1..3).prop_flat_map(|rules| {
+        let fields: usize = rules.iter().map(|r| r.2).sum();
+        let request = (
+            proptest::collection::vec(
+                (
+                    0u8..3,
+                    prop_oneof![3 => Just(0u8), 1 => Just(1u8), 2 => 2u8..6],
+                ),
+                fields,
+            ),
+            prop_oneof![3 => Just(1i64), 1 => 2i64..5],
+            0u64..4_000,
+        )
+            .prop_map(|(values, cost, sleep_us)| Request {
+                values,
+                cost,
+                sleep_us,
+            });
+        (
+            Just(rules),
+            any::<bool>(),
+            proptest::collection::vec(request, 5..30),
+        )
+    })
+}
+
+fn run_sync_case(
+    (rules, whole_logs, requests): &SyncCase,
+    con: &mut redis::aio::MultiplexedConnection,
+    rt: &tokio::runtime::Runtime,
+    sync: &mut redis::Connection,
+) -> Result<(), TestCaseError> {
+    let _: () = redis::cmd("FLUSHALL").query(sync).unwrap();
+    let scripts = Scripts::default();
+    let keys = InboundKeys::new("fwd", "rej");
+    let case = Case {
+        rules: rules.clone(),
+        rejects_here: false,
+        forwards_here: false,
+        whole_logs: *whole_logs,
+        batches: Vec::new(),
+    };
+    let rules = inbound_rules(&case);
+    let mut engine = Engine::new(
+        rules
+            .iter()
+            .map(|r| EngineRule {
+                rule: r.rule.clone(),
+                shadow: r.shadow,
+            })
+            .collect(),
+    );
+    for (n, req) in requests.iter().enumerate() {
+        std::thread::sleep(Duration::from_micros(req.sleep_us));
+        let mut model_checks = Vec::new();
+        let mut keys_of = Vec::new();
+        let mut v = req.values.iter();
+        for (r, rule) in rules.iter().enumerate() {
+            for (f, field) in rule.key.iter().enumerate() {
+                let &(value, ask) = v.next().unwrap();
+                let key = keys.identity(
+                    &rule.name,
+                    rule.rule.algorithm.key_part(),
+                    field,
+                    &[b'a' + value],
+                );
+                // Only gcra and fixed_window lease.
+                let ask = match ask {
+                    0 => Ask::Decide,
+                    1 => Ask::Covered,
+                    _ if rule.rule.algorithm == Algorithm::SlidingLog => Ask::Decide,
+                    k => Ask::Lease(k as i64 - 1),
+                };
+                keys_of.push((r, f, key.clone(), ask));
+                model_checks.push((r, key, ask));
+            }
+        }
+        let checks: Vec<DecideCheck<'_>> = keys_of
+            .iter()
+            .map(|(r, f, key, ask)| DecideCheck {
+                rule: *r,
+                field: *f,
+                key,
+                ask: *ask,
+            })
+            .collect();
+        let per_read = if *whole_logs { LOG_ENTRIES_PER_READ } else { 0 };
+        let (now_us, got) = rt
+            .block_on(scripts.decide(con, &rules, per_read, &checks, req.cost))
+            .expect("decide");
+        let want = engine.decide(now_us, &model_checks, req.cost);
+        prop_assert_eq!(&got, &want, "request {} at {}", n, now_us);
+    }
+    Ok(())
+}
+
+#[test]
+fn synchronous_decisions_and_leases_agree_in_lua_and_rust() {
+    let redis = RedisServer::start();
+    let (rt, con) = redis.async_con();
+    let con = RefCell::new(con);
+    let sync = RefCell::new(redis.con());
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(150));
+    runner
+        .run(&sync_case(), |case| {
+            run_sync_case(&case, &mut con.borrow_mut(), &rt, &mut sync.borrow_mut())
         })
         .unwrap();
 }

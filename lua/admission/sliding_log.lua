@@ -68,12 +68,14 @@ local function count_upto(st, t)
   return lo
 end
 
-function sliding_log.check(st, rule)
-  local n = st.added
+-- Whether `cost` more events fit: the batch's own `added` charges (all at now) count as if
+-- logged, and a cost of c needs room for c - 1 more beside it.
+function sliding_log.check(st, rule, cost)
+  local n = st.added + cost - 1
   local retry, lim = 0, 0
   if rule.spacing > 0 then
     local last
-    if n > 0 then
+    if st.added > 0 then
       last = now
     elseif st.len > 0 then
       last = entry(st, st.len)
@@ -98,8 +100,29 @@ function sliding_log.check(st, rule)
   return retry, lim
 end
 
-function sliding_log.charge(st, rule, passed)
-  st.added = st.added + 1
+function sliding_log.charge(st, rule, passed, cost)
+  st.added = st.added + cost
+end
+
+-- The room left: the events each window still takes, for the limit with the least, and the µs
+-- until the newest entry in that window leaves it (src/admission/sliding_log.rs, `room`).
+function sliding_log.room(st, rule)
+  local left, lim, reset = math.huge, 0, 0
+  local newest = now
+  if st.added == 0 then
+    newest = st.len > 0 and entry(st, st.len) or nil
+  end
+  for i = 1, rule.nlimits do
+    local l = rule.limits[i]
+    local held = st.len - count_upto(st, now - l.window) + st.added
+    local n = math.max(0, l.count - held)
+    if n < left then
+      left, lim = n, i
+      reset = (newest and newest > now - l.window) and newest + l.window - now or 0
+    end
+  end
+  local last = st.added > 0 and now or newest
+  return spacing_room(last, rule, left, lim, reset)
 end
 
 function sliding_log.save(st)

@@ -6,7 +6,7 @@
 //! next: up to `2 × count` events within one rolling `window`. Use `sliding_log` or `gcra` where
 //! that matters.
 
-use super::{spacing_check, Check, Rule};
+use super::{spacing_check, spacing_room, Check, Room, Rule};
 
 /// One identity's counters: per limit (window number, events counted in it), and the last
 /// charged event.
@@ -26,10 +26,16 @@ impl State {
 }
 
 pub fn check(s: &State, now_us: i64, rule: &Rule) -> Check {
+    check_n(s, now_us, rule, 1)
+}
+
+/// Whether `cost` more events fit the current windows (a cost above a limit never does).
+pub fn check_n(s: &State, now_us: i64, rule: &Rule, cost: i64) -> Check {
     let mut verdict = spacing_check(s.last, now_us, rule.spacing_us);
     for (i, (limit, &(window, count))) in rule.limits.iter().zip(&s.windows).enumerate() {
         let current = now_us.div_euclid(limit.window_us);
-        if window == current && count >= limit.count {
+        let used = if window == current { count } else { 0 };
+        if used + cost > limit.count {
             verdict = verdict.and(Check {
                 retry_us: (current + 1) * limit.window_us - now_us,
                 limit: i,
@@ -40,12 +46,17 @@ pub fn check(s: &State, now_us: i64, rule: &Rule) -> Check {
 }
 
 pub fn charge(s: &mut State, now_us: i64, rule: &Rule) {
+    charge_n(s, now_us, rule, 1)
+}
+
+/// Counts `cost` events in the current windows.
+pub fn charge_n(s: &mut State, now_us: i64, rule: &Rule, cost: i64) {
     for (limit, w) in rule.limits.iter().zip(s.windows.iter_mut()) {
         let current = now_us.div_euclid(limit.window_us);
         if w.0 != current {
             *w = (current, 0);
         }
-        w.1 += 1;
+        w.1 += cost;
     }
     s.last = Some(now_us);
 }
@@ -61,6 +72,29 @@ pub fn ttl_ms(s: &State, now_us: i64, rule: &Rule) -> i64 {
         .map(|(l, &(w, _))| (w + 1) * l.window_us);
     let until = ends.chain([spacing_end]).max().unwrap_or(0) - now_us;
     ((until.max(0) + 999) / 1000).max(1)
+}
+
+/// The room left in the current windows, for the limit with the least, and when it ends.
+pub fn room(s: &State, now_us: i64, rule: &Rule) -> Room {
+    let mut room = Room::UNLIMITED;
+    for (i, (limit, &(window, count))) in rule.limits.iter().zip(&s.windows).enumerate() {
+        let current = now_us.div_euclid(limit.window_us);
+        let used = if window == current { count } else { 0 };
+        let end = (current + 1) * limit.window_us - now_us;
+        room = room.tighter(Room::of(limit.count - used, i, end));
+    }
+    room.tighter(spacing_room(s.last, now_us, rule.spacing_us))
+}
+
+/// How long a lease of this rule's tokens may be spent: to the end of the earliest current
+/// window, so that a token counted in one window is never spent in the next (0, no bound, for
+/// a rule of min_spacing alone).
+pub fn lease_span(now_us: i64, rule: &Rule) -> i64 {
+    rule.limits
+        .iter()
+        .map(|l| (now_us.div_euclid(l.window_us) + 1) * l.window_us - now_us)
+        .min()
+        .unwrap_or(0)
 }
 
 #[cfg(test)]

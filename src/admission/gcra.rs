@@ -12,7 +12,7 @@
 //! One string per identity in Redis (`t1:…:tn:last`, the tat per limit and the last accepted
 //! time for `min_spacing`), whatever the traffic: O(1) memory. It expires when it would read as an empty bucket anyway.
 
-use super::{spacing_check, Check, Rule};
+use super::{spacing_check, spacing_room, Check, Room, Rule};
 
 /// One identity's buckets: `tat` per limit (0 for a full bucket) and the last charged event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,9 +31,15 @@ impl State {
 }
 
 pub fn check(s: &State, now_us: i64, rule: &Rule) -> Check {
+    check_n(s, now_us, rule, 1)
+}
+
+/// Whether `cost` more events at `now` conform: the bucket's schedule, `cost − 1` intervals on,
+/// must be within the tolerance (a cost above the burst never is).
+pub fn check_n(s: &State, now_us: i64, rule: &Rule, cost: i64) -> Check {
     let mut verdict = spacing_check(s.last, now_us, rule.spacing_us);
     for (i, (limit, &tat)) in rule.limits.iter().zip(&s.tats).enumerate() {
-        let earliest = tat - limit.tolerance_us;
+        let earliest = tat.max(now_us) + (cost - 1) * limit.interval_us - limit.tolerance_us;
         if now_us < earliest {
             verdict = verdict.and(Check {
                 retry_us: earliest - now_us,
@@ -49,8 +55,13 @@ pub fn check(s: &State, now_us: i64, rule: &Rule) -> Check {
 /// (`tat ≤ now + tolerance + interval`): an identity that keeps trying stays limited, and once it
 /// stops it gets its first token back one interval after its last attempt.
 pub fn charge(s: &mut State, now_us: i64, rule: &Rule, passed: bool) {
+    charge_n(s, now_us, rule, passed, 1)
+}
+
+/// Charges `cost` events at `now` (a rejected attempt's charge is capped as in [`charge`]).
+pub fn charge_n(s: &mut State, now_us: i64, rule: &Rule, passed: bool, cost: i64) {
     for (limit, tat) in rule.limits.iter().zip(s.tats.iter_mut()) {
-        let next = (*tat).max(now_us) + limit.interval_us;
+        let next = (*tat).max(now_us) + cost * limit.interval_us;
         *tat = if passed {
             next
         } else {
@@ -73,6 +84,18 @@ pub fn ttl_ms(s: &State, now_us: i64, rule: &Rule) -> i64 {
         .unwrap_or(0)
         - now_us;
     ((until.max(0) + 999) / 1000).max(1)
+}
+
+/// The room left at `now`: how many more events conform at once, for the limit with the
+/// least, and when its bucket is full again.
+pub fn room(s: &State, now_us: i64, rule: &Rule) -> Room {
+    let mut room = Room::UNLIMITED;
+    for (i, (limit, &tat)) in rule.limits.iter().zip(&s.tats).enumerate() {
+        let ahead = tat.max(now_us) - now_us;
+        let left = (limit.tolerance_us - ahead).div_euclid(limit.interval_us) + 1;
+        room = room.tighter(Room::of(left, i, ahead));
+    }
+    room.tighter(spacing_room(s.last, now_us, rule.spacing_us))
 }
 
 #[cfg(test)]

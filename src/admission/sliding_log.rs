@@ -18,11 +18,11 @@
 //! so entries past the horizon may stay in it until the cap makes a rewrite drop them: older
 //! than every window, they change no decision, and the cap bounds the log all the same.
 
-use super::{spacing_check, Check, Rule};
+use super::{spacing_check, spacing_room, Check, Room, Rule};
 
 /// The log as `admit.lua` stores it: `None` if `bytes` is not a whole number of entries.
 pub fn unpack(bytes: &[u8]) -> Option<Vec<i64>> {
-    if bytes.len() % 8 != 0 {
+    if !bytes.len().is_multiple_of(8) {
         return None;
     }
     Some(
@@ -42,12 +42,26 @@ pub fn trim(log: &mut Vec<i64>, now_us: i64, rule: &Rule) {
 
 /// Whether one more event at `now` fits, given a log trimmed at `now`.
 pub fn check(log: &[i64], now_us: i64, rule: &Rule) -> Check {
+    check_n(log, now_us, rule, 1)
+}
+
+/// Whether `cost` more events at `now` fit (a cost above a limit never does: its retry is then
+/// that limit's window, as if it were full).
+pub fn check_n(log: &[i64], now_us: i64, rule: &Rule, cost: i64) -> Check {
     let mut verdict = spacing_check(log.last().copied(), now_us, rule.spacing_us);
     for (i, limit) in rule.limits.iter().enumerate() {
-        // A window is a suffix of the sorted log, so it holds `count` entries exactly when the
-        // `count`-th newest entry is in it; and it frees up when that entry leaves it. One look,
-        // no search.
-        let Some(at) = log.len().checked_sub(limit.count as usize) else {
+        // A window is a suffix of the sorted log, so it has room for `cost` more exactly when
+        // the `(count − cost + 1)`-th newest entry is out of it; and it frees up when that
+        // entry leaves it. One look, no search.
+        let room = limit.count - cost;
+        if room < 0 {
+            verdict = verdict.and(Check {
+                retry_us: limit.window_us,
+                limit: i,
+            });
+            continue;
+        }
+        let Some(at) = log.len().checked_sub(room as usize + 1) else {
             continue;
         };
         let nth_newest = log[at];
@@ -64,11 +78,32 @@ pub fn check(log: &[i64], now_us: i64, rule: &Rule) -> Check {
 
 /// Records an event at `now` (not before the newest entry), keeping the newest `cap` entries.
 pub fn charge(log: &mut Vec<i64>, now_us: i64, rule: &Rule) {
-    log.push(now_us);
+    charge_n(log, now_us, rule, 1)
+}
+
+/// Records `cost` events at `now`, keeping the newest `cap` entries.
+pub fn charge_n(log: &mut Vec<i64>, now_us: i64, rule: &Rule, cost: i64) {
+    let cap = rule.log_cap() as usize;
+    log.extend(std::iter::repeat_n(now_us, (cost.max(0) as usize).min(cap)));
     let cap = rule.log_cap() as usize;
     if log.len() > cap {
         log.drain(..log.len() - cap);
     }
+}
+
+/// The room left at `now` in a log trimmed at `now`, for the limit with the least of it.
+pub fn room(log: &[i64], now_us: i64, rule: &Rule) -> Room {
+    let mut room = Room::UNLIMITED;
+    for (i, limit) in rule.limits.iter().enumerate() {
+        let first = log.partition_point(|&t| t <= now_us - limit.window_us);
+        let held = (log.len() - first) as i64;
+        // Full again once the newest entry in the window has left it.
+        let reset = log[first..]
+            .last()
+            .map_or(0, |&t| t + limit.window_us - now_us);
+        room = room.tighter(Room::of(limit.count - held, i, reset));
+    }
+    room.tighter(spacing_room(log.last().copied(), now_us, rule.spacing_us))
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::event::Fields;
 use crate::keys::InboundKeys;
 use redis::aio::ConnectionLike;
-use redis::Value;
+use redis::{ScriptInvocation, Value};
 
 /// Where an `admit` call writes, and how long what it records lasts.
 pub struct AdmitTargets<'a> {
@@ -119,31 +119,8 @@ impl Scripts {
             .arg(to.group)
             .arg(streams.len())
             .arg(to.stale_us)
-            .arg(oldest)
-            .arg(rules.len());
-        for r in rules {
-            let rule = &r.rule;
-            call.arg(&r.name)
-                .arg(rule.algorithm.as_str())
-                .arg(u8::from(r.shadow))
-                .arg(u8::from(rule.count_rejected))
-                .arg(rule.spacing_us)
-                .arg(spacing_label(rule.spacing_us))
-                .arg(rule.horizon_us())
-                .arg(rule.log_cap())
-                .arg(r.key.len());
-            for field in &r.key {
-                call.arg(field);
-            }
-            call.arg(rule.limits.len());
-            for l in &rule.limits {
-                call.arg(l.window_us)
-                    .arg(l.count)
-                    .arg(l.interval_us)
-                    .arg(l.tolerance_us)
-                    .arg(&l.label);
-            }
-        }
+            .arg(oldest);
+        push_rules(&mut call, rules);
         let checks: usize = rules.iter().map(|r| r.key.len()).sum();
         call.arg(items.len());
         for (item, ack) in items.iter().zip(&ack_at) {
@@ -181,6 +158,34 @@ impl Scripts {
             });
         }
         Ok(AdmitReply { now_us, items: out })
+    }
+}
+
+/// The rules as `lua/admission.lua`'s `read_rules` reads them (`admit` and `decide` share it).
+pub(crate) fn push_rules(call: &mut ScriptInvocation<'_>, rules: &[InboundRule]) {
+    call.arg(rules.len());
+    for r in rules {
+        let rule = &r.rule;
+        call.arg(&r.name)
+            .arg(rule.algorithm.as_str())
+            .arg(u8::from(r.shadow))
+            .arg(u8::from(rule.count_rejected))
+            .arg(rule.spacing_us)
+            .arg(spacing_label(rule.spacing_us))
+            .arg(rule.horizon_us())
+            .arg(rule.log_cap())
+            .arg(r.key.len());
+        for field in &r.key {
+            call.arg(field);
+        }
+        call.arg(rule.limits.len());
+        for l in &rule.limits {
+            call.arg(l.window_us)
+                .arg(l.count)
+                .arg(l.interval_us)
+                .arg(l.tolerance_us)
+                .arg(&l.label);
+        }
     }
 }
 
