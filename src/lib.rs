@@ -5,6 +5,7 @@
 //! The binary (`src/main.rs`) only parses the command line and calls into this library.
 
 pub mod admission;
+pub mod api;
 pub mod backoff;
 pub mod clock;
 pub mod config;

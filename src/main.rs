@@ -1,6 +1,5 @@
 //! The `pacer` command: parses the command line, sets up logging and calls the library.
 
-use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use pacer::config::{Config, Overrides, Sourced};
 use pacer::connection::RedisConn;
@@ -221,23 +220,18 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     let metrics = telemetry::install_metrics().map_err(anyhow::Error::msg)?;
     telemetry::register(&cfg);
     let health = Arc::new(pacer::health::Health::default());
-    let listener = tokio::net::TcpListener::bind(cfg.metrics.listen)
-        .await
-        .with_context(|| format!("binding metrics.listen {}", cfg.metrics.listen))?;
-    tracing::info!(listen = %listener.local_addr()?, "serving /metrics, /healthz and /readyz");
     let shutdown = CancellationToken::new();
     let server_stop = CancellationToken::new();
-    let server = tokio::spawn(pacer::server::serve(
-        listener,
-        metrics,
-        health.clone(),
-        server_stop.clone(),
-    ));
+    let servers = pacer::server::start(&cfg, metrics, health.clone(), server_stop.clone())
+        .await
+        .map_err(anyhow::Error::msg)?;
     tokio::spawn(wait_for_signal(shutdown.clone()));
     let worker = pacer::worker::Worker::new(cfg, health)?;
     let ran = worker.run(shutdown).await;
     server_stop.cancel();
-    let _ = server.await;
+    for server in servers {
+        let _ = server.await;
+    }
     Ok(ran?)
 }
 

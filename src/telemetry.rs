@@ -25,6 +25,11 @@ pub const INPUT_DELETED_TOTAL: &str = "pacer_input_deleted_total";
 pub const KEYS_KEPT: &str = "pacer_redis_keys_kept";
 pub const REPLICATION_SHORT_TOTAL: &str = "pacer_replication_short_total";
 pub const BUILD_INFO: &str = "pacer_build_info";
+pub const API_DECISIONS_TOTAL: &str = "pacer_api_decisions_total";
+pub const API_SECONDS: &str = "pacer_api_decision_seconds";
+pub const API_REDIS_CALLS_TOTAL: &str = "pacer_api_redis_calls_total";
+pub const LEASE_FETCHES_TOTAL: &str = "pacer_lease_fetches_total";
+pub const LEASE_TOKENS_TOTAL: &str = "pacer_lease_tokens_total";
 pub use crate::health::READY;
 
 /// How an outbound event ended, the `outcome` label.
@@ -195,6 +200,33 @@ where
     result
 }
 
+/// One rule's verdict on a synchronous request (per identity checked).
+pub fn api_decision(api: crate::api::Api, rule: &str, shadow: bool, passed: bool) {
+    let outcome = if passed { "allowed" } else { "limited" };
+    let mode = if shadow { "shadow" } else { "enforce" };
+    counter!(API_DECISIONS_TOTAL, "api" => api.as_str(), "rule" => rule.to_string(), "outcome" => outcome, "mode" => mode)
+        .increment(1);
+}
+
+/// How long a synchronous request took to answer, from its parsed request to its answer.
+pub fn api_latency(api: crate::api::Api, started: Instant) {
+    histogram!(API_SECONDS, "api" => api.as_str()).record(started.elapsed().as_secs_f64());
+}
+
+/// A synchronous request that reached Redis (the rest were answered from leases).
+pub fn api_redis_call(api: crate::api::Api) {
+    counter!(API_REDIS_CALLS_TOTAL, "api" => api.as_str()).increment(1);
+}
+
+/// A lease fetched for a rule: the tokens granted, and those the lease it replaced wasted.
+pub fn lease_fetched(rule: &str, granted: i64, wasted: i64) {
+    counter!(LEASE_FETCHES_TOTAL, "rule" => rule.to_string()).increment(1);
+    counter!(LEASE_TOKENS_TOTAL, "rule" => rule.to_string(), "fate" => "leased")
+        .increment(granted.max(0) as u64);
+    counter!(LEASE_TOKENS_TOTAL, "rule" => rule.to_string(), "fate" => "wasted")
+        .increment(wasted.max(0) as u64);
+}
+
 /// Registers every counter and gauge this config can produce, at zero, so that dashboards and
 /// `absent()`-style alerts see a series from the start rather than "no data" until the first
 /// event of each kind.
@@ -253,6 +285,29 @@ pub fn register(cfg: &crate::config::Config) {
             }
         }
         counter!(LIMITER_UNAVAILABLE_TOTAL, "policy" => inbound.fail_policy.as_str()).absolute(0);
+        if let Some(api) = &inbound.api {
+            let faces = [
+                (crate::api::Api::Http, api.listen.is_some()),
+                (crate::api::Api::Grpc, api.grpc_listen.is_some()),
+            ];
+            for (face, _) in faces.iter().filter(|(_, on)| *on) {
+                counter!(API_REDIS_CALLS_TOTAL, "api" => face.as_str()).absolute(0);
+                for rule in &inbound.rules {
+                    let mode = if rule.shadow { "shadow" } else { "enforce" };
+                    for outcome in ["allowed", "limited"] {
+                        counter!(API_DECISIONS_TOTAL, "api" => face.as_str(), "rule" => rule.name.clone(), "outcome" => outcome, "mode" => mode)
+                            .absolute(0);
+                    }
+                }
+            }
+            for rule in inbound.rules.iter().filter(|r| r.lease.is_some()) {
+                counter!(LEASE_FETCHES_TOTAL, "rule" => rule.name.clone()).absolute(0);
+                for fate in ["leased", "wasted"] {
+                    counter!(LEASE_TOKENS_TOTAL, "rule" => rule.name.clone(), "fate" => fate)
+                        .absolute(0);
+                }
+            }
+        }
     }
     gauge!(SLEEPING_EVENTS).set(0.0);
     counter!(REPLICATION_SHORT_TOTAL).absolute(0);
@@ -276,6 +331,7 @@ pub fn install_metrics() -> Result<PrometheusHandle, String> {
         .and_then(|b| {
             b.set_buckets_for_metric(Matcher::Full(REDIS_DURATION_SECONDS.into()), &redis)
         })
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Full(API_SECONDS.into()), &redis))
         .and_then(|b| b.install_recorder())
         .map_err(|e| e.to_string())?;
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);

@@ -463,6 +463,37 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     Some((status, body))
 }
 
+/// An HTTP status, its headers (names in lower case) and body.
+pub type HttpReply = (u16, Vec<(String, String)>, String);
+
+/// `POST path` with a JSON `body` on 127.0.0.1:`port`: the status, the headers (names in
+/// lower case) and the body, or None if nothing answers.
+pub fn http_post(
+    port: u16,
+    path: &str,
+    body: &str,
+) -> Option<(u16, Vec<(String, String)>, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    let mut lines = head.lines();
+    let status = lines.next()?.split_whitespace().nth(1)?.parse().ok()?;
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    Some((status, headers, body.to_string()))
+}
+
 /// The value of a metric line (`name{labels} value`) whose name and labels contain `needle`,
 /// summed over matching lines.
 /// `metric` of what pacer's `/metrics` on `port` serves now; 0 when it does not answer (a

@@ -131,6 +131,7 @@ fn inbound_rules(case: &Case) -> Vec<InboundRule> {
             rates: Vec::new(),
             shadow: *shadow,
             default_identity: None,
+            lease: None,
         })
         .collect()
 }

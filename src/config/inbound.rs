@@ -4,13 +4,14 @@
 
 use super::flow::{read_flow, Flow};
 use super::problems::Problems;
-use super::raw::RawInbound;
+use super::raw::{RawApi, RawInbound};
 use super::rules::read_rules;
-pub use super::rules::{InboundRule, SLIDING_LOG_MAX};
+pub use super::rules::{InboundRule, Lease, SLIDING_LOG_MAX};
 use super::{OutboundConfig, WorkerConfig};
 use crate::keys::{self, InboundKeys};
 use serde_yaml::Value;
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 
 /// What happens to an event when its admission cannot be decided (Redis errors or timeouts,
 /// `limiter_attempts` times in a row).
@@ -49,6 +50,59 @@ pub struct InboundConfig {
     /// and its events' decisions live in partition `keys::partition(value, n)`, and its
     /// outputs are `keys[k].forward` and `keys[k].rejected`.
     pub keys: Vec<InboundKeys>,
+    /// `inbound.api`: the synchronous face of these rules (`src/api`), if configured.
+    pub api: Option<ApiConfig>,
+}
+
+/// `inbound.api`: where the synchronous admission API listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiConfig {
+    /// `POST /v1/admit` over HTTP; it may be `metrics.listen`, then one listener serves both.
+    pub listen: Option<SocketAddr>,
+    /// Envoy's `envoy.service.ratelimit.v3.RateLimitService` over gRPC.
+    pub grpc_listen: Option<SocketAddr>,
+    /// The Envoy rate-limit domain answered; a request for another domain is refused.
+    pub domain: String,
+}
+
+fn read_api(p: &mut Problems, v: Option<Value>) -> Option<ApiConfig> {
+    if matches!(v, None | Some(Value::Null)) {
+        return None;
+    }
+    let raw: RawApi = p.section("inbound.api", v);
+    p.unknown_keys(
+        "inbound.api",
+        &raw.unknown,
+        &["listen", "grpc_listen", "domain"],
+    );
+    const WHAT: &str = "an address like 127.0.0.1:8080";
+    let mut address = |path: &str, v: &Option<Value>| match v {
+        None | Some(Value::Null) => None,
+        some => p.parsed::<SocketAddr>(path, some, WHAT),
+    };
+    let listen = address("inbound.api.listen", &raw.listen);
+    let grpc_listen = address("inbound.api.grpc_listen", &raw.grpc_listen);
+    if listen.is_none() && grpc_listen.is_none() {
+        p.push(
+            "inbound.api",
+            "needs listen (HTTP), grpc_listen (Envoy's gRPC API) or both",
+        );
+    }
+    if listen.is_some() && listen == grpc_listen {
+        p.push(
+            "inbound.api.grpc_listen",
+            "must differ from inbound.api.listen",
+        );
+    }
+    let domain = p.string("inbound.api.domain", &raw.domain, Some("pacer"));
+    if domain.is_empty() {
+        p.push("inbound.api.domain", "must not be empty");
+    }
+    Some(ApiConfig {
+        listen,
+        grpc_listen,
+        domain,
+    })
 }
 
 impl InboundConfig {
@@ -258,6 +312,7 @@ pub(super) fn read_inbound(
         }
     }
 
+    let api = read_api(p, raw.api);
     Some(InboundConfig {
         keys,
         flow,
@@ -266,6 +321,7 @@ pub(super) fn read_inbound(
         limiter_attempts,
         rules,
         partition_by,
+        api,
     })
 }
 

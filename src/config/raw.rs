@@ -129,6 +129,7 @@ pub struct RawInbound {
     pub partition_by: Leaf,
     pub partitioned_outputs: Leaf,
     pub rules: Leaf,
+    pub api: Leaf,
     #[serde(flatten)]
     pub unknown: Mapping,
 }
@@ -145,6 +146,26 @@ pub struct RawRule {
     pub count_rejected: Leaf,
     pub mode: Leaf,
     pub default_identity: Leaf,
+    pub lease: Leaf,
+    #[serde(flatten)]
+    pub unknown: Mapping,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct RawLease {
+    pub ttl: Leaf,
+    pub max: Leaf,
+    #[serde(flatten)]
+    pub unknown: Mapping,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct RawApi {
+    pub listen: Leaf,
+    pub grpc_listen: Leaf,
+    pub domain: Leaf,
     #[serde(flatten)]
     pub unknown: Mapping,
 }

@@ -2,7 +2,7 @@
 //! into the admission maths' `Rule` with every problem and its path.
 
 use super::problems::{join, Problems};
-use super::raw::RawRule;
+use super::raw::{RawLease, RawRule};
 use crate::admission::{Algorithm, Limit, Rule};
 use crate::rate::Rate;
 use serde_yaml::Value;
@@ -22,6 +22,26 @@ pub struct InboundRule {
     /// The identity of an event that lacks a key field; without it such an event is
     /// dead-lettered (`missing_key`).
     pub default_identity: Option<String>,
+    /// `lease:` (gcra and fixed_window): synchronous callers spend tokens leased in batches
+    /// instead of asking Redis for each decision.
+    pub lease: Option<Lease>,
+}
+
+/// How a rule's tokens are leased to the synchronous API (`src/api/lease.rs`).
+///
+/// **What leasing may admit over the limit.** A leased token is charged in Redis when it is
+/// leased and spent by its worker within `ttl` (never after). A fixed_window lease also ends
+/// with the window it was counted in, so its windows never hold more than their limit. A gcra
+/// token charged at t is spent by t + ttl, so any rolling window W admits at most what the
+/// bucket passes in W + ttl: `rate × ttl` over its bound (`burst + rate × W`), and never more
+/// than the tokens leased out at the window's start. The default ttl, 1% of the rule's
+/// shortest window, makes that 1% of the limit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// How long a worker may spend a lease's tokens.
+    pub ttl: Duration,
+    /// The most tokens one lease takes (the batch adapts between 1 and this).
+    pub max: i64,
 }
 
 /// Names that become key names and metric labels.
@@ -39,6 +59,63 @@ fn check_name(what: &str, name: &str) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// Reads `lease:` (`true`, or `{ttl, max}`) where the rule allows it: gcra or fixed_window,
+/// enforcing, without min_spacing or count_rejected (a leased token is spent where Redis cannot
+/// see it: no spacing between spends, no charge for a local rejection).
+fn read_lease(
+    p: &mut Problems,
+    path: &str,
+    v: Option<Value>,
+    rule: &Rule,
+    shadow: bool,
+) -> Option<Lease> {
+    let v = match v {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => return None,
+        Some(Value::Bool(true)) => None,
+        some => some,
+    };
+    let raw: RawLease = p.section(path, v);
+    p.unknown_keys(path, &raw.unknown, &["ttl", "max"]);
+    let why_not = if rule.algorithm == Algorithm::SlidingLog {
+        Some("sliding_log is exact and stays unleased: use gcra or fixed_window")
+    } else if rule.spacing_us > 0 {
+        Some("a rule with min_spacing cannot be leased (leased tokens are spent without Redis)")
+    } else if rule.count_rejected {
+        Some("a rule with count_rejected cannot be leased (a local rejection charges nothing)")
+    } else if shadow {
+        Some("a shadow rule cannot be leased")
+    } else {
+        None
+    };
+    if let Some(why) = why_not {
+        p.push(path, why);
+        return None;
+    }
+    let shortest = rule
+        .limits
+        .iter()
+        .map(|l| l.window_us)
+        .min()
+        .unwrap_or(1_000_000);
+    let smallest = rule.limits.iter().map(|l| l.count).min().unwrap_or(1);
+    let default_ttl = Duration::from_micros((shortest as u64 / 100).max(1_000));
+    let ttl = p.duration(&join(path, "ttl"), &raw.ttl, default_ttl);
+    if ttl.is_zero() || ttl.as_micros() as i64 > shortest {
+        p.push(
+            join(path, "ttl"),
+            "must be more than 0 and at most the rule's shortest window",
+        );
+    }
+    let max = p.integer(
+        &join(path, "max"),
+        &raw.max,
+        (smallest as u64 / 100).max(1),
+        1,
+        smallest.max(1) as u64,
+    ) as i64;
+    Some(Lease { ttl, max })
 }
 
 pub(super) fn read_rules(p: &mut Problems, v: Option<Value>) -> Vec<InboundRule> {
@@ -68,6 +145,7 @@ pub(super) fn read_rules(p: &mut Problems, v: Option<Value>) -> Vec<InboundRule>
             "count_rejected",
             "mode",
             "default_identity",
+            "lease",
         ];
         p.unknown_keys(&path, &raw.unknown, &known);
         let name = p.string(&join(&path, "name"), &raw.name, None);
@@ -204,18 +282,21 @@ pub(super) fn read_rules(p: &mut Problems, v: Option<Value>) -> Vec<InboundRule>
                 Some(d)
             }
         };
+        let rule = Rule {
+            algorithm,
+            limits,
+            spacing_us: spacing.as_micros() as i64,
+            count_rejected,
+        };
+        let lease = read_lease(p, &join(&path, "lease"), raw.lease, &rule, shadow);
         rules.push(InboundRule {
             name,
             key,
-            rule: Rule {
-                algorithm,
-                limits,
-                spacing_us: spacing.as_micros() as i64,
-                count_rejected,
-            },
+            rule,
             rates,
             shadow,
             default_identity,
+            lease,
         });
     }
     rules

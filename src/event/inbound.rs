@@ -51,21 +51,48 @@ pub fn parse_inbound(entry: Entry, cfg: &InboundConfig) -> Result<InboundEvent, 
 /// The event's partition and its identities' limiter keys in it.
 fn identities(entry: &Entry, cfg: &InboundConfig) -> Result<(usize, Vec<String>), Refused> {
     super::check_size(entry, &cfg.flow, "inbound")?;
-    let mut found: Vec<(&str, &str, &[u8])> = Vec::new();
-    for rule in &cfg.rules {
-        for field in &rule.key {
-            let mut values = entry
-                .fields
-                .iter()
-                .filter(|(k, _)| k.as_slice() == field.as_bytes())
-                .map(|(_, v)| v.as_slice());
-            let value = values.next().filter(|v| !v.is_empty());
-            if values.next().is_some() {
-                return Err(Refused::malformed(format!(
-                    "the field {field} is given twice"
-                )));
-            }
-            let value = match (value, &rule.default_identity) {
+    let value = |field: &str| {
+        let mut values = entry
+            .fields
+            .iter()
+            .filter(|(k, _)| k.as_slice() == field.as_bytes())
+            .map(|(_, v)| v.as_slice());
+        let value = values.next();
+        if values.next().is_some() {
+            return Err(Refused::malformed(format!(
+                "the field {field} is given twice"
+            )));
+        }
+        Ok(value)
+    };
+    let (partition, checks) = resolve(cfg, |_| true, value)?;
+    Ok((partition, checks.into_iter().map(|c| c.key).collect()))
+}
+
+/// One identity an event or request is checked as: its rule's index in `inbound.rules`, its
+/// key field's index in the rule, and its limiter key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub rule: usize,
+    pub field: usize,
+    pub key: String,
+}
+
+/// The partition and the identities of whatever carries the fields `value` finds (a stream
+/// entry, a synchronous request), under the rules `applies` picks, in rule and key order.
+/// A field absent or empty takes its rule's default identity, or refuses (`missing_key`).
+pub fn resolve<'v>(
+    cfg: &InboundConfig,
+    applies: impl Fn(usize) -> bool,
+    value: impl Fn(&str) -> Result<Option<&'v [u8]>, Refused>,
+) -> Result<(usize, Vec<Identity>), Refused> {
+    let mut found: Vec<(usize, usize, &[u8])> = Vec::new();
+    for (r, rule) in cfg.rules.iter().enumerate() {
+        if !applies(r) {
+            continue;
+        }
+        for (f, field) in rule.key.iter().enumerate() {
+            let value = match (value(field)?.filter(|v| !v.is_empty()), &rule.default_identity) {
                 (Some(v), _) => v,
                 (None, Some(default)) => default.as_bytes(),
                 (None, None) => {
@@ -84,7 +111,7 @@ fn identities(entry: &Entry, cfg: &InboundConfig) -> Result<(usize, Vec<String>)
                     value.len()
                 )));
             }
-            found.push((rule.name.as_str(), rule.rule.algorithm.key_part(), value));
+            found.push((r, f, value));
         }
     }
     // With several partitions every rule limits by `partition_by` alone, with one default
@@ -94,11 +121,21 @@ fn identities(entry: &Entry, cfg: &InboundConfig) -> Result<(usize, Vec<String>)
         None => 0,
     };
     let keys = &cfg.keys[partition];
-    let fields = cfg.rules.iter().flat_map(|r| r.key.iter());
     let checks = found
-        .iter()
-        .zip(fields)
-        .map(|((rule, algorithm, value), field)| keys.identity(rule, algorithm, field, value))
+        .into_iter()
+        .map(|(r, f, value)| {
+            let rule = &cfg.rules[r];
+            Identity {
+                rule: r,
+                field: f,
+                key: keys.identity(
+                    &rule.name,
+                    rule.rule.algorithm.key_part(),
+                    &rule.key[f],
+                    value,
+                ),
+            }
+        })
         .collect();
     Ok((partition, checks))
 }

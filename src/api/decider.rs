@@ -1,0 +1,385 @@
+//! Deciding one synchronous request: its identities (the stream flow's own keys), the leases
+//! that may answer it locally, and otherwise one `decide.lua` call.
+
+use super::lease::{Leases, Take};
+use crate::admission::{Algorithm, Ask, SyncVerdict, SPACING};
+use crate::config::{FailPolicy, InboundConfig};
+use crate::connection::RedisConn;
+use crate::event::inbound::{resolve, Identity};
+use crate::scripts::{spacing_label, DecideCheck, Scripts, LOG_ENTRIES_PER_READ};
+use crate::telemetry;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Which face a request came through (the `api` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Http,
+    Grpc,
+}
+
+impl Api {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::Http => "http",
+            Api::Grpc => "grpc",
+        }
+    }
+}
+
+/// A synchronous request: the identity fields, what it counts for, and which rules apply.
+#[derive(Debug, Clone, Default)]
+pub struct Request {
+    pub fields: Vec<(String, String)>,
+    pub cost: i64,
+    /// Rule names; `None`: every rule (HTTP), or every rule whose key fields the request
+    /// carries (Envoy's descriptors, see `envoy`).
+    pub rules: Option<Vec<String>>,
+    /// Apply only the rules whose key fields are all given (Envoy's mapping).
+    pub only_matching: bool,
+}
+
+/// The limit an answer reports: the binding one when refused, else the one with least room.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reported {
+    pub rule: String,
+    /// As configured (`10/s`), or `min_spacing 1s`.
+    pub label: String,
+    /// The limit's count and window (for `min_spacing`: 1 per spacing).
+    pub count: i64,
+    pub window_us: i64,
+    /// The key field whose identity it is.
+    pub field: String,
+    pub remaining: i64,
+    /// µs until the room is whole again (refused: until it would pass).
+    pub reset_us: i64,
+}
+
+/// The decision about one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    pub allowed: bool,
+    /// µs until a retry could pass (0 when allowed).
+    pub retry_us: i64,
+    /// `None` when no rule applied (or only a rule of no limit).
+    pub limit: Option<Reported>,
+    /// Decided by Redis (false: from this worker's leases).
+    pub via_redis: bool,
+    /// Allowed unchecked because Redis could not be reached and `fail_policy` is fail_open.
+    pub unchecked: bool,
+}
+
+/// Why a request could not be decided.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    /// The request itself is wrong (HTTP 400).
+    #[error("{0}")]
+    Bad(String),
+    /// Redis could not be reached and `fail_policy` is fail_closed (HTTP 503).
+    #[error("limiter unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// Decides synchronous requests on the inbound rules; shared by the HTTP and gRPC faces.
+pub struct Decider {
+    cfg: InboundConfig,
+    scripts: Scripts,
+    con: RedisConn,
+    leases: Leases,
+}
+
+impl Decider {
+    pub fn new(cfg: InboundConfig, con: RedisConn) -> Arc<Self> {
+        Arc::new(Decider {
+            cfg,
+            scripts: Scripts::default(),
+            con,
+            leases: Leases::default(),
+        })
+    }
+
+    pub fn config(&self) -> &InboundConfig {
+        &self.cfg
+    }
+
+    /// The request's identities, or why it cannot be decided.
+    fn identities(&self, req: &Request) -> Result<Vec<Identity>, Refusal> {
+        if req.cost < 1 {
+            return Err(Refusal::Bad(format!(
+                "cost must be at least 1, got {}",
+                req.cost
+            )));
+        }
+        let rules = &self.cfg.rules;
+        if let Some(names) = &req.rules {
+            for name in names {
+                if !rules.iter().any(|r| &r.name == name) {
+                    return Err(Refusal::Bad(format!("no rule named {name:?}")));
+                }
+            }
+        }
+        let given = |field: &str| req.fields.iter().any(|(k, v)| k == field && !v.is_empty());
+        let applies = |r: usize| {
+            let rule = &rules[r];
+            let named = req.rules.as_ref().is_none_or(|n| n.contains(&rule.name));
+            let matching = !req.only_matching
+                || rule.default_identity.is_some()
+                || rule.key.iter().all(|f| given(f));
+            named && matching
+        };
+        let value = |field: &str| {
+            let mut values = req.fields.iter().filter(|(k, _)| k == field);
+            let v = values.next().map(|(_, v)| v.as_bytes());
+            if values.next().is_some() {
+                return Err(crate::event::Refused::malformed(format!(
+                    "the field {field} is given twice"
+                )));
+            }
+            Ok(v)
+        };
+        let (_, ids) = resolve(&self.cfg, applies, value).map_err(|r| Refusal::Bad(r.detail))?;
+        // A cost above what a limit can ever pass would be refused forever: say so now.
+        for id in &ids {
+            let rule = &rules[id.rule];
+            for l in &rule.rule.limits {
+                let most = match rule.rule.algorithm {
+                    Algorithm::Gcra => l.tolerance_us / l.interval_us + 1,
+                    _ => l.count,
+                };
+                if req.cost > most && !rule.shadow {
+                    return Err(Refusal::Bad(format!(
+                        "cost {} is more than rule {}'s limit {} ever passes at once ({most})",
+                        req.cost, rule.name, l.label
+                    )));
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Decides `req`: from this worker's leases when every identity it is checked as is leased
+    /// and holds tokens, else in one Redis call (which refills the leases it needs).
+    pub async fn decide(&self, api: Api, req: &Request) -> Result<Answer, Refusal> {
+        let ids = self.identities(req)?;
+        let rules = &self.cfg.rules;
+        let mut asks = vec![Ask::Decide; ids.len()];
+        let leased: Vec<Option<&crate::config::Lease>> =
+            ids.iter().map(|id| rules[id.rule].lease.as_ref()).collect();
+        let slots: Vec<_> = ids
+            .iter()
+            .zip(&leased)
+            .map(|(id, l)| l.map(|_| self.leases.slot(&id.key, Instant::now())))
+            .collect();
+        // Spend leased tokens; the identities whose leases are empty take their fetch locks
+        // (single flight, in key order so that two requests never wait on each other), look
+        // again (whoever held a lock may have just refilled that lease), and fetch.
+        let mut held = Vec::new();
+        for phase in 0..2 {
+            let now = Instant::now();
+            let mut missing = Vec::new();
+            for (x, slot) in slots.iter().enumerate() {
+                let Some(slot) = slot else { continue };
+                if asks[x] == Ask::Covered || (phase == 1 && !held.iter().any(|(h, _)| *h == x)) {
+                    continue;
+                }
+                match slot.take(req.cost, now) {
+                    Take::Spent(_) => asks[x] = Ask::Covered,
+                    Take::Blocked(wait) => {
+                        self.give_back(&slots, &mut asks, req.cost, now);
+                        return Ok(self.refused_locally(api, &ids, x, wait));
+                    }
+                    Take::Empty => missing.push(x),
+                }
+            }
+            if asks.iter().all(|a| *a == Ask::Covered) {
+                return Ok(self.allowed_locally(api, &ids, &slots, now));
+            }
+            if phase == 1 || missing.is_empty() {
+                break;
+            }
+            missing.sort_by(|a, b| ids[*a].key.cmp(&ids[*b].key));
+            for x in missing {
+                let slot = slots[x].as_ref().expect("leased");
+                held.push((x, slot.fetch.lock().await));
+            }
+        }
+        let sent = Instant::now();
+        for (x, _) in &held {
+            let x = *x;
+            if asks[x] != Ask::Covered {
+                let lease = leased[x].expect("leased");
+                asks[x] = Ask::Lease(slots[x].as_ref().expect("leased").next_size(lease, sent));
+            }
+        }
+        let checks: Vec<DecideCheck<'_>> = ids
+            .iter()
+            .zip(&asks)
+            .map(|(id, ask)| DecideCheck {
+                rule: id.rule,
+                field: id.field,
+                key: &id.key,
+                ask: *ask,
+            })
+            .collect();
+        let mut con = self.con.clone();
+        let reply = self
+            .scripts
+            .decide(&mut con, rules, LOG_ENTRIES_PER_READ, &checks, req.cost)
+            .await;
+        telemetry::api_redis_call(api);
+        let verdict = match reply {
+            Ok((_, v)) => v,
+            Err(e) => {
+                self.give_back(&slots, &mut asks, req.cost, Instant::now());
+                return match self.cfg.fail_policy {
+                    FailPolicy::FailOpen => Ok(Answer {
+                        allowed: true,
+                        retry_us: 0,
+                        limit: None,
+                        via_redis: false,
+                        unchecked: true,
+                    }),
+                    FailPolicy::FailClosed => Err(Refusal::Unavailable(e.to_string())),
+                };
+            }
+        };
+        // Store what was leased; keep a refusal on a leased identity until its retry time.
+        for (x, outcome) in verdict.checks.iter().enumerate() {
+            let (Some(slot), Ask::Lease(_)) = (&slots[x], asks[x]) else {
+                continue;
+            };
+            let lease = leased[x].expect("leased");
+            let rule = &rules[ids[x].rule].name;
+            if verdict.accepted {
+                let span = if outcome.lease_us > 0 {
+                    lease
+                        .ttl
+                        .min(Duration::from_micros(outcome.lease_us as u64))
+                } else {
+                    lease.ttl
+                };
+                let r = slot.refill(outcome.granted, sent, sent + span);
+                telemetry::lease_fetched(rule, outcome.granted, r.wasted);
+            } else if verdict.binding.is_some_and(|(b, _)| b == x) {
+                slot.block(sent + Duration::from_micros(verdict.retry_us.max(0) as u64));
+            }
+        }
+        if !verdict.accepted {
+            self.give_back(&slots, &mut asks, req.cost, Instant::now());
+        }
+        drop(held);
+        Ok(self.answer(api, &ids, &verdict))
+    }
+
+    /// Returns the tokens a request took from its leases, when it is refused after all.
+    fn give_back(
+        &self,
+        slots: &[Option<Arc<super::lease::Slot>>],
+        asks: &mut [Ask],
+        cost: i64,
+        now: Instant,
+    ) {
+        for (slot, ask) in slots.iter().zip(asks.iter_mut()) {
+            if let (Some(slot), Ask::Covered) = (slot, *ask) {
+                slot.give_back(cost, now);
+                *ask = Ask::Decide;
+            }
+        }
+    }
+
+    fn reported(&self, id: &Identity, limit: usize, remaining: i64, reset_us: i64) -> Reported {
+        let rule = &self.cfg.rules[id.rule];
+        let (label, count, window_us) = if limit == SPACING || limit >= rule.rule.limits.len() {
+            let s = rule.rule.spacing_us;
+            (spacing_label(s), 1, s)
+        } else {
+            let l = &rule.rule.limits[limit];
+            (l.label.clone(), l.count, l.window_us)
+        };
+        Reported {
+            rule: rule.name.clone(),
+            label,
+            count,
+            window_us,
+            field: rule.key[id.field].clone(),
+            remaining,
+            reset_us,
+        }
+    }
+
+    /// The answer from a Redis verdict, counted.
+    fn answer(&self, api: Api, ids: &[Identity], v: &SyncVerdict) -> Answer {
+        let limit = match v.binding {
+            Some((x, lim)) => Some(self.reported(&ids[x], lim, 0, v.retry_us)),
+            None => ids
+                .iter()
+                .zip(&v.checks)
+                .filter(|(id, _)| !self.cfg.rules[id.rule].shadow)
+                .filter_map(|(id, c)| c.room.map(|room| (id, room)))
+                .filter(|(_, room)| room.remaining != i64::MAX)
+                .min_by_key(|(_, room)| room.remaining)
+                .map(|(id, room)| self.reported(id, room.limit, room.remaining, room.reset_us)),
+        };
+        for (id, c) in ids.iter().zip(&v.checks) {
+            let rule = &self.cfg.rules[id.rule];
+            telemetry::api_decision(api, &rule.name, rule.shadow, c.passed);
+        }
+        Answer {
+            allowed: v.accepted,
+            retry_us: v.retry_us,
+            limit,
+            via_redis: true,
+            unchecked: false,
+        }
+    }
+
+    /// Every identity spent a leased token: allowed here. The room reported is what this
+    /// worker's lease holds (a floor of what Redis holds), until the lease ends.
+    fn allowed_locally(
+        &self,
+        api: Api,
+        ids: &[Identity],
+        slots: &[Option<Arc<super::lease::Slot>>],
+        now: Instant,
+    ) -> Answer {
+        let mut limit: Option<Reported> = None;
+        for (id, slot) in ids.iter().zip(slots) {
+            let rule = &self.cfg.rules[id.rule];
+            telemetry::api_decision(api, &rule.name, false, true);
+            let (left, ends) = slot.as_ref().expect("leased").left(now);
+            let tightest = (0..rule.rule.limits.len())
+                .min_by_key(|&i| rule.rule.limits[i].count)
+                .unwrap_or(SPACING);
+            if limit.as_ref().is_none_or(|l| left < l.remaining) {
+                limit = Some(self.reported(id, tightest, left, ends.as_micros() as i64));
+            }
+        }
+        Answer {
+            allowed: true,
+            retry_us: 0,
+            limit,
+            via_redis: false,
+            unchecked: false,
+        }
+    }
+
+    /// Refused here: Redis refused this leased identity moments ago, until `wait` from now.
+    fn refused_locally(&self, api: Api, ids: &[Identity], x: usize, wait: Duration) -> Answer {
+        let retry_us = wait.as_micros().max(1) as i64;
+        let rule = &self.cfg.rules[ids[x].rule];
+        for id in ids {
+            let r = &self.cfg.rules[id.rule];
+            telemetry::api_decision(api, &r.name, r.shadow, id.rule != ids[x].rule);
+        }
+        let tightest = (0..rule.rule.limits.len())
+            .min_by_key(|&i| rule.rule.limits[i].count)
+            .unwrap_or(SPACING);
+        Answer {
+            allowed: false,
+            retry_us,
+            limit: Some(self.reported(&ids[x], tightest, 0, retry_us)),
+            via_redis: false,
+            unchecked: false,
+        }
+    }
+}

@@ -1,0 +1,171 @@
+//! Envoy's rate-limit service, `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`,
+//! the gRPC API Envoy's `ratelimit` HTTP filter (and Istio) calls; the types and service stub
+//! are envoy-types' generated ones, served with tonic.
+//!
+//! **Mapping.** The request's `domain` must be `inbound.api.domain`. Each descriptor is one
+//! request to pacer: its entries are the identity fields (`key` a field name, `value` its
+//! value); the rules applied are those whose key fields the descriptor all carries (or that
+//! have a `default_identity`), or just the rule an entry `pacer_rule: <name>` names. Its cost is
+//! the descriptor's `hits_addend`, else the request's, else 1. Descriptors are decided in order,
+//! each on its own (an allowed one is charged even when another is over its limit, as in
+//! envoyproxy/ratelimit). A descriptor no rule applies to is `OK` with no limit.
+//!
+//! Each status carries the limit with least room (or that refused): `current_limit` (its name
+//! `<rule>.<limit>`, and its count per the largest unit that fits in its window),
+//! `limit_remaining`, and `duration_until_reset`.
+
+use super::decider::{Answer, Api, Decider, Refusal, Request};
+use crate::telemetry;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    rate_limit::Unit, Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
+    RateLimitService, RateLimitServiceServer,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request as GrpcRequest, Response, Status};
+
+/// The entry naming one rule for a descriptor.
+pub const RULE_ENTRY: &str = "pacer_rule";
+
+pub struct Envoy {
+    decider: Arc<Decider>,
+    domain: String,
+}
+
+impl Envoy {
+    pub fn new(decider: Arc<Decider>, domain: &str) -> Self {
+        Envoy {
+            decider,
+            domain: domain.to_string(),
+        }
+    }
+}
+
+/// Serves the service on `listener` until `shutdown` is cancelled.
+pub async fn serve(listener: TcpListener, envoy: Envoy, shutdown: CancellationToken) {
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    let served = tonic::transport::Server::builder()
+        .add_service(RateLimitServiceServer::new(envoy))
+        .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
+        .await;
+    if let Err(e) = served {
+        tracing::warn!(error = %e, "gRPC server stopped");
+    }
+}
+
+/// The largest unit that fits in `window_us`, and the count per that unit (at least 1).
+pub fn unit_of(count: i64, window_us: i64) -> (Unit, u32) {
+    const S: i64 = 1_000_000;
+    let units = [
+        (Unit::Day, 86_400 * S),
+        (Unit::Hour, 3_600 * S),
+        (Unit::Minute, 60 * S),
+        (Unit::Second, S),
+    ];
+    let (unit, len) = units
+        .into_iter()
+        .find(|(_, len)| window_us >= *len)
+        .unwrap_or((Unit::Second, S));
+    let per = (count as i128 * len as i128 / window_us.max(1) as i128).max(1);
+    (unit, per.min(u32::MAX as i128) as u32)
+}
+
+fn status(a: &Answer) -> DescriptorStatus {
+    let code = if a.allowed { Code::Ok } else { Code::OverLimit };
+    let Some(l) = &a.limit else {
+        return DescriptorStatus {
+            code: code as i32,
+            ..Default::default()
+        };
+    };
+    let (unit, per) = unit_of(l.count, l.window_us);
+    let reset = l.reset_us.max(0);
+    DescriptorStatus {
+        code: code as i32,
+        current_limit: Some(RateLimit {
+            name: format!("{}.{}", l.rule, l.label),
+            requests_per_unit: per,
+            unit: unit as i32,
+        }),
+        limit_remaining: l.remaining.clamp(0, u32::MAX as i64) as u32,
+        duration_until_reset: Some(PbDuration {
+            seconds: reset / 1_000_000,
+            nanos: ((reset % 1_000_000) * 1_000) as i32,
+        }),
+        quota: None,
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for Envoy {
+    async fn should_rate_limit(
+        &self,
+        request: GrpcRequest<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let req = request.into_inner();
+        if req.domain != self.domain {
+            return Err(Status::invalid_argument(format!(
+                "domain {:?} is not pacer's ({:?})",
+                req.domain, self.domain
+            )));
+        }
+        let started = Instant::now();
+        let mut statuses = Vec::with_capacity(req.descriptors.len());
+        let mut over = false;
+        for (i, d) in req.descriptors.iter().enumerate() {
+            let mut one = Request {
+                cost: d
+                    .hits_addend
+                    .map(|h| h.value as i64)
+                    .filter(|&h| h > 0)
+                    .unwrap_or(i64::from(req.hits_addend.max(1))),
+                only_matching: true,
+                ..Request::default()
+            };
+            for e in &d.entries {
+                if e.key == RULE_ENTRY {
+                    one.rules.get_or_insert_with(Vec::new).push(e.value.clone());
+                } else {
+                    one.fields.push((e.key.clone(), e.value.clone()));
+                }
+            }
+            match self.decider.decide(Api::Grpc, &one).await {
+                Ok(a) => {
+                    over |= !a.allowed;
+                    statuses.push(status(&a));
+                }
+                Err(Refusal::Bad(e)) => {
+                    return Err(Status::invalid_argument(format!("descriptors[{i}]: {e}")))
+                }
+                Err(e @ Refusal::Unavailable(_)) => return Err(Status::unavailable(e.to_string())),
+            }
+        }
+        telemetry::api_latency(Api::Grpc, started);
+        Ok(Response::new(RateLimitResponse {
+            overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
+            statuses,
+            ..Default::default()
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_limit_is_told_per_the_largest_unit_in_its_window() {
+        assert_eq!(unit_of(10, 1_000_000), (Unit::Second, 10));
+        assert_eq!(unit_of(100, 10_000_000), (Unit::Second, 10));
+        assert_eq!(unit_of(120, 60_000_000), (Unit::Minute, 120));
+        assert_eq!(unit_of(5, 90_000_000), (Unit::Minute, 3));
+        assert_eq!(unit_of(1000, 86_400_000_000), (Unit::Day, 1000));
+        assert_eq!(unit_of(3, 100_000), (Unit::Second, 30));
+    }
+}

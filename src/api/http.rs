@@ -1,0 +1,277 @@
+//! pacer's HTTP endpoints, on axum: `/metrics` (Prometheus text), `/healthz` (the process
+//! answers), `/readyz` (Redis reachable, scripts loaded, groups present), and, when
+//! `inbound.api.listen` is set, `POST /v1/admit`.
+//!
+//! `POST /v1/admit` takes a JSON object:
+//!
+//! ```json
+//! {"fields": {"source": "acme", "ip": "192.0.2.7"}, "cost": 1, "rules": ["per-source"]}
+//! ```
+//!
+//! `fields` names the identities (every key field of the rules applied; numbers are read as
+//! their text), `cost` (default 1) is how many events the request counts for, `rules` (default:
+//! every rule) which rules apply. It answers 200 `{"allowed": true, ...}` or 429
+//! `{"allowed": false, "retry_after_ms": ...}` with `Retry-After` (whole seconds, rounded up),
+//! both with the limit that has the least room left (or that refused) and the IETF
+//! `RateLimit-Policy` / `RateLimit` headers (draft-ietf-httpapi-ratelimit-headers); 400 with
+//! `{"error": ...}` for a request that cannot be decided as written, 503 when Redis cannot be
+//! reached under `fail_policy: fail_closed`.
+
+use super::decider::{Answer, Api, Decider, Refusal, Reported, Request};
+use crate::health::Health;
+use crate::telemetry;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde_json::{json, Map, Value};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// The largest request body read.
+const BODY_MAX: usize = 64 * 1024;
+
+/// `/metrics`, `/healthz` and `/readyz`.
+pub fn operations(metrics: PrometheusHandle, health: Arc<Health>) -> Router {
+    Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let metrics = metrics.clone();
+                async move {
+                    (
+                        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                        metrics.render(),
+                    )
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let health = health.clone();
+                async move {
+                    match health.why_not() {
+                        None => (StatusCode::OK, "ready\n".to_string()),
+                        Some(why) => (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            format!("not ready: {why}\n"),
+                        ),
+                    }
+                }
+            }),
+        )
+}
+
+/// `POST /v1/admit`.
+pub fn admission(decider: Arc<Decider>) -> Router {
+    Router::new()
+        .route("/v1/admit", post(admit))
+        .layer(axum::extract::DefaultBodyLimit::max(BODY_MAX))
+        .with_state(decider)
+}
+
+/// Serves `router` on `listener` until `shutdown` is cancelled.
+pub async fn serve(listener: TcpListener, router: Router, shutdown: CancellationToken) {
+    let router = router.fallback(|| async {
+        (
+            StatusCode::NOT_FOUND,
+            "try /metrics, /healthz, /readyz or POST /v1/admit\n",
+        )
+    });
+    if let Err(e) = axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+    {
+        tracing::warn!(error = %e, "HTTP server stopped");
+    }
+}
+
+async fn admit(State(decider): State<Arc<Decider>>, body: Bytes) -> Response {
+    let req = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return error(StatusCode::BAD_REQUEST, &e),
+    };
+    let started = Instant::now();
+    let answer = decider.decide(Api::Http, &req).await;
+    telemetry::api_latency(Api::Http, started);
+    match answer {
+        Ok(a) => respond(&a),
+        Err(Refusal::Bad(e)) => error(StatusCode::BAD_REQUEST, &e),
+        Err(e @ Refusal::Unavailable(_)) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    }
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    (status, axum::Json(json!({ "error": message }))).into_response()
+}
+
+/// Reads a request body; every problem is named.
+pub fn parse(body: &[u8]) -> Result<Request, String> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| format!("not JSON: {e}"))?;
+    let Value::Object(obj) = v else {
+        return Err("expected a JSON object like {\"fields\": {\"source\": \"acme\"}}".into());
+    };
+    let mut problems = Vec::new();
+    for k in obj.keys() {
+        if !matches!(k.as_str(), "fields" | "cost" | "rules") {
+            problems.push(format!("unknown key {k:?} (expected fields, cost, rules)"));
+        }
+    }
+    let mut req = Request {
+        cost: 1,
+        ..Request::default()
+    };
+    match obj.get("fields") {
+        Some(Value::Object(fields)) => read_fields(fields, &mut req, &mut problems),
+        Some(_) => problems.push("fields: expected an object of field names to values".into()),
+        None => problems
+            .push("fields: required (the identity fields, like {\"source\": \"acme\"})".into()),
+    }
+    match obj.get("cost") {
+        None | Some(Value::Null) => {}
+        Some(Value::Number(n)) if n.as_i64().is_some_and(|c| (1..=1_000_000_000).contains(&c)) => {
+            req.cost = n.as_i64().unwrap_or(1)
+        }
+        Some(other) => problems.push(format!(
+            "cost: expected a whole number from 1 to 1000000000, got {other}"
+        )),
+    }
+    match obj.get("rules") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(items)) if !items.is_empty() => {
+            let mut names = Vec::new();
+            for (i, item) in items.iter().enumerate() {
+                match item {
+                    Value::String(s) => names.push(s.clone()),
+                    other => {
+                        problems.push(format!("rules[{i}]: expected a rule name, got {other}"))
+                    }
+                }
+            }
+            req.rules = Some(names);
+        }
+        Some(other) => problems.push(format!(
+            "rules: expected a non-empty list of rule names, got {other}"
+        )),
+    }
+    if problems.is_empty() {
+        Ok(req)
+    } else {
+        Err(problems.join("; "))
+    }
+}
+
+fn read_fields(fields: &Map<String, Value>, req: &mut Request, problems: &mut Vec<String>) {
+    for (name, value) in fields {
+        let text = match value {
+            Value::String(s) => s.clone(),
+            Value::Number(n) => n.to_string(),
+            other => {
+                problems.push(format!(
+                    "fields.{name}: expected a string or a number, got {other}"
+                ));
+                continue;
+            }
+        };
+        req.fields.push((name.clone(), text));
+    }
+}
+
+/// Whole seconds, rounded up (at least 1 for any wait).
+fn ceil_secs(us: i64) -> i64 {
+    (us.max(0) + 999_999) / 1_000_000
+}
+
+/// The IETF headers for the limit reported: its policy (quota and window, in seconds) and its
+/// room (remaining and seconds until whole).
+fn rate_limit_headers(l: &Reported) -> [(&'static str, String); 2] {
+    let name = format!("{}.{}", l.rule, l.label).replace(['"', '\\'], "");
+    [
+        (
+            "RateLimit-Policy",
+            format!(
+                "\"{name}\";q={};w={}",
+                l.count,
+                ceil_secs(l.window_us).max(1)
+            ),
+        ),
+        (
+            "RateLimit",
+            format!("\"{name}\";r={};t={}", l.remaining, ceil_secs(l.reset_us)),
+        ),
+    ]
+}
+
+/// The response for an answer.
+pub fn respond(a: &Answer) -> Response {
+    let mut body = Map::new();
+    body.insert("allowed".into(), a.allowed.into());
+    if !a.allowed {
+        body.insert("retry_after_ms".into(), ((a.retry_us + 999) / 1000).into());
+    }
+    if let Some(l) = &a.limit {
+        body.insert("rule".into(), l.rule.clone().into());
+        body.insert("limit".into(), l.label.clone().into());
+        body.insert("key".into(), l.field.clone().into());
+        body.insert("remaining".into(), l.remaining.into());
+        body.insert("reset_ms".into(), ((l.reset_us + 999) / 1000).into());
+    }
+    if a.unchecked {
+        body.insert("unchecked".into(), true.into());
+    }
+    let status = if a.allowed {
+        StatusCode::OK
+    } else {
+        StatusCode::TOO_MANY_REQUESTS
+    };
+    let mut resp = (status, axum::Json(Value::Object(body))).into_response();
+    let headers = resp.headers_mut();
+    if let Some(l) = &a.limit {
+        for (name, value) in rate_limit_headers(l) {
+            if let Ok(v) = HeaderValue::from_str(&value) {
+                headers.insert(name, v);
+            }
+        }
+    }
+    if !a.allowed {
+        headers.insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(ceil_secs(a.retry_us).max(1)),
+        );
+    }
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_names_every_problem() {
+        let e = parse(br#"{"fields": {"a": true}, "cost": 0, "rules": [1], "x": 1}"#).unwrap_err();
+        for part in ["unknown key \"x\"", "fields.a", "cost:", "rules[0]"] {
+            assert!(e.contains(part), "{part} in {e}");
+        }
+        assert!(parse(b"[]").unwrap_err().contains("JSON object"));
+        assert!(parse(b"{").unwrap_err().starts_with("not JSON"));
+        let r = parse(br#"{"fields": {"source": "acme", "n": 7}, "cost": 3}"#).unwrap();
+        assert_eq!(r.cost, 3);
+        assert_eq!(r.fields.len(), 2);
+        assert!(r.fields.contains(&("n".into(), "7".into())));
+    }
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds() {
+        assert_eq!(ceil_secs(1), 1);
+        assert_eq!(ceil_secs(1_000_000), 1);
+        assert_eq!(ceil_secs(1_000_001), 2);
+        assert_eq!(ceil_secs(0), 0);
+    }
+}

@@ -1,0 +1,393 @@
+//! The synchronous admission API against real `pacer run` processes and a real redis-server:
+//! `POST /v1/admit` (answers, headers, bad requests), Envoy's `ShouldRateLimit` over gRPC
+//! (driven by a client built from the same generated types, as Envoy calls it), one state
+//! shared by stream events, HTTP and gRPC, and token leasing (single flight, the bound on what
+//! it may admit, how few decisions reach Redis).
+
+mod common;
+
+use common::*;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
+    rate_limit_descriptor::Entry, RateLimitDescriptor,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use pacer::testkit::{free_port, http_post, metric_at, wait_until, Pacer, RedisServer, TempDir};
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+struct Api {
+    redis: RedisServer,
+    _pacers: Vec<Pacer>,
+    /// Per pacer: (metrics port, HTTP port, gRPC port).
+    ports: Vec<(u16, u16, u16)>,
+    _dir: TempDir,
+}
+
+/// Starts `workers` pacers sharing one Redis, with `rules` (YAML list items) and the API on.
+fn start_api(workers: usize, rules: &str) -> Api {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("api");
+    let mut pacers = Vec::new();
+    let mut ports = Vec::new();
+    for w in 0..workers {
+        let (m, h, g) = (free_port(), free_port(), free_port());
+        let body = format!(
+            "inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  api:\n    listen: 127.0.0.1:{h}\n    grpc_listen: 127.0.0.1:{g}\n    domain: edge\n  rules:\n{rules}"
+        );
+        let cfg = config(&dir, &format!("w{w}.yaml"), &redis, m, "  batch: 64", &body);
+        pacers.push(start(&cfg, m));
+        ports.push((m, h, g));
+    }
+    Api {
+        redis,
+        _pacers: pacers,
+        ports,
+        _dir: dir,
+    }
+}
+
+fn post(port: u16, body: &str) -> (u16, Vec<(String, String)>, Value) {
+    let (status, headers, text) = http_post(port, "/v1/admit", body).expect("pacer answers");
+    let json = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    (status, headers, json)
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+}
+
+fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: k.to_string(),
+                value: v.to_string(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+async fn should_rate_limit(
+    port: u16,
+    domain: &str,
+    descriptors: Vec<RateLimitDescriptor>,
+) -> Result<RateLimitResponse, tonic::Status> {
+    let mut client = RateLimitServiceClient::connect(format!("http://127.0.0.1:{port}"))
+        .await
+        .expect("gRPC connects");
+    client
+        .should_rate_limit(RateLimitRequest {
+            domain: domain.into(),
+            descriptors,
+            hits_addend: 0,
+        })
+        .await
+        .map(|r| r.into_inner())
+}
+
+#[test]
+fn http_answers_with_the_room_left_the_ietf_headers_and_retry_after() {
+    let api = start_api(
+        1,
+        "    - {name: per-source, key: [source], limits: [3/s, 100/min]}\n    - {name: per-ip, key: [ip], algorithm: gcra, limits: [50/s], mode: shadow}\n",
+    );
+    let (_, h, _) = api.ports[0];
+    let ask = r#"{"fields": {"source": "acme", "ip": "192.0.2.7"}}"#;
+    for left in [2, 1, 0] {
+        let (status, headers, body) = post(h, ask);
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["allowed"], true);
+        assert_eq!(body["remaining"], left, "{body}");
+        assert_eq!(body["rule"], "per-source");
+        assert_eq!(body["limit"], "3/s");
+        assert_eq!(
+            header(&headers, "ratelimit-policy"),
+            Some("\"per-source.3/s\";q=3;w=1")
+        );
+        let rl = header(&headers, "ratelimit").expect("RateLimit header");
+        assert!(
+            rl.starts_with(&format!("\"per-source.3/s\";r={left};t=")),
+            "{rl}"
+        );
+    }
+    let (status, headers, body) = post(h, ask);
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["allowed"], false);
+    assert_eq!(body["rule"], "per-source");
+    assert_eq!(body["limit"], "3/s");
+    assert_eq!(body["key"], "source");
+    let retry = body["retry_after_ms"].as_i64().unwrap();
+    assert!((1..=1000).contains(&retry), "{body}");
+    assert_eq!(header(&headers, "retry-after"), Some("1"));
+    // Another source has its own room; a cost of 2 takes two.
+    let (status, _, body) = post(
+        h,
+        r#"{"fields": {"source": "other", "ip": "x"}, "cost": 2}"#,
+    );
+    assert_eq!(
+        (status, body["remaining"].as_i64()),
+        (200, Some(1)),
+        "{body}"
+    );
+    // Only the rules named.
+    let (status, _, body) = post(h, r#"{"fields": {"ip": "192.0.2.7"}, "rules": ["per-ip"]}"#);
+    assert_eq!(status, 200, "{body}");
+    // Bad requests: each says what is wrong.
+    for (ask, says) in [
+        (r#"{"fields": {"ip": "x"}}"#, "limits by the field source"),
+        (
+            r#"{"fields": {"source": "a", "ip": "x"}, "rules": ["nope"]}"#,
+            "no rule named \"nope\"",
+        ),
+        (
+            r#"{"fields": {"source": "a", "ip": "x"}, "cost": 4}"#,
+            "cost 4 is more than rule per-source's limit 3/s",
+        ),
+        (
+            r#"{"fields": {"source": "a"}, "cost": -1, "extra": 1}"#,
+            "unknown key \"extra\"",
+        ),
+        ("not json", "not JSON"),
+    ] {
+        let (status, _, body) = post(h, ask);
+        assert_eq!(status, 400, "{ask}: {body}");
+        let e = body["error"].as_str().unwrap();
+        assert!(e.contains(says), "{ask}: {e}");
+    }
+    // The operations endpoints still answer on the metrics port, which has no /v1/admit.
+    let (m, _, _) = api.ports[0];
+    assert_eq!(http_post(m, "/v1/admit", ask).unwrap().0, 404);
+    assert!(metric_at(m, "pacer_api_decisions_total{api=\"http\",rule=\"per-source\",outcome=\"limited\",mode=\"enforce\"}") >= 1.0);
+}
+
+#[test]
+fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
+    let api = start_api(
+        1,
+        "    - {name: per-user, key: [user], algorithm: gcra, limits: [2/s]}\n    - {name: per-route, key: [route], algorithm: fixed_window, limits: [5/min]}\n",
+    );
+    let (_, _, g) = api.ports[0];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let user = || descriptor(&[("user", "u1")]);
+    let first = rt
+        .block_on(should_rate_limit(g, "edge", vec![user()]))
+        .unwrap();
+    assert_eq!(first.overall_code, Code::Ok as i32);
+    let s = &first.statuses[0];
+    let limit = s.current_limit.as_ref().expect("the limit");
+    assert_eq!(limit.name, "per-user.2/s");
+    assert_eq!(limit.requests_per_unit, 2);
+    assert_eq!(s.limit_remaining, 1);
+    assert!(s.duration_until_reset.is_some());
+    rt.block_on(should_rate_limit(g, "edge", vec![user()]))
+        .unwrap();
+    // Over: the status says so; a descriptor of another rule in the same call is decided on
+    // its own; one that no rule takes is OK with no limit.
+    let r = rt
+        .block_on(should_rate_limit(
+            g,
+            "edge",
+            vec![
+                user(),
+                descriptor(&[("route", "/a")]),
+                descriptor(&[("tenant", "t")]),
+            ],
+        ))
+        .unwrap();
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+    let codes: Vec<i32> = r.statuses.iter().map(|s| s.code).collect();
+    assert_eq!(
+        codes,
+        [Code::OverLimit as i32, Code::Ok as i32, Code::Ok as i32]
+    );
+    assert_eq!(r.statuses[0].limit_remaining, 0);
+    let reset = r.statuses[0].duration_until_reset.unwrap();
+    assert!(reset.seconds == 0 && reset.nanos > 0, "{reset:?}");
+    assert_eq!(r.statuses[1].limit_remaining, 4);
+    assert!(r.statuses[2].current_limit.is_none());
+    // pacer_rule picks one rule; another domain, or a rule that does not exist, is refused.
+    let named = descriptor(&[("user", "u2"), ("route", "/b"), ("pacer_rule", "per-route")]);
+    let r = rt
+        .block_on(should_rate_limit(g, "edge", vec![named]))
+        .unwrap();
+    assert_eq!(
+        r.statuses[0].current_limit.as_ref().unwrap().name,
+        "per-route.5/min"
+    );
+    let e = rt
+        .block_on(should_rate_limit(g, "other", vec![user()]))
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().contains("domain"), "{}", e.message());
+    let bad = descriptor(&[("user", "u3"), ("pacer_rule", "nope")]);
+    let e = rt
+        .block_on(should_rate_limit(g, "edge", vec![bad]))
+        .unwrap_err();
+    assert!(
+        e.message().contains("descriptors[0]: no rule named"),
+        "{}",
+        e.message()
+    );
+}
+
+#[test]
+fn stream_events_http_and_grpc_draw_on_one_limit() {
+    let api = start_api(
+        1,
+        "    - {name: per-source, key: [source], limits: [10/min]}\n",
+    );
+    let (_, h, g) = api.ports[0];
+    // Six of each, interleaved, well within the minute: exactly 10 pass in all.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut http_ok = 0;
+    let mut grpc_ok = 0;
+    for _ in 0..6 {
+        push(&api.redis, "pacer:in", &[event(&[("source", "acme")])]);
+        if post(h, r#"{"fields": {"source": "acme"}}"#).0 == 200 {
+            http_ok += 1;
+        }
+        let r = rt
+            .block_on(should_rate_limit(
+                g,
+                "edge",
+                vec![descriptor(&[("source", "acme")])],
+            ))
+            .unwrap();
+        if r.overall_code == Code::Ok as i32 {
+            grpc_ok += 1;
+        }
+    }
+    let decided = wait_until(Duration::from_secs(5), || {
+        let accepted = read(&api.redis, "pacer:accepted").len();
+        let rejected = read(&api.redis, "pacer:in-rejected").len();
+        accepted + rejected == 6
+    });
+    assert!(decided, "the six stream events are decided");
+    let streamed = read(&api.redis, "pacer:accepted").len();
+    assert!(
+        http_ok > 0 && grpc_ok > 0 && streamed > 0,
+        "{http_ok} {grpc_ok} {streamed}"
+    );
+    assert_eq!(
+        http_ok + grpc_ok + streamed,
+        10,
+        "{http_ok} + {grpc_ok} + {streamed}"
+    );
+}
+
+/// The most entries of `times` (µs) in any window of `window_us`.
+fn most_in_window(times: &mut [i64], window_us: i64) -> usize {
+    times.sort_unstable();
+    let mut best = 0;
+    let mut lo = 0;
+    for hi in 0..times.len() {
+        while times[hi] - times[lo] >= window_us {
+            lo += 1;
+        }
+        best = best.max(hi - lo + 1);
+    }
+    best
+}
+
+/// Fires requests at every pacer's HTTP port from `threads` threads for `run`: the times (µs
+/// since the start) of the allowed ones, and how many were sent.
+fn blast(api: &Api, body: &str, threads: usize, run: Duration) -> (Vec<i64>, usize) {
+    let t0 = Instant::now();
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let port = api.ports[t % api.ports.len()].1;
+            let body = body.to_string();
+            std::thread::spawn(move || {
+                let (mut ok, mut sent) = (Vec::new(), 0);
+                while t0.elapsed() < run {
+                    let (status, _, _) = http_post(port, "/v1/admit", &body).expect("answers");
+                    sent += 1;
+                    if status == 200 {
+                        ok.push(t0.elapsed().as_micros() as i64);
+                    }
+                }
+                (ok, sent)
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    let mut sent = 0;
+    for h in handles {
+        let (ok, n) = h.join().unwrap();
+        all.extend(ok);
+        sent += n;
+    }
+    (all, sent)
+}
+
+#[test]
+fn leases_answer_most_decisions_locally_within_the_stated_bound() {
+    // 200/s, leased: ttl 1% of the window (10 ms), batches of up to 20.
+    let api = start_api(
+        2,
+        "    - {name: per-key, key: [k], algorithm: gcra, limits: [200/s], lease: {max: 20}}\n",
+    );
+    let run = Duration::from_secs(3);
+    let (mut ok, sent) = blast(&api, r#"{"fields": {"k": "hot"}}"#, 6, run);
+    // The bound (config::Lease): gcra's own (burst + rate x W) plus rate x ttl.
+    let most = most_in_window(&mut ok, 1_000_000);
+    assert!(most <= 200 + 200 + 2, "{most} in a second");
+    // Over 3 s at most burst + rate x (3 s + ttl) pass; leases waste some, but not most.
+    assert!(ok.len() <= 200 + 600 + 2, "{} allowed", ok.len());
+    assert!(ok.len() >= 400, "{} allowed of {sent}", ok.len());
+    let redis_calls: f64 = api
+        .ports
+        .iter()
+        .map(|(m, _, _)| metric_at(*m, "pacer_api_redis_calls_total{api=\"http\"}"))
+        .sum();
+    let fetches: f64 = api
+        .ports
+        .iter()
+        .map(|(m, _, _)| metric_at(*m, "pacer_lease_fetches_total{rule=\"per-key\"}"))
+        .sum();
+    assert!(fetches >= 1.0);
+    assert!(
+        redis_calls < sent as f64 / 4.0,
+        "{redis_calls} of {sent} decisions reached Redis"
+    );
+}
+
+#[test]
+fn a_fixed_window_lease_never_spends_past_its_window_and_fetches_once_at_a_time() {
+    // 30 per hour, leased in batches of up to 10 by two workers hammering one identity: no
+    // more than 30 pass, however the leases fall.
+    let api = start_api(
+        2,
+        "    - {name: hourly, key: [k], algorithm: fixed_window, limits: [30/h], lease: {max: 10, ttl: 1s}}\n",
+    );
+    let (ok, sent) = blast(
+        &api,
+        r#"{"fields": {"k": "one"}}"#,
+        8,
+        Duration::from_secs(2),
+    );
+    assert!(ok.len() <= 30, "{} allowed", ok.len());
+    assert!(ok.len() >= 10, "{} allowed of {sent}", ok.len());
+    // Single flight: each worker fetched far fewer times than it was asked.
+    let fetches: f64 = api
+        .ports
+        .iter()
+        .map(|(m, _, _)| metric_at(*m, "pacer_lease_fetches_total{rule=\"hourly\"}"))
+        .sum();
+    assert!(
+        fetches >= 1.0 && fetches < sent as f64 / 4.0,
+        "{fetches} fetches for {sent}"
+    );
+    let counted: Vec<Vec<u8>> = redis::cmd("KEYS")
+        .arg("pacer:in:*hourly*")
+        .query(&mut api.redis.con())
+        .unwrap();
+    assert_eq!(counted.len(), 1, "one identity");
+}
