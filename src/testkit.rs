@@ -468,11 +468,7 @@ pub type HttpReply = (u16, Vec<(String, String)>, String);
 
 /// `POST path` with a JSON `body` on 127.0.0.1:`port`: the status, the headers (names in
 /// lower case) and the body, or None if nothing answers.
-pub fn http_post(
-    port: u16,
-    path: &str,
-    body: &str,
-) -> Option<(u16, Vec<(String, String)>, String)> {
+pub fn http_post(port: u16, path: &str, body: &str) -> Option<HttpReply> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
