@@ -292,6 +292,9 @@ pub fn register(cfg: &crate::config::Config) {
             ];
             for (face, _) in faces.iter().filter(|(_, on)| *on) {
                 counter!(API_REDIS_CALLS_TOTAL, "api" => face.as_str()).absolute(0);
+                // Registered now, so that its _count starts at zero with the counters and a
+                // rate() of the first minute counts the first request.
+                let _ = histogram!(API_SECONDS, "api" => face.as_str());
                 for rule in &inbound.rules {
                     let mode = if rule.shadow { "shadow" } else { "enforce" };
                     for outcome in ["allowed", "limited"] {

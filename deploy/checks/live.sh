@@ -1,8 +1,9 @@
 # deploy/checks/live.sh — pacer for real, when $PACER_BIN exists: check-config on the shipped
 # configs (and the overrides the template unit uses), then a real redis-server, pacer and
 # Prometheus on free loopback ports under a short load (rejects, reroutes, dead letters,
-# duplicates, a burst of Redis OOM errors). live_data.sh checks what they show; then /readyz
-# must follow Redis going away and coming back, and SIGTERM must drain and exit 0.
+# duplicates, a burst of Redis OOM errors, synchronous admission over HTTP and gRPC with token
+# leases). live_data.sh checks what they show; then /readyz must follow Redis going away and
+# coming back, and SIGTERM must drain and exit 0.
 # shellcheck shell=bash disable=SC2153 # PACER_BIN, WORK, ... come from deploy/check.sh
 
 # Says so when pacer was stopped by a signal this script did not send.
@@ -27,12 +28,33 @@ push_batch() { # push_batch N
         for i in $(seq 1 15); do echo "XADD pacer:in * source s1 n $b-$i"; done
         echo "XADD pacer:in * n $b-no-source"
     } | redis-cli -p "$REDIS_PORT" >/dev/null
+    admit_batch
+}
+
+# Synchronous admission (inbound.api), mostly on the leased rule `api` (gcra 50/s, burst 20):
+# a burst past it (answered from leases, then refused locally: allowed and limited without
+# Redis), requests on every rule (per-source is not leased, so each reaches Redis; 12 > its
+# 10/s), a lone request whose leased token is never spent (wasted when the next batch refills
+# it), and one Envoy ShouldRateLimit call. The HTTP status codes go to admit-codes.txt.
+admit_batch() {
+    local url=http://127.0.0.1:$API_PORT/v1/admit
+    {
+        # [1-60] is curl's URL globbing: 60 POSTs on one connection (the query is ignored).
+        curl -sS --max-time 10 -o /dev/null -w '%{http_code}\n' -d '{"fields":{"source":"api-1"},"rules":["api"]}' "$url?n=[1-60]"
+        curl -sS --max-time 10 -o /dev/null -w '%{http_code}\n' -d '{"fields":{"source":"api-2"}}' "$url?n=[1-12]"
+        curl -sS --max-time 5 -o /dev/null -w '%{http_code}\n' -d '{"fields":{"source":"api-3"},"rules":["api"]}' "$url"
+    } >>"$WORK/admit-codes.txt"
+    curl -sS --max-time 5 -o /dev/null --http2-prior-knowledge -H 'content-type: application/grpc' -H 'te: trailers' \
+        --data-binary @"$WORK/envoy-request.bin" \
+        "http://127.0.0.1:$GRPC_PORT/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
 }
 
 live_start() {
     REDIS_PORT=$(free_port)
     METRICS_PORT=$(free_port)
     PROM_PORT=$(free_port)
+    API_PORT=$(free_port)
+    GRPC_PORT=$(free_port)
     DRAIN=2s
     mkdir -p "$WORK/redis" "$WORK/prom"
 
@@ -67,10 +89,27 @@ inbound:
   streams: ["pacer:in"]
   forward_stream: pacer:accepted
   rejected_stream: pacer:in-rejected
+  api:
+    listen: 127.0.0.1:$API_PORT
+    grpc_listen: 127.0.0.1:$GRPC_PORT
+    domain: pacer
   rules:
     - {name: per-source, key: [source], limits: [10/s]}
     - {name: trial, key: [source], algorithm: gcra, limits: [5/s], mode: shadow}
+    # Leased, for the synchronous API. Its burst of 20 passes the 15 stream events a batch
+    # sends per source, so the stream flow's outcomes stay per-source's. A 200ms lease
+    # outlives a curl burst and has ended by the next batch.
+    - {name: api, key: [source], algorithm: gcra, limits: [50/s], burst: 20, lease: {ttl: 200ms, max: 8}}
 EOF
+    # Envoy's RateLimitRequest{domain: pacer, descriptors: [{entries: [{source: grpc-1}]}]} as
+    # a gRPC message (a 0 flag, a 4-byte length, the protobuf), for curl over h2c: a fresh
+    # Debian has no grpcurl, nor protoc and Envoy's protos.
+    "$PY" -c '
+import sys
+def ld(field, b):  # a length-delimited protobuf field (these are all under 128 bytes)
+    return bytes([field << 3 | 2, len(b)]) + b
+msg = ld(1, b"pacer") + ld(2, ld(1, ld(1, b"source") + ld(2, b"grpc-1")))
+sys.stdout.buffer.write(b"\0" + len(msg).to_bytes(4, "big") + msg)' >"$WORK/envoy-request.bin"
     if ! env -u PACER_REDIS_URL -u PACER_CONFIG -u PACER_METRICS_LISTEN "$PACER_BIN" check-config --config "$WORK/pacer.yaml" >"$WORK/check-config.log" 2>&1; then
         echo "pacer check-config rejects the test config:"
         cat "$WORK/check-config.log"

@@ -1,6 +1,7 @@
 # deploy/checks/live_data.sh — what the live stack (live.sh) shows: every contract metric on
-# /metrics, the dashboard's variables and every panel query returning data through
-# Prometheus's HTTP API, and every alert rule evaluating cleanly.
+# /metrics, the synchronous admission load answered (and counted) as the API promises, the
+# dashboard's variables and every panel query returning data through Prometheus's HTTP API,
+# and every alert rule evaluating cleanly.
 # shellcheck shell=bash
 
 promq() { # promq QUERY -> JSON of /api/v1/query
@@ -28,6 +29,52 @@ live_metric_names() {
     fi
     grep -Eq '^pacer_ready(\{[^}]*\})? 1$' "$WORK/metrics.txt" || { echo "pacer_ready is not 1"; return 1; }
     note "all 11 contract metrics exposed"
+}
+
+metric_sum() { # metric_sum NAME [LABEL="VALUE"...]: the sum of NAME's samples with those labels
+    local name=$1
+    shift
+    awk -v name="$name" -v want="$*" '
+        index($0, name "{") == 1 || index($0, name " ") == 1 {
+            n = split(want, w, " ")
+            for (i = 1; i <= n; i++) if (index($0, w[i]) == 0) next
+            s += $NF
+        }
+        END { printf "%d\n", s }' "$WORK/metrics.txt"
+}
+
+# The synchronous admission load (live.sh, admit_batch) was answered as the API promises. Its
+# series are registered at zero, so the panels alone would show data without any request.
+live_api() {
+    local codes ok limited bad http grpc redis allowed refused fetches leased wasted
+    codes=$(sort "$WORK/admit-codes.txt" | uniq -c | awk '{ printf "%s%s x%s", sep, $2, $1; sep = ", " }')
+    ok=$(grep -cx 200 "$WORK/admit-codes.txt" || true)
+    limited=$(grep -cx 429 "$WORK/admit-codes.txt" || true)
+    bad=$(grep -cvx -e 200 -e 429 "$WORK/admit-codes.txt" || true)
+    http=$(metric_sum pacer_api_decision_seconds_count 'api="http"')
+    grpc=$(metric_sum pacer_api_decision_seconds_count 'api="grpc"')
+    redis=$(metric_sum pacer_api_redis_calls_total 'api="http"')
+    allowed=$(metric_sum pacer_api_decisions_total 'api="http"' 'rule="api"' 'outcome="allowed"')
+    refused=$(metric_sum pacer_api_decisions_total 'api="http"' 'rule="api"' 'outcome="limited"')
+    fetches=$(metric_sum pacer_lease_fetches_total 'rule="api"')
+    leased=$(metric_sum pacer_lease_tokens_total 'rule="api"' 'fate="leased"')
+    wasted=$(metric_sum pacer_lease_tokens_total 'rule="api"' 'fate="wasted"')
+    note "POST /v1/admit: $codes; $http answered, $redis of them in Redis; rule api: $allowed allowed, $refused limited"
+    note "leases (rule api): $fetches fetches, $leased tokens leased, $wasted wasted; gRPC ShouldRateLimit: $grpc answered"
+    local fail=0
+    [ "$ok" -gt 0 ] && [ "$limited" -gt 0 ] || { echo "POST /v1/admit: expected both 200 and 429 answers"; fail=1; }
+    [ "$bad" -eq 0 ] || { echo "POST /v1/admit: $bad answers other than 200 or 429"; fail=1; }
+    [ "$http" -eq $((ok + limited)) ] || { echo "pacer_api_decision_seconds_count{api=\"http\"} $http, but $((ok + limited)) answers"; fail=1; }
+    [ "$redis" -lt "$http" ] || { echo "every HTTP request reached Redis: no lease answered one"; fail=1; }
+    [ "$allowed" -gt 0 ] && [ "$refused" -gt 0 ] || { echo "rule api: expected allowed and limited decisions"; fail=1; }
+    [ "$fetches" -gt 0 ] && [ "$leased" -gt 0 ] && [ "$wasted" -gt 0 ] ||
+        { echo "rule api: expected lease fetches, leased and wasted tokens"; fail=1; }
+    [ "$grpc" -gt 0 ] || { echo "no gRPC ShouldRateLimit call was answered"; fail=1; }
+    if [ "$fail" -ne 0 ]; then
+        grep -E '^pacer_(api|lease)_' "$WORK/metrics.txt" | grep -v _bucket
+        grep -iE 'admit|grpc|lease|api' "$WORK/pacer.log" | tail -n 20 || true
+    fi
+    return "$fail"
 }
 
 live_panel() { # live_panel PANEL_ID: every query of the panel returns a finite sample
@@ -75,6 +122,7 @@ live_alert_health() {
 live_data_checks() {
     local id title
     step "contract metrics on /metrics" live_metric_names
+    step "synchronous admission: 200 and 429, leases, Envoy gRPC" live_api
     step "dashboard variables return values" live_variables
     while IFS=$'\t' read -r id title; do
         step "panel \"$title\" returns data" live_panel "$id"

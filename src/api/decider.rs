@@ -261,7 +261,12 @@ impl Decider {
                 let r = slot.refill(outcome.granted, sent, sent + span);
                 telemetry::lease_fetched(rule, outcome.granted, r.wasted);
             } else if verdict.binding.is_some_and(|(b, _)| b == x) {
-                slot.block(sent + Duration::from_micros(verdict.retry_us.max(0) as u64));
+                // Refused here for the retry time, and at least a lease's ttl: an identity
+                // over its limit would otherwise send a call per gcra interval. Nothing is
+                // lost by it while the burst holds a ttl's worth of tokens (the default max):
+                // they wait in the bucket for whoever asks next.
+                let retry = Duration::from_micros(verdict.retry_us.max(0) as u64);
+                slot.block(sent + retry.max(lease.ttl));
             }
         }
         if !verdict.accepted {

@@ -12,8 +12,9 @@
 //!   worker sits on tokens others need; what that may admit over a limit is bounded in
 //!   `config::Lease`.
 //! - **Refusals are cached too.** When Redis refuses a request on a leased identity, the worker
-//!   refuses that identity locally until the retry time Redis gave, counted from when the call
-//!   was sent (so never later than Redis would).
+//!   refuses that identity locally until the retry time Redis gave, or a lease's ttl if that is
+//!   longer, counted from when the call was sent: an identity over its limit then costs a Redis
+//!   call per ttl per worker, not one per request.
 
 use crate::config::Lease;
 use std::collections::HashMap;
