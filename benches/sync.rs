@@ -79,8 +79,9 @@ fn start_workers(redis: &RedisServer, n: usize, rule: &str) -> Workers {
     }
 }
 
-/// Drives one worker with `conns` clients from `from` until `until` (since `t0`).
-async fn drive(
+/// The load on one worker: `conns` clients asking for `keys` from `from` until `until`
+/// (since `t0`).
+struct Load {
     face: Face,
     worker: usize,
     port: u16,
@@ -89,7 +90,19 @@ async fn drive(
     t0: Instant,
     from: Duration,
     until: Duration,
-) -> Vec<Sample> {
+}
+
+async fn drive(load: Load) -> Vec<Sample> {
+    let Load {
+        face,
+        worker,
+        port,
+        conns,
+        keys,
+        t0,
+        from,
+        until,
+    } = load;
     tokio::time::sleep(from.saturating_sub(t0.elapsed())).await;
     let mut tasks = Vec::new();
     let grpc = match face {
@@ -230,16 +243,16 @@ fn run(face: Face, leased: bool, seconds: u64, conns: usize, rt: &tokio::runtime
         let mut runs = Vec::new();
         for (i, &(_, h, g)) in w.ports.iter().enumerate() {
             let port = if face == Face::Http { h } else { g };
-            runs.push(tokio::spawn(drive(
+            runs.push(tokio::spawn(drive(Load {
                 face,
-                i,
+                worker: i,
                 port,
                 conns,
-                keys.clone(),
+                keys: keys.clone(),
                 t0,
-                Duration::ZERO,
+                from: Duration::ZERO,
                 until,
-            )));
+            })));
         }
         let mut all = Vec::new();
         for r in runs {
@@ -292,16 +305,16 @@ fn fairness(leased: bool, conns: usize, rt: &tokio::runtime::Runtime) {
         let mut runs = Vec::new();
         for (i, &(_, h, _)) in w.ports.iter().enumerate() {
             let from = if i == 2 { late } else { Duration::ZERO };
-            runs.push(tokio::spawn(drive(
-                Face::Http,
-                i,
-                h,
+            runs.push(tokio::spawn(drive(Load {
+                face: Face::Http,
+                worker: i,
+                port: h,
                 conns,
-                keys.clone(),
+                keys: keys.clone(),
                 t0,
                 from,
                 until,
-            )));
+            })));
         }
         let mut all = Vec::new();
         for r in runs {
