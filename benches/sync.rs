@@ -234,6 +234,10 @@ fn run(face: Face, leased: bool, seconds: u64, conns: usize, rt: &tokio::runtime
     let redis = RedisServer::start();
     let mut con = redis.con();
     let w = start_workers(&redis, 3, &rule(leased));
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut con)
+        .unwrap();
     let keys: Arc<Vec<String>> = Arc::new((0..KEYS).map(|k| format!("key{k}")).collect());
     let cpu0 = cpu_seconds(&mut con);
     let calls0 = redis_calls(&w, face);
@@ -263,6 +267,8 @@ fn run(face: Face, leased: bool, seconds: u64, conns: usize, rt: &tokio::runtime
     let secs = t0.elapsed().as_secs_f64();
     let cpu = cpu_seconds(&mut con) - cpu0;
     let calls = redis_calls(&w, face) - calls0;
+    let commands =
+        common::commandstats_line(&common::command_calls(&mut con), samples_len(&samples));
     let n = samples.len() as f64;
     let mut rtts: Vec<i64> = samples.iter().map(|s| s.4).collect();
     rtts.sort_unstable();
@@ -290,6 +296,11 @@ fn run(face: Face, leased: bool, seconds: u64, conns: usize, rt: &tokio::runtime
         bound,
         (most as f64 - bound as f64) * 100.0 / RATE as f64,
     );
+    println!("      Redis commands (calls / µs per decision): {commands}");
+}
+
+fn samples_len(samples: &[Sample]) -> u64 {
+    samples.len() as u64
 }
 
 /// One identity, three workers, the third started `late` after the others: its share of the

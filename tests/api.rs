@@ -13,7 +13,9 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use pacer::testkit::{free_port, http_post, metric_at, wait_until, Pacer, RedisServer, TempDir};
+use pacer::testkit::{
+    free_port, http_post, metric_at, wait_until, Cluster, Pacer, RedisServer, TempDir,
+};
 use serde_json::Value;
 use std::time::{Duration, Instant};
 
@@ -390,4 +392,111 @@ fn a_fixed_window_lease_never_spends_past_its_window_and_fetches_once_at_a_time(
         .query(&mut api.redis.con())
         .unwrap();
     assert_eq!(counted.len(), 1, "one identity");
+}
+
+/// The API on a 3-master cluster, inbound state in 12 partitions by source: every identity's
+/// keys on its partition's master, spread over all three; an unleased sliding log exact across
+/// two workers, and a leased fixed window never over its limit.
+#[test]
+fn on_a_cluster_each_identity_is_decided_on_its_partitions_master() {
+    let cluster = Cluster::start(3, 0);
+    let dir = TempDir::new("api-cluster");
+    let mut ports = Vec::new();
+    let mut pacers = Vec::new();
+    for w in 0..2 {
+        let (m, h) = (free_port(), free_port());
+        let text = format!(
+            "redis:\n  url: {}\n  mode: cluster\n  timeout: 500ms\nmetrics:\n  listen: 127.0.0.1:{m}\ninbound:\n  streams: [in]\n  forward_stream: fwd\n  partitions: 12\n  partition_by: source\n  api: {{listen: 127.0.0.1:{h}}}\n  rules:\n    - {{name: per-minute, key: [source], limits: [50/min]}}\n    - {{name: hourly, key: [source], algorithm: fixed_window, limits: [30/h], lease: {{max: 5}}}}\n",
+            cluster.urls()
+        );
+        pacers.push(start(&dir.write(&format!("w{w}.yaml"), &text), m));
+        ports.push(h);
+    }
+    let ask = |i: usize, source: &str, rule: &str| {
+        let body = format!(r#"{{"fields": {{"source": "{source}"}}, "rules": ["{rule}"]}}"#);
+        post(ports[i % 2], &body).0
+    };
+    for s in 0..20 {
+        let source = format!("exact{s}");
+        let allowed = (0..60)
+            .filter(|&i| ask(i, &source, "per-minute") == 200)
+            .count();
+        assert_eq!(allowed, 50, "{source}");
+        let source = format!("leased{s}");
+        let allowed = (0..40)
+            .filter(|&i| ask(i, &source, "hourly") == 200)
+            .count();
+        assert!((20..=30).contains(&allowed), "{source}: {allowed}");
+    }
+    let mut per_master = Vec::new();
+    for m in cluster.masters() {
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("pacer:in:*")
+            .query(&mut cluster.con(m))
+            .unwrap();
+        for key in &keys {
+            assert_eq!(cluster.owner_of(key), m, "{key}");
+        }
+        per_master.push(keys.len());
+    }
+    assert_eq!(per_master.iter().sum::<usize>(), 40, "{per_master:?}");
+    assert!(per_master.iter().all(|&n| n > 0), "{per_master:?}");
+    drop(pacers);
+}
+
+#[test]
+fn redis_unreachable_is_503_when_failing_closed_and_huge_or_hostile_bodies_get_clear_answers() {
+    let mut api = start_api(
+        1,
+        "    - {name: per-source, key: [source], limits: [5/s]}\n",
+    );
+    let (_, h, g) = api.ports[0];
+    // Hostile bodies: thousands of fields, a huge identity, binary-ish text, over 64 KiB.
+    let many: Vec<String> = (0..3000).map(|i| format!("\"f{i}\": \"v\"")).collect();
+    let (status, _, body) = post(
+        h,
+        &format!("{{\"fields\": {{\"source\": \"a\", {}}}}}", many.join(", ")),
+    );
+    assert_eq!(status, 200, "{body}");
+    let huge = "x".repeat(300);
+    let (status, _, body) = post(h, &format!("{{\"fields\": {{\"source\": \"{huge}\"}}}}"));
+    assert_eq!(status, 400);
+    assert!(
+        body["error"].as_str().unwrap().contains("more than 256"),
+        "{body}"
+    );
+    let (status, _, _) = post(h, r#"{"fields": {"source": "\u0000\u00ff{}%"}}"#);
+    assert_eq!(status, 200);
+    let big = format!("{{\"fields\": {{\"source\": \"{}\"}}}}", "y".repeat(70_000));
+    let (status, _, body) = post(h, &big);
+    assert_eq!(status, 413, "a body over 64 KiB");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("at most 65536 bytes"),
+        "{body}"
+    );
+    // Redis gone: fail_closed (the default) answers 503 and gRPC UNAVAILABLE, promptly.
+    api.redis.kill();
+    let t0 = Instant::now();
+    let (status, _, body) = post(h, r#"{"fields": {"source": "b"}}"#);
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("limiter unavailable"),
+        "{body}"
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let e = rt
+        .block_on(should_rate_limit(
+            g,
+            "edge",
+            vec![descriptor(&[("source", "b")])],
+        ))
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable);
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
 }

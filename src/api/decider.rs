@@ -245,7 +245,7 @@ impl Decider {
         };
         // Store what was leased; keep a refusal on a leased identity until its retry time.
         for (x, outcome) in verdict.checks.iter().enumerate() {
-            let (Some(slot), Ask::Lease(_)) = (&slots[x], asks[x]) else {
+            let (Some(slot), Ask::Lease(asked)) = (&slots[x], asks[x]) else {
                 continue;
             };
             let lease = leased[x].expect("leased");
@@ -258,7 +258,7 @@ impl Decider {
                 } else {
                     lease.ttl
                 };
-                let r = slot.refill(outcome.granted, sent, sent + span);
+                let r = slot.refill(asked, outcome.granted, sent, sent + span);
                 telemetry::lease_fetched(rule, outcome.granted, r.wasted);
             } else if verdict.binding.is_some_and(|(b, _)| b == x) {
                 // Refused here for the retry time, and at least a lease's ttl: an identity

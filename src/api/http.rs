@@ -93,7 +93,20 @@ pub async fn serve(listener: TcpListener, router: Router, shutdown: Cancellation
     }
 }
 
-async fn admit(State(decider): State<Arc<Decider>>, body: Bytes) -> Response {
+async fn admit(
+    State(decider): State<Arc<Decider>>,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
+    // A body that could not be read (over BODY_MAX, cut short) is answered in JSON like the rest.
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => {
+            return error(
+                e.status(),
+                &format!("{} (at most {BODY_MAX} bytes)", e.body_text()),
+            )
+        }
+    };
     let req = match parse(&body) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, &e),

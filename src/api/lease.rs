@@ -13,8 +13,11 @@
 //!   `config::Lease`.
 //! - **Refusals are cached too.** When Redis refuses a request on a leased identity, the worker
 //!   refuses that identity locally until the retry time Redis gave, or a lease's ttl if that is
-//!   longer, counted from when the call was sent: an identity over its limit then costs a Redis
-//!   call per ttl per worker, not one per request.
+//!   longer, counted from when the call was sent; and a worker whose last fetch was granted
+//!   less than it asked (the identity is at its limit) waits until half that lease's span has
+//!   passed once it is spent. An identity over its limit then costs a Redis call per ttl per worker, not one per
+//!   request; and nothing is lost while the burst holds a ttl's worth of tokens: they wait in the
+//!   bucket for whoever asks next.
 
 use crate::config::Lease;
 use std::collections::HashMap;
@@ -38,6 +41,9 @@ struct State {
     size: i64,
     /// Refused locally until then.
     blocked_until: Option<Instant>,
+    /// The last fetch was granted less than it asked: the identity is at its limit, so when
+    /// this lease runs out its worker waits for half its span rather than fetch again.
+    short: bool,
 }
 
 /// What taking tokens from a lease found.
@@ -66,6 +72,7 @@ impl Slot {
                 fetched: now,
                 size: 1,
                 blocked_until: None,
+                short: false,
             }),
             fetch: tokio::sync::Mutex::new(()),
         }
@@ -83,6 +90,13 @@ impl Slot {
         if now < s.until && s.tokens >= cost {
             s.tokens -= cost;
             return Take::Spent(s.tokens);
+        }
+        // Half the lease's span: long enough that an identity at its limit costs a call per
+        // half-ttl per worker, short enough that a worker late to a busy identity gets its share
+        // (waiting the whole ttl starved it: 16% of three workers' allowance, not 33%).
+        let wait_until = s.fetched + (s.until - s.fetched) / 2;
+        if s.short && now < wait_until {
+            return Take::Blocked(wait_until - now);
         }
         Take::Empty
     }
@@ -108,12 +122,14 @@ impl Slot {
         s.size.clamp(1, lease.max)
     }
 
-    /// Stores a fetched lease: `granted` tokens, spendable until `until`. The tokens left in
-    /// the lease it replaces are wasted (their lease ended, or they were too few).
-    pub fn refill(&self, granted: i64, fetched: Instant, until: Instant) -> Refilled {
+    /// Stores a fetched lease: `granted` of the `asked` tokens, spendable until `until`. The
+    /// tokens left in the lease it replaces are wasted (their lease ended, or they were too
+    /// few).
+    pub fn refill(&self, asked: i64, granted: i64, fetched: Instant, until: Instant) -> Refilled {
         let mut s = self.state.lock().expect("lease state");
         let wasted = s.tokens;
         s.tokens = granted;
+        s.short = granted < asked;
         s.fetched = fetched;
         s.until = until;
         Refilled { wasted }
@@ -186,7 +202,7 @@ mod tests {
         let t0 = Instant::now();
         let s = Slot::new(t0);
         assert_eq!(s.take(1, t0), Take::Empty);
-        s.refill(3, t0, t0 + Duration::from_millis(100));
+        s.refill(3, 3, t0, t0 + Duration::from_millis(100));
         assert_eq!(s.take(2, t0), Take::Spent(1));
         assert_eq!(s.take(2, t0), Take::Empty, "one left, two asked");
         assert_eq!(s.take(1, t0), Take::Spent(0));
@@ -204,7 +220,7 @@ mod tests {
         for _ in 0..8 {
             let n = s.next_size(&l, now);
             sizes.push(n);
-            s.refill(n, now, now + l.ttl);
+            s.refill(n, n, now, now + l.ttl);
             while let Take::Spent(_) = s.take(1, now) {}
             now += Duration::from_millis(10);
         }
@@ -213,7 +229,7 @@ mod tests {
         let mut wasted = 0;
         for _ in 0..3 {
             let n = s.next_size(&l, now);
-            wasted += s.refill(n, now, now + l.ttl).wasted;
+            wasted += s.refill(n, n, now, now + l.ttl).wasted;
             for _ in 0..n / 2 {
                 s.take(1, now);
             }
@@ -225,6 +241,23 @@ mod tests {
             32 + 16,
             "the halves left in the two leases replaced"
         );
+    }
+
+    #[test]
+    fn a_short_lease_once_spent_waits_half_its_span_instead_of_fetching_again() {
+        let t0 = Instant::now();
+        let s = Slot::new(t0);
+        let end = t0 + Duration::from_millis(10);
+        s.refill(8, 2, t0, end);
+        assert_eq!(s.take(1, t0), Take::Spent(1));
+        assert_eq!(s.take(1, t0), Take::Spent(0));
+        assert_eq!(s.take(1, t0), Take::Blocked(Duration::from_millis(5)));
+        let half = t0 + Duration::from_millis(5);
+        assert_eq!(s.take(1, half), Take::Empty, "then it fetches again");
+        // A full grant fetches again as soon as it is spent.
+        s.refill(2, 2, end, end + Duration::from_millis(10));
+        assert_eq!(s.take(2, end), Take::Spent(0));
+        assert_eq!(s.take(1, end), Take::Empty);
     }
 
     #[test]
@@ -244,7 +277,7 @@ mod tests {
         let t0 = Instant::now();
         let leases = Leases::default();
         let live = leases.slot("live", t0);
-        live.refill(5, t0, t0 + Duration::from_secs(60));
+        live.refill(5, 5, t0, t0 + Duration::from_secs(60));
         for i in 0..SWEEP_AT - 1 {
             leases.slot(&format!("k{i}"), t0);
         }
