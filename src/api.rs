@@ -4,6 +4,7 @@
 //! identity draw on the same limits ([`decider`]); with token leases for the rules that opt in
 //! ([`lease`]).
 
+pub mod batch;
 pub mod decider;
 pub mod envoy;
 pub mod http;

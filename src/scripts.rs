@@ -15,7 +15,7 @@ mod pacing;
 pub use admit::{
     spacing_label, AdmitItem, AdmitReply, AdmitTargets, Admitted, LOG_ENTRIES_PER_READ,
 };
-pub use decide::DecideCheck;
+pub use decide::{DecideCheck, DecideRequest};
 pub use outputs::{EmitCall, EmitItem, Voided};
 pub use pacing::{
     DispatchItem, DispatchReply, Dispatched, EventRef, RouteCall, ScheduleItem, ScheduleReply,

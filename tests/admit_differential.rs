@@ -17,7 +17,8 @@ use pacer::event::inbound::{forward_fields, rejected_fields, Decision, InboundEv
 use pacer::event::{Entry, Fields};
 use pacer::keys::InboundKeys;
 use pacer::scripts::{
-    spacing_label, AdmitItem, AdmitTargets, Admitted, DecideCheck, Scripts, LOG_ENTRIES_PER_READ,
+    spacing_label, AdmitItem, AdmitTargets, Admitted, DecideCheck, DecideRequest, Scripts,
+    LOG_ENTRIES_PER_READ,
 };
 use pacer::testkit::RedisServer;
 use proptest::prelude::*;
@@ -416,7 +417,8 @@ fn sync_case() -> impl Strategy<Value = SyncCase> {
                 fields,
             ),
             prop_oneof![3 => Just(1i64), 1 => 2i64..5],
-            0u64..4_000,
+            // Half join the batch before them (under 1 ms, see run_sync_case).
+            prop_oneof![1 => 0u64..1_000, 1 => 1_000u64..4_000],
         )
             .prop_map(|(values, cost, sleep_us)| Request {
                 values,
@@ -457,46 +459,70 @@ fn run_sync_case(
             })
             .collect(),
     );
-    for (n, req) in requests.iter().enumerate() {
-        std::thread::sleep(Duration::from_micros(req.sleep_us));
-        let mut model_checks = Vec::new();
-        let mut keys_of = Vec::new();
-        let mut v = req.values.iter();
-        for (r, rule) in rules.iter().enumerate() {
-            for (f, field) in rule.key.iter().enumerate() {
-                let &(value, ask) = v.next().unwrap();
-                let key = keys.identity(
-                    &rule.name,
-                    rule.rule.algorithm.key_part(),
-                    field,
-                    &[b'a' + value],
-                );
-                // Only gcra and fixed_window lease.
-                let ask = match ask {
-                    0 => Ask::Decide,
-                    1 => Ask::Covered,
-                    _ if rule.rule.algorithm == Algorithm::SlidingLog => Ask::Decide,
-                    k => Ask::Lease(k as i64 - 1),
-                };
-                keys_of.push((r, f, key.clone(), ask));
-                model_checks.push((r, key, ask));
-            }
+    // Requests go in batches: a request whose sleep is under 1 ms joins the batch before it
+    // (the batch is decided at one instant, each request in turn).
+    let mut batches: Vec<Vec<&Request>> = Vec::new();
+    for req in requests {
+        match batches.last_mut() {
+            Some(b) if req.sleep_us < 1_000 => b.push(req),
+            _ => batches.push(vec![req]),
         }
-        let checks: Vec<DecideCheck<'_>> = keys_of
+    }
+    for (n, batch) in batches.iter().enumerate() {
+        std::thread::sleep(Duration::from_micros(batch[0].sleep_us));
+        let mut model: Vec<Vec<(usize, String, Ask)>> = Vec::new();
+        let mut keys_of: Vec<Vec<(usize, usize, String, Ask)>> = Vec::new();
+        for req in batch {
+            let mut model_checks = Vec::new();
+            let mut checks = Vec::new();
+            let mut v = req.values.iter();
+            for (r, rule) in rules.iter().enumerate() {
+                for (f, field) in rule.key.iter().enumerate() {
+                    let &(value, ask) = v.next().unwrap();
+                    let key = keys.identity(
+                        &rule.name,
+                        rule.rule.algorithm.key_part(),
+                        field,
+                        &[b'a' + value],
+                    );
+                    // Only gcra and fixed_window lease.
+                    let ask = match ask {
+                        0 => Ask::Decide,
+                        1 => Ask::Covered,
+                        _ if rule.rule.algorithm == Algorithm::SlidingLog => Ask::Decide,
+                        k => Ask::Lease(k as i64 - 1),
+                    };
+                    checks.push((r, f, key.clone(), ask));
+                    model_checks.push((r, key, ask));
+                }
+            }
+            model.push(model_checks);
+            keys_of.push(checks);
+        }
+        let calls: Vec<DecideRequest<'_>> = keys_of
             .iter()
-            .map(|(r, f, key, ask)| DecideCheck {
-                rule: *r,
-                field: *f,
-                key,
-                ask: *ask,
+            .zip(batch)
+            .map(|(checks, req)| DecideRequest {
+                checks: checks
+                    .iter()
+                    .map(|(r, f, key, ask)| DecideCheck {
+                        rule: *r,
+                        field: *f,
+                        key,
+                        ask: *ask,
+                    })
+                    .collect(),
+                cost: req.cost,
             })
             .collect();
         let per_read = if *whole_logs { LOG_ENTRIES_PER_READ } else { 0 };
         let (now_us, got) = rt
-            .block_on(scripts.decide(con, &rules, per_read, &checks, req.cost))
+            .block_on(scripts.decide(con, &rules, per_read, &calls))
             .expect("decide");
-        let want = engine.decide(now_us, &model_checks, req.cost);
-        prop_assert_eq!(&got, &want, "request {} at {}", n, now_us);
+        for (i, (checks, req)) in model.iter().zip(batch).enumerate() {
+            let want = engine.decide(now_us, checks, req.cost);
+            prop_assert_eq!(&got[i], &want, "batch {} request {} at {}", n, i, now_us);
+        }
     }
     Ok(())
 }

@@ -330,6 +330,46 @@ fn blast(api: &Api, body: &str, threads: usize, run: Duration) -> (Vec<i64>, usi
 }
 
 #[test]
+fn concurrent_requests_share_redis_calls_and_each_gets_its_own_answer() {
+    // Unleased, 5 per second per source: 8 threads, each its own source, 40 requests each.
+    let api = start_api(
+        1,
+        "    - {name: per-source, key: [source], limits: [5/s]}\n",
+    );
+    let (_, h, _) = api.ports[0];
+    let t0 = Instant::now();
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            std::thread::spawn(move || {
+                let body = format!(r#"{{"fields": {{"source": "s{t}"}}}}"#);
+                (0..40)
+                    .filter(|_| http_post(h, "/v1/admit", &body).unwrap().0 == 200)
+                    .count()
+            })
+        })
+        .collect();
+    let allowed: Vec<usize> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let seconds = t0.elapsed().as_secs_f64();
+    // Each source had its own 5 (and at most 5 more per second the run lasted).
+    for (t, n) in allowed.iter().enumerate() {
+        assert!(
+            *n >= 5 && *n as f64 <= 5.0 + 5.0 * seconds,
+            "s{t}: {n} in {seconds:.2}s"
+        );
+    }
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut api.redis.con())
+        .unwrap();
+    let calls: u64 = stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|l| l.split(',').next()?.parse().ok())
+        .unwrap_or(0);
+    assert!(calls > 0 && calls < 320, "{calls} calls for 320 requests");
+}
+
+#[test]
 fn leases_answer_most_decisions_locally_within_the_stated_bound() {
     // 200/s, leased: ttl 1% of the window (10 ms), batches of up to 20.
     let api = start_api(

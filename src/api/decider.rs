@@ -1,12 +1,14 @@
 //! Deciding one synchronous request: its identities (the stream flow's own keys), the leases
-//! that may answer it locally, and otherwise one `decide.lua` call.
+//! that may answer it locally, and otherwise `decide.lua`, in a batch with whatever other
+//! requests the worker has in hand (`batch`).
 
+use super::batch::Batcher;
 use super::lease::{Leases, Take};
 use crate::admission::{Algorithm, Ask, SyncVerdict, SPACING};
 use crate::config::{FailPolicy, InboundConfig};
 use crate::connection::RedisConn;
 use crate::event::inbound::{resolve, Identity};
-use crate::scripts::{spacing_label, DecideCheck, Scripts, LOG_ENTRIES_PER_READ};
+use crate::scripts::spacing_label;
 use crate::telemetry;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -83,17 +85,15 @@ pub enum Refusal {
 /// Decides synchronous requests on the inbound rules; shared by the HTTP and gRPC faces.
 pub struct Decider {
     cfg: InboundConfig,
-    scripts: Scripts,
-    con: RedisConn,
+    batcher: Batcher,
     leases: Leases,
 }
 
 impl Decider {
     pub fn new(cfg: InboundConfig, con: RedisConn) -> Arc<Self> {
         Arc::new(Decider {
+            batcher: Batcher::start(cfg.rules.clone(), con),
             cfg,
-            scripts: Scripts::default(),
-            con,
             leases: Leases::default(),
         })
     }
@@ -103,7 +103,7 @@ impl Decider {
     }
 
     /// The request's identities, or why it cannot be decided.
-    fn identities(&self, req: &Request) -> Result<Vec<Identity>, Refusal> {
+    fn identities(&self, req: &Request) -> Result<(usize, Vec<Identity>), Refusal> {
         if req.cost < 1 {
             return Err(Refusal::Bad(format!(
                 "cost must be at least 1, got {}",
@@ -137,7 +137,8 @@ impl Decider {
             }
             Ok(v)
         };
-        let (_, ids) = resolve(&self.cfg, applies, value).map_err(|r| Refusal::Bad(r.detail))?;
+        let (partition, ids) =
+            resolve(&self.cfg, applies, value).map_err(|r| Refusal::Bad(r.detail))?;
         // A cost above what a limit can ever pass would be refused forever: say so now.
         for id in &ids {
             let rule = &rules[id.rule];
@@ -154,13 +155,13 @@ impl Decider {
                 }
             }
         }
-        Ok(ids)
+        Ok((partition, ids))
     }
 
     /// Decides `req`: from this worker's leases when every identity it is checked as is leased
     /// and holds tokens, else in one Redis call (which refills the leases it needs).
     pub async fn decide(&self, api: Api, req: &Request) -> Result<Answer, Refusal> {
-        let ids = self.identities(req)?;
+        let (partition, ids) = self.identities(req)?;
         let rules = &self.cfg.rules;
         let mut asks = vec![Ask::Decide; ids.len()];
         let leased: Vec<Option<&crate::config::Lease>> =
@@ -211,24 +212,15 @@ impl Decider {
                 asks[x] = Ask::Lease(slots[x].as_ref().expect("leased").next_size(lease, sent));
             }
         }
-        let checks: Vec<DecideCheck<'_>> = ids
+        let checks = ids
             .iter()
             .zip(&asks)
-            .map(|(id, ask)| DecideCheck {
-                rule: id.rule,
-                field: id.field,
-                key: &id.key,
-                ask: *ask,
-            })
+            .map(|(id, ask)| (id.rule, id.field, id.key.clone(), *ask))
             .collect();
-        let mut con = self.con.clone();
-        let reply = self
-            .scripts
-            .decide(&mut con, rules, LOG_ENTRIES_PER_READ, &checks, req.cost)
-            .await;
+        let reply = self.batcher.decide(partition, checks, req.cost).await;
         telemetry::api_redis_call(api);
         let verdict = match reply {
-            Ok((_, v)) => v,
+            Ok(v) => v,
             Err(e) => {
                 self.give_back(&slots, &mut asks, req.cost, Instant::now());
                 return match self.cfg.fail_policy {
@@ -239,7 +231,7 @@ impl Decider {
                         via_redis: false,
                         unchecked: true,
                     }),
-                    FailPolicy::FailClosed => Err(Refusal::Unavailable(e.to_string())),
+                    FailPolicy::FailClosed => Err(Refusal::Unavailable(e)),
                 };
             }
         };

@@ -1,4 +1,5 @@
-//! Synchronous admission in one call per request (`decide.lua`): decide, charge, lease.
+//! Synchronous admission in one call per batch of requests (`decide.lua`): decide, charge,
+//! lease.
 
 use super::admit::push_rules;
 use super::{Reply, Scripts};
@@ -28,64 +29,74 @@ fn limit_index(lim: i64) -> usize {
     }
 }
 
+/// One request of a `decide` batch.
+pub struct DecideRequest<'a> {
+    pub checks: Vec<DecideCheck<'a>>,
+    /// Events it counts for (>= 1).
+    pub cost: i64,
+}
+
 impl Scripts {
-    /// Decides one request of `cost` events; returns Redis's clock and the verdict. See
-    /// `lua/decide.lua`.
+    /// Decides a batch of requests, in order, in one call (all their keys in one slot);
+    /// returns Redis's clock and a verdict per request. See `lua/decide.lua`.
     pub async fn decide<C: ConnectionLike>(
         &self,
         con: &mut C,
         rules: &[InboundRule],
         log_entries_per_read: i64,
-        checks: &[DecideCheck<'_>],
-        cost: i64,
-    ) -> Result<(i64, SyncVerdict)> {
+        requests: &[DecideRequest<'_>],
+    ) -> Result<(i64, Vec<SyncVerdict>)> {
         let mut call = self.decide.prepare_invoke();
         call.arg(log_entries_per_read);
         push_rules(&mut call, rules);
-        call.arg(cost).arg(checks.len());
-        for c in checks {
-            call.key(c.key);
-            let ask = match c.ask {
-                Ask::Decide => 0,
-                Ask::Covered => -1,
-                Ask::Lease(n) => n.max(1),
-            };
-            call.arg(c.rule + 1).arg(c.field + 1).arg(ask);
+        call.arg(requests.len());
+        for r in requests {
+            call.arg(r.cost).arg(r.checks.len());
+            for c in &r.checks {
+                call.key(c.key);
+                let ask = match c.ask {
+                    Ask::Decide => 0,
+                    Ask::Covered => -1,
+                    Ask::Lease(n) => n.max(1),
+                };
+                call.arg(c.rule + 1).arg(c.field + 1).arg(ask);
+            }
         }
         let reply: Value = call.invoke_async(con).await?;
         let mut v = Reply::new("decide", reply)?;
         let now_us = v.int()?;
-        let accepted = v.int()? == 1;
-        let retry_us = v.int()?;
-        let binding = v.int()?;
-        let lim = v.int()?;
-        let mut outcomes = Vec::with_capacity(checks.len());
-        for c in checks {
-            let passed = v.int()? == 1;
-            let remaining = v.int()?;
-            let limit = limit_index(v.int()?);
-            let reset_us = v.int()?;
-            let granted = v.int()?;
-            let lease_us = v.int()?;
-            outcomes.push(CheckOutcome {
-                passed,
-                room: (c.ask != Ask::Covered).then_some(Room {
-                    remaining: if remaining < 0 { i64::MAX } else { remaining },
-                    limit,
-                    reset_us,
-                }),
-                granted,
-                lease_us,
-            });
-        }
-        Ok((
-            now_us,
-            SyncVerdict {
+        let mut verdicts = Vec::with_capacity(requests.len());
+        for r in requests {
+            let accepted = v.int()? == 1;
+            let retry_us = v.int()?;
+            let binding = v.int()?;
+            let lim = v.int()?;
+            let mut outcomes = Vec::with_capacity(r.checks.len());
+            for c in &r.checks {
+                let passed = v.int()? == 1;
+                let remaining = v.int()?;
+                let limit = limit_index(v.int()?);
+                let reset_us = v.int()?;
+                let granted = v.int()?;
+                let lease_us = v.int()?;
+                outcomes.push(CheckOutcome {
+                    passed,
+                    room: (c.ask != Ask::Covered).then_some(Room {
+                        remaining: if remaining < 0 { i64::MAX } else { remaining },
+                        limit,
+                        reset_us,
+                    }),
+                    granted,
+                    lease_us,
+                });
+            }
+            verdicts.push(SyncVerdict {
                 accepted,
                 retry_us,
                 binding: (binding > 0).then(|| (binding as usize - 1, limit_index(lim))),
                 checks: outcomes,
-            },
-        ))
+            });
+        }
+        Ok((now_us, verdicts))
     }
 }
