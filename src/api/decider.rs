@@ -159,7 +159,8 @@ impl Decider {
     }
 
     /// Decides `req`: from this worker's leases when every identity it is checked as is leased
-    /// and holds tokens, else in one Redis call (which refills the leases it needs).
+    /// and holds tokens, else through Redis, in a batch with the other requests in hand (the
+    /// call refills the leases it needs).
     pub async fn decide(&self, api: Api, req: &Request) -> Result<Answer, Refusal> {
         let (partition, ids) = self.identities(req)?;
         let rules = &self.cfg.rules;
