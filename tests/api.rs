@@ -322,7 +322,11 @@ fn blast(api: &Api, body: &str, threads: usize, run: Duration) -> (Vec<i64>, usi
             std::thread::spawn(move || {
                 let (mut ok, mut sent) = (Vec::new(), 0);
                 while t0.elapsed() < run {
-                    let (status, _, _) = http_post(port, "/v1/admit", &body).expect("answers");
+                    // A worker killed on purpose answers nothing: not allowed, try again.
+                    let Some((status, _, _)) = http_post(port, "/v1/admit", &body) else {
+                        std::thread::sleep(Duration::from_millis(5));
+                        continue;
+                    };
                     sent += 1;
                     if status == 200 {
                         ok.push(t0.elapsed().as_micros() as i64);
@@ -411,6 +415,50 @@ fn leases_answer_most_decisions_locally_within_the_stated_bound() {
     assert!(
         redis_calls < sent as f64 / 4.0,
         "{redis_calls} of {sent} decisions reached Redis"
+    );
+}
+
+#[test]
+fn leased_workers_paused_and_killed_under_load_keep_the_bound() {
+    // As above, and meanwhile: worker 0 stopped (SIGSTOP) for 0.6 s with its lease, then
+    // continued; worker 1 killed (-9) holding its lease. A lease outlives neither: a stopped
+    // worker's lease has expired when it wakes (its clock kept running), a dead one's tokens
+    // are lost (under-admission only).
+    let api = start_api(
+        2,
+        "    - {name: per-key, key: [k], algorithm: gcra, limits: [200/s], lease: {max: 20}}\n",
+    );
+    let pids: Vec<u32> = api._pacers.iter().map(Pacer::pid).collect();
+    let signal = |sig: &str, pid: u32| {
+        let _ = std::process::Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(pid.to_string())
+            .status();
+    };
+    let attack = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(800));
+        signal("STOP", pids[0]);
+        std::thread::sleep(Duration::from_millis(600));
+        signal("CONT", pids[0]);
+        std::thread::sleep(Duration::from_millis(600));
+        signal("KILL", pids[1]);
+    });
+    let (mut ok, sent) = blast(
+        &api,
+        r#"{"fields": {"k": "hot"}}"#,
+        6,
+        Duration::from_secs(3),
+    );
+    attack.join().unwrap();
+    // The bound, plus the requests in flight when a worker stopped (6 threads at most).
+    let most = most_in_window(&mut ok, 1_000_000);
+    assert!(most <= 200 + 200 + 2 + 6, "{most} in a second");
+    // The survivor kept deciding after its peer died.
+    let late = ok.iter().filter(|&&t| t > 2_200_000).count();
+    assert!(late > 50, "{late} allowed after the kill, of {sent} sent");
+    eprintln!(
+        "stopped and killed: {} allowed of {sent}, at most {most} in a second, {late} after the kill",
+        ok.len()
     );
 }
 
