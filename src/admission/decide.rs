@@ -1,0 +1,132 @@
+//! Synchronous decisions in memory: one request of any cost, decided now against every check,
+//! charged, and its leases granted, with the room left reported per check. The model
+//! `lua/decide.lua` is held to by `tests/admit_differential.rs`; the stream flow's
+//! [`Engine::admit`] is its sibling for events.
+
+use super::{fixed_window, Algorithm, Check, Engine, Room, State};
+
+/// What a synchronous caller asks of one check (one identity under one rule) besides the
+/// decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ask {
+    /// Check and charge it.
+    Decide,
+    /// The caller spent a token it leased: neither checked nor charged.
+    Covered,
+    /// Check and charge it, then, if the request is accepted, lease up to this many more
+    /// tokens (charged now; gcra and fixed_window only).
+    Lease(i64),
+}
+
+/// One check's outcome in a synchronous decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckOutcome {
+    pub passed: bool,
+    /// The room left after the request (and its lease); `None` for a covered check.
+    pub room: Option<Room>,
+    /// Tokens leased.
+    pub granted: i64,
+    /// How long they may be spent, µs: a fixed window's time to its end; 0 for no bound but
+    /// the caller's lease ttl.
+    pub lease_us: i64,
+}
+
+/// A synchronous decision (`lua/decide.lua`; [`Engine::decide`] in memory).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyncVerdict {
+    pub accepted: bool,
+    /// 0 if accepted; else µs until the binding check would pass.
+    pub retry_us: i64,
+    /// The binding check (an index into the request's checks) and its limit (an index into
+    /// its rule's limits, or [`super::SPACING`]).
+    pub binding: Option<(usize, usize)>,
+    pub checks: Vec<CheckOutcome>,
+}
+
+impl Engine {
+    /// Decides one synchronous request of `cost` events at `now` (what `lua/decide.lua` does):
+    /// every check first, then the charges, then the leases asked for, then each check's room.
+    pub fn decide(
+        &mut self,
+        now_us: i64,
+        checks: &[(usize, String, Ask)],
+        cost: i64,
+    ) -> SyncVerdict {
+        let mut rule_passed = vec![true; self.rules.len()];
+        let mut passed = vec![true; checks.len()];
+        let mut best: Option<(usize, Check)> = None;
+        for (x, (r, identity, ask)) in checks.iter().enumerate() {
+            if *ask == Ask::Covered {
+                continue;
+            }
+            let rule = &self.rules[*r];
+            let state = self
+                .states
+                .entry((*r, identity.clone()))
+                .or_insert_with(|| State::empty(&rule.rule));
+            state.trim(now_us, &rule.rule);
+            let check = state.check_n(now_us, &rule.rule, cost);
+            if !check.passed() {
+                passed[x] = false;
+                rule_passed[*r] = false;
+                if !rule.shadow && best.is_none_or(|(_, b)| check.retry_us > b.retry_us) {
+                    best = Some((x, check));
+                }
+            }
+        }
+        let accepted = best.is_none();
+        let mut outcomes = Vec::with_capacity(checks.len());
+        for (r, identity, ask) in checks {
+            if *ask == Ask::Covered {
+                continue;
+            }
+            let rule = &self.rules[*r].rule;
+            let ok = accepted && rule_passed[*r];
+            if rule.charges(accepted, rule_passed[*r]) {
+                let state = self
+                    .states
+                    .get_mut(&(*r, identity.clone()))
+                    .expect("loaded");
+                state.charge_n(now_us, rule, ok, cost);
+            }
+        }
+        for (x, (r, identity, ask)) in checks.iter().enumerate() {
+            if *ask == Ask::Covered {
+                outcomes.push(CheckOutcome {
+                    passed: true,
+                    room: None,
+                    granted: 0,
+                    lease_us: 0,
+                });
+                continue;
+            }
+            let rule = &self.rules[*r].rule;
+            let state = self
+                .states
+                .get_mut(&(*r, identity.clone()))
+                .expect("loaded");
+            let (mut granted, mut lease_us) = (0, 0);
+            if let (true, Ask::Lease(want)) = (accepted, ask) {
+                granted = (*want).min(state.room(now_us, rule).remaining);
+                if granted > 0 {
+                    state.charge_n(now_us, rule, true, granted);
+                }
+                if rule.algorithm == Algorithm::FixedWindow {
+                    lease_us = fixed_window::lease_span(now_us, rule);
+                }
+            }
+            outcomes.push(CheckOutcome {
+                passed: passed[x],
+                room: Some(state.room(now_us, rule)),
+                granted,
+                lease_us,
+            });
+        }
+        SyncVerdict {
+            accepted,
+            retry_us: best.map_or(0, |(_, c)| c.retry_us),
+            binding: best.map(|(x, c)| (x, c.limit)),
+            checks: outcomes,
+        }
+    }
+}
