@@ -339,6 +339,18 @@ impl Engine {
         }
     }
 
+    /// Whether `cost` more events of `identity` fit rule `r` at `now` (its state created empty
+    /// if new, and trimmed to `now`).
+    pub(crate) fn check_at(&mut self, now_us: i64, r: usize, identity: &str, cost: i64) -> Check {
+        let rule = &self.rules[r].rule;
+        let state = self
+            .states
+            .entry((r, identity.to_string()))
+            .or_insert_with(|| State::empty(rule));
+        state.trim(now_us, rule);
+        state.check_n(now_us, rule, cost)
+    }
+
     /// Decides one event at `now` whose identities are `checks` (rule index, identity), then
     /// charges it: every check first, then the charges.
     pub fn admit(&mut self, now_us: i64, checks: &[(usize, String)]) -> Verdict {
@@ -346,13 +358,8 @@ impl Engine {
         let mut binding: Option<(usize, usize, Check)> = None;
         let mut results = Vec::with_capacity(checks.len());
         for (i, (r, identity)) in checks.iter().enumerate() {
+            let check = self.check_at(now_us, *r, identity, 1);
             let rule = &self.rules[*r];
-            let state = self
-                .states
-                .entry((*r, identity.clone()))
-                .or_insert_with(|| State::empty(&rule.rule));
-            state.trim(now_us, &rule.rule);
-            let check = state.check(now_us, &rule.rule);
             if !check.passed() {
                 passed[*r] = false;
                 if !rule.shadow && binding.is_none_or(|(_, _, b)| check.retry_us > b.retry_us) {

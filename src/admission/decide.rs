@@ -3,7 +3,7 @@
 //! `lua/decide.lua` is held to by `tests/admit_differential.rs`; the stream flow's
 //! [`Engine::admit`] is its sibling for events.
 
-use super::{fixed_window, Algorithm, Check, Engine, Room, State};
+use super::{fixed_window, Algorithm, Check, Engine, Room};
 
 /// What a synchronous caller asks of one check (one identity under one rule) besides the
 /// decision.
@@ -59,13 +59,8 @@ impl Engine {
             if *ask == Ask::Covered {
                 continue;
             }
+            let check = self.check_at(now_us, *r, identity, cost);
             let rule = &self.rules[*r];
-            let state = self
-                .states
-                .entry((*r, identity.clone()))
-                .or_insert_with(|| State::empty(&rule.rule));
-            state.trim(now_us, &rule.rule);
-            let check = state.check_n(now_us, &rule.rule, cost);
             if !check.passed() {
                 passed[x] = false;
                 rule_passed[*r] = false;
