@@ -84,7 +84,6 @@ for r, rule in ipairs(rules) do
 end
 local nchecks = #check_rule
 
-local algorithms = { sliding_log = sliding_log, gcra = gcra, fixed_window = fixed_window }
 
 -- Runs `cmd` (on `key`, if not nil) with `args` appended, at most 1000 at a time (unpack has a
 -- stack limit that a big batch's argument list could pass); returns the replies, concatenated.
@@ -192,33 +191,15 @@ local function ack(i)
   end
 end
 
--- Each identity's state is read once per call (all of them in one MGET, but for logs read by
--- entry) and written once at its end.
-local states, order = {}, {}
-local loading, texts = {}, {}
+-- Each identity's state is read once per call and written once at its end (states.lua).
 for i = 1, n do
   if not prev[i] and not stale_age[i] then
     for x = 1, nchecks do
-      local key = KEYS[key_at[i] + x]
-      if texts[key] == nil and not rules[check_rule[x]].by_entry then
-        texts[key] = false
-        loading[#loading + 1] = key
-      end
+      want_state(KEYS[key_at[i] + x], rules[check_rule[x]])
     end
   end
 end
-for j, v in ipairs(chunked('MGET', nil, loading)) do
-  texts[loading[j]] = v
-end
-local function state(key, rule)
-  local st = states[key]
-  if not st then
-    st = algorithms[rule.alg].load(texts[key], rule, key)
-    states[key] = st
-    order[#order + 1] = st
-  end
-  return st
-end
+read_states()
 
 local out, o = { now }, 1
 local record, recorded = {}, {}
@@ -244,7 +225,7 @@ for i = 1, n do
     for x = 1, nchecks do
       local r = check_rule[x]
       local rule = rules[r]
-      local st = state(KEYS[base + x], rule)
+      local st = state_of(KEYS[base + x], rule)
       local retry, lim = st.alg.check(st, rule, 1)
       if retry > 0 then
         if not failed then
@@ -309,9 +290,7 @@ for i = 1, n do
   end
 end
 
-for _, st in ipairs(order) do
-  st.alg.save(st)
-end
+save_states()
 for _, h in ipairs(hashes) do
   if record[h] then
     chunked('HSET', h, record[h])

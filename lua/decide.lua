@@ -30,7 +30,6 @@
 -- under count_rejected).
 
 local rules, nrules, at = read_rules(2, num(1, 'entries per read'))
-local algorithms = { sliding_log = sliding_log, gcra = gcra, fixed_window = fixed_window }
 
 -- The requests, flat: request q's checks are x = first[q] .. first[q + 1] - 1.
 local n = num(at, 'requests')
@@ -66,30 +65,15 @@ if x ~= #KEYS then
   bad('key count')
 end
 
--- Each identity's state, loaded once for the batch (the ones read whole in one MGET).
-local texts, loading = {}, {}
+-- Each identity's state, read once for the batch and written once at its end (states.lua).
 for y = 1, x do
-  if ask[y] >= 0 and not rules[check_rule[y]].by_entry and texts[KEYS[y]] == nil then
-    texts[KEYS[y]] = false
-    loading[#loading + 1] = KEYS[y]
+  if ask[y] >= 0 then
+    want_state(KEYS[y], rules[check_rule[y]])
   end
 end
-if #loading > 0 then
-  for j, v in ipairs(redis.call('MGET', unpack(loading))) do
-    texts[loading[j]] = v
-  end
-end
-local states, order = {}, {}
+read_states()
 local function state(y)
-  local key = KEYS[y]
-  local st = states[key]
-  if not st then
-    local rule = rules[check_rule[y]]
-    st = algorithms[rule.alg].load(texts[key], rule, key)
-    states[key] = st
-    order[#order + 1] = st
-  end
-  return st
+  return state_of(KEYS[y], rules[check_rule[y]])
 end
 
 local out = { now }
@@ -154,7 +138,5 @@ for q = 1, n do
   end
 end
 
-for _, st in ipairs(order) do
-  st.alg.save(st)
-end
+save_states()
 return out

@@ -50,6 +50,7 @@ pub const ADMIT: &str = lua!(
     "admission/sliding_log.lua",
     "admission/gcra.lua",
     "admission/fixed_window.lua",
+    "admission/states.lua",
     "admit.lua"
 );
 pub const DECIDE: &str = lua!(
@@ -58,6 +59,7 @@ pub const DECIDE: &str = lua!(
     "admission/sliding_log.lua",
     "admission/gcra.lua",
     "admission/fixed_window.lua",
+    "admission/states.lua",
     "decide.lua"
 );
 

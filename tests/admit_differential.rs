@@ -377,18 +377,32 @@ fn run_case(
     Ok(())
 }
 
-#[test]
-fn lua_and_rust_decide_alike_on_redis_time() {
+/// Runs `cases` cases of `strategy` through `run` against one real redis-server.
+fn on_redis<S: Strategy>(
+    cases: u32,
+    strategy: S,
+    run: impl Fn(
+        &S::Value,
+        &mut redis::aio::MultiplexedConnection,
+        &tokio::runtime::Runtime,
+        &mut redis::Connection,
+    ) -> Result<(), TestCaseError>,
+) {
     let redis = RedisServer::start();
     let (rt, con) = redis.async_con();
     let con = RefCell::new(con);
     let sync = RefCell::new(redis.con());
-    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(120));
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(cases));
     runner
-        .run(&case(), |case| {
-            run_case(&case, &mut con.borrow_mut(), &rt, &mut sync.borrow_mut())
+        .run(&strategy, |case| {
+            run(&case, &mut con.borrow_mut(), &rt, &mut sync.borrow_mut())
         })
         .unwrap();
+}
+
+#[test]
+fn lua_and_rust_decide_alike_on_redis_time() {
+    on_redis(120, case(), run_case);
 }
 
 // ------------------------------------------ synchronous decisions: decide.lua against Rust
@@ -529,16 +543,7 @@ fn run_sync_case(
 
 #[test]
 fn synchronous_decisions_and_leases_agree_in_lua_and_rust() {
-    let redis = RedisServer::start();
-    let (rt, con) = redis.async_con();
-    let con = RefCell::new(con);
-    let sync = RefCell::new(redis.con());
-    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(150));
-    runner
-        .run(&sync_case(), |case| {
-            run_sync_case(&case, &mut con.borrow_mut(), &rt, &mut sync.borrow_mut())
-        })
-        .unwrap();
+    on_redis(150, sync_case(), run_sync_case);
 }
 
 // ---------------------------------------------------------------- Rust against brute force

@@ -300,15 +300,7 @@ fn clear_of_the_hour() {
 /// The most entries of `times` (µs) in any window of `window_us`.
 fn most_in_window(times: &mut [i64], window_us: i64) -> usize {
     times.sort_unstable();
-    let mut best = 0;
-    let mut lo = 0;
-    for hi in 0..times.len() {
-        while times[hi] - times[lo] >= window_us {
-            lo += 1;
-        }
-        best = best.max(hi - lo + 1);
-    }
-    best
+    pacer::report::max_in_window(times, window_us)
 }
 
 /// Fires requests at every pacer's HTTP port from `threads` threads for `run`: the times (µs

@@ -1,0 +1,44 @@
+-- admission/states.lua: the identity states of one call, shared by admit.lua and decide.lua.
+-- Prepended after the three algorithms. Each state is read once per call (all of them in MGETs,
+-- but for logs read by entry), kept here while the call checks and charges it, and written
+-- once at its end (`save_states`).
+
+local algorithms = { sliding_log = sliding_log, gcra = gcra, fixed_window = fixed_window }
+local states, states_order, state_texts, state_loading = {}, {}, {}, {}
+
+-- Marks `key` (of `rule`) to be read in the call's MGET (a log read by entry reads itself).
+local function want_state(key, rule)
+  if state_texts[key] == nil and not rule.by_entry then
+    state_texts[key] = false
+    state_loading[#state_loading + 1] = key
+  end
+end
+
+-- Reads every state wanted, 1000 keys an MGET (unpack has a stack limit).
+local function read_states()
+  local l = state_loading
+  for from = 1, #l, 1000 do
+    local got = redis.call('MGET', unpack(l, from, math.min(from + 999, #l)))
+    for j, v in ipairs(got) do
+      state_texts[l[from + j - 1]] = v
+    end
+  end
+end
+
+-- The state of `key` under `rule`, loaded on first use.
+local function state_of(key, rule)
+  local st = states[key]
+  if not st then
+    st = algorithms[rule.alg].load(state_texts[key], rule, key)
+    states[key] = st
+    states_order[#states_order + 1] = st
+  end
+  return st
+end
+
+-- Writes every state the call changed.
+local function save_states()
+  for _, st in ipairs(states_order) do
+    st.alg.save(st)
+  end
+end
