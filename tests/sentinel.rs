@@ -89,6 +89,27 @@ fn a_killed_master_is_followed_through_the_sentinels_losing_and_doubling_nothing
         .iter()
         .position(|s| s.port != old)
         .unwrap();
+    // The gap starts here: the replica has what the master took so far (else the link cut below
+    // would drop a backlog older than the gap, which this test would blame on pacer).
+    let offset = |port: u16, field: &str| -> i64 {
+        let text: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut sentinels.server(port).con())
+            .unwrap_or_default();
+        text.lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(-1)
+    };
+    let replica_port = sentinels.servers[replica].port;
+    let target = offset(old, "master_repl_offset:");
+    assert!(
+        wait_until(Duration::from_secs(10), || offset(
+            replica_port,
+            "slave_repl_offset:"
+        ) >= target),
+        "the replica never caught up before the cut"
+    );
     sentinels.servers[replica].pause();
     let cut_at = redis_time_ms(sentinels.server(old));
     // Frozen, the replica would still find in its socket what the master sent before dying;
