@@ -113,15 +113,15 @@ local function save_bucket(key, now, tat, dtat, last)
   redis.call('PEXPIRE', key, int(ahead_ms + 60000))
 end
 
--- Ends a pacing call's writes to its route (KEYS[1] the bucket, KEYS[2] the ready stream): the
--- bucket if the call changed it, and one trim of the ready stream if the call wrote to it (once
--- per call rather than per entry: each MAXLEN is more arguments to convert).
-local function save_route(now, tat, dtat, last, changed, wrote, maxlen)
+-- Ends a pacing call's writes to a route (KEYS[bucket] its bucket, KEYS[bucket + 1] its ready
+-- stream): the bucket if the call changed it, and one trim of the ready stream if the call wrote
+-- to it (once per call rather than per entry: each MAXLEN is more arguments to convert).
+local function save_route(bucket, now, tat, dtat, last, changed, wrote, maxlen)
   if changed then
-    save_bucket(KEYS[1], now, tat, dtat, last)
+    save_bucket(KEYS[bucket], now, tat, dtat, last)
   end
   if wrote then
-    redis.call('XTRIM', KEYS[2], 'MAXLEN', '~', maxlen)
+    redis.call('XTRIM', KEYS[bucket + 1], 'MAXLEN', '~', maxlen)
   end
 end
 

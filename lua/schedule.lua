@@ -205,7 +205,7 @@ for k, owner in pairs(claims) do
   redis.call('SET', KEYS[2 + h + s + k], owner, 'PX', ttl)
 end
 out[2] = tat
-save_route(now, tat, dtat, last, changed, wrote, maxlen)
+save_route(1, now, tat, dtat, last, changed, wrote, maxlen)
 ack_all(3 + h, group, acks)
 out[#out + 1] = redis_now_us()
 return out

@@ -18,8 +18,8 @@ pub use admit::{
 pub use decide::{DecideCheck, DecideRequest};
 pub use outputs::{EmitCall, EmitItem, Voided};
 pub use pacing::{
-    DispatchItem, DispatchReply, Dispatched, EventRef, RouteCall, ScheduleItem, ScheduleReply,
-    Scheduled,
+    DispatchItem, DispatchReply, Dispatched, EventRef, RouteCall, RouteDispatch, ScheduleItem,
+    ScheduleReply, Scheduled,
 };
 
 use crate::error::{Error, Result};

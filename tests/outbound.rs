@@ -318,6 +318,47 @@ fn sigterm_dispatches_what_falls_due_within_drain_and_leaves_the_rest_pending() 
     assert!(pacer.log_text().contains("leaving events pending"));
 }
 
+/// The routes whose slots fall due together go to Redis in one dispatch call, not one call each:
+/// ten routes of 10/s with burst 1 get three events each at once, so twenty events fall due in
+/// two waves, 100 and 200 ms on. One call per route made twenty calls (more with retries), and
+/// the routes' calls queued in Redis one behind the other, landing up to 2 ms late.
+#[test]
+fn routes_due_together_share_one_dispatch_call() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("together");
+    let port = free_port();
+    let routes: String = (0..10)
+        .map(|r| format!("    r{r}: {{rate: 10/s, burst: 1, max_wait: 10s}}\n"))
+        .collect();
+    let body = format!("outbound:\n  streams: [\"in\"]\n  routes:\n{routes}");
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, &body);
+    let _pacer = start(&cfg, port);
+    let events: Vec<_> = (0..3)
+        .flat_map(|_| (0..10).map(|r| event(&[("route", &format!("r{r}"))])))
+        .collect();
+    push(&redis, "in", &events);
+    let ready = |redis: &RedisServer| -> usize {
+        (0..10)
+            .map(|r| read(redis, &format!("pacer:{{r{r}}}:ready")).len())
+            .sum()
+    };
+    assert!(wait_until(Duration::from_secs(10), || ready(&redis) == 30));
+    for r in 0..10 {
+        assert_rate(&redis, &format!("pacer:{{r{r}}}:ready"), 10.0, 1.0);
+    }
+    let (_, text) = http_get(port, "/metrics").unwrap();
+    let calls = metric(
+        &text,
+        "pacer_redis_command_duration_seconds_count{op=\"dispatch\"}",
+    );
+    // Here 4 to 6 (the routes' first dispatches, one schedule call each, fall in a few
+    // milliseconds); one call per route and wave would be 20 at least.
+    assert!(
+        (1.0..15.0).contains(&calls),
+        "{calls} dispatch calls for 20 events due in two waves on 10 routes"
+    );
+}
+
 #[test]
 fn a_worker_with_a_skewed_clock_paces_exactly_like_the_rest() {
     if std::process::Command::new("faketime")

@@ -11,8 +11,8 @@ use pacer::keys::OutputKeys;
 use pacer::marker::Marker;
 use pacer::pacing::LATE_US;
 use pacer::scripts::{
-    DispatchItem, Dispatched, EmitCall, EmitItem, EventRef, RouteCall, ScheduleItem, Scheduled,
-    Scripts, Voided, Writing, LIB,
+    DispatchItem, Dispatched, EmitCall, EmitItem, EventRef, RouteCall, RouteDispatch, ScheduleItem,
+    Scheduled, Scripts, Voided, Writing, LIB,
 };
 use pacer::testkit::RedisServer;
 use std::time::Duration;
@@ -20,13 +20,18 @@ use std::time::Duration;
 const GROUP: &str = "pacer";
 const TTL_MS: u64 = 600_000;
 
-fn route_config(rate: &str, burst: u32) -> pacer::config::Route {
-    let yaml = format!("outbound:\n  streams: [in]\n  routes:\n    r: {{rate: {rate}, burst: {burst}, max_wait: 5s}}\n");
-    Config::parse(&yaml, &Overrides::default())
+/// An event due for dispatch: its entry, slot and deadline (decided `s<slot>:<deadline>`).
+type Due<'a> = (&'a str, i64, i64);
+
+/// Routes `r` and `q`, alike.
+fn route_configs(rate: &str, burst: u32) -> (pacer::config::Route, pacer::config::Route) {
+    let route = format!("{{rate: {rate}, burst: {burst}, max_wait: 5s}}");
+    let yaml = format!("outbound:\n  streams: [in]\n  routes:\n    r: {route}\n    q: {route}\n");
+    let routes = Config::parse(&yaml, &Overrides::default())
         .unwrap()
         .outbound
-        .routes["r"]
-        .clone()
+        .routes;
+    (routes["r"].clone(), routes["q"].clone())
 }
 
 /// The fields of test event `n`: one of its own (pacer's are the scripts').
@@ -70,7 +75,7 @@ fn route_call<'a>(
     acks: &'a (dyn Fn(&str) -> bool + Sync),
 ) -> RouteCall<'a> {
     RouteCall {
-        name: "r",
+        name: &route.name,
         keys: &route.keys,
         bucket: &route.bucket,
         out: writing(acks),
@@ -82,6 +87,8 @@ struct Rig {
     con: redis::aio::MultiplexedConnection,
     scripts: Scripts,
     route: pacer::config::Route,
+    /// Another route (`q`), for calls on several.
+    other: pacer::config::Route,
     rt: tokio::runtime::Runtime,
     /// Whether the scripts acknowledge input entries themselves.
     acks: bool,
@@ -91,11 +98,13 @@ impl Rig {
     fn new(rate: &str, burst: u32) -> Self {
         let redis = RedisServer::start();
         let (rt, con) = redis.async_con();
+        let (route, other) = route_configs(rate, burst);
         Rig {
             redis,
             con,
             scripts: Scripts::default(),
-            route: route_config(rate, burst),
+            route,
+            other,
             rt,
             acks: false,
         }
@@ -103,6 +112,17 @@ impl Rig {
 
     fn schedule_with(
         &mut self,
+        events: &[Ev],
+        max_wait_us: i64,
+        ages: (i64, i64),
+    ) -> (i64, Vec<Scheduled>) {
+        let route = self.route.clone();
+        self.schedule_on(&route, events, max_wait_us, ages)
+    }
+
+    fn schedule_on(
+        &mut self,
+        route: &pacer::config::Route,
         events: &[Ev],
         max_wait_us: i64,
         ages: (i64, i64),
@@ -127,7 +147,7 @@ impl Rig {
             .collect();
         let acks = self.acks;
         let ack = move |_: &str| acks;
-        let call = route_call(&self.route, &ack);
+        let call = route_call(route, &ack);
         let reply = self
             .rt
             .block_on(self.scripts.schedule(
@@ -146,41 +166,71 @@ impl Rig {
 
     /// Dispatches (entry, slot, deadline) triples, each with the decision `s<slot>:<deadline>`.
     fn dispatch(&mut self, events: &[(&str, i64, i64)]) -> Vec<Dispatched> {
-        let fields: Vec<_> = (0..events.len()).map(ready).collect();
-        let pairs: Vec<_> = fields.iter().map(|f| pairs(f)).collect();
-        let items: Vec<DispatchItem<'_>> = events
+        let route = self.route.clone();
+        self.dispatch_on(&[(&route, events)])
+    }
+
+    /// Dispatches on several routes in one call: the answers route after route.
+    fn dispatch_on(&mut self, routes: &[(&pacer::config::Route, &[Due<'_>])]) -> Vec<Dispatched> {
+        let fields: Vec<Vec<_>> = routes
+            .iter()
+            .map(|(_, events)| (0..events.len()).map(ready).collect())
+            .collect();
+        let pairs: Vec<Vec<_>> = fields
+            .iter()
+            .map(|f| f.iter().map(|f| pairs(f)).collect())
+            .collect();
+        let items: Vec<Vec<DispatchItem<'_>>> = routes
             .iter()
             .zip(&pairs)
-            .map(|((entry, slot, deadline), fields)| DispatchItem {
-                event: EventRef {
-                    stream: "in",
-                    entry_id: entry,
-                    entry_ms: 0,
-                    cost: 1,
-                    fields,
-                },
-                slot_us: *slot,
-                deadline_us: *deadline,
-                decided_us: 0,
+            .map(|((_, events), pairs)| {
+                events
+                    .iter()
+                    .zip(pairs)
+                    .map(|((entry, slot, deadline), fields)| DispatchItem {
+                        event: EventRef {
+                            stream: "in",
+                            entry_id: entry,
+                            entry_ms: 0,
+                            cost: 1,
+                            fields,
+                        },
+                        slot_us: *slot,
+                        deadline_us: *deadline,
+                        decided_us: 0,
+                    })
+                    .collect()
             })
             .collect();
         let acks = self.acks;
         let ack = move |_: &str| acks;
-        let call = route_call(&self.route, &ack);
+        let calls: Vec<RouteDispatch<'_>> = routes
+            .iter()
+            .zip(&items)
+            .map(|((route, _), items)| RouteDispatch {
+                call: route_call(route, &ack),
+                items,
+            })
+            .collect();
         self.rt
-            .block_on(self.scripts.dispatch(&mut self.con, &call, &items))
+            .block_on(self.scripts.dispatch(&mut self.con, &calls))
             .unwrap()
             .items
     }
 
-    fn ready_len(&mut self) -> usize {
+    fn ready_len_of(&mut self, route: &pacer::config::Route) -> usize {
         self.rt
             .block_on(
                 redis::cmd("XLEN")
-                    .arg(&self.route.keys.ready)
+                    .arg(&route.keys.ready)
                     .query_async(&mut self.con),
             )
             .unwrap()
+    }
+
+    fn ready_len(&mut self) -> usize {
+        let route = self.route.clone();
+        self.ready_len_of(&route)
     }
 
     fn keys(&mut self) -> Vec<String> {
@@ -210,6 +260,72 @@ fn slot_of(s: &Scheduled) -> i64 {
         Scheduled::Sleep { slot_us } => *slot_us,
         other => panic!("expected a slot, got {other:?}"),
     }
+}
+
+/// The routes a worker has due at one moment go in one call: each is judged by its own bucket at
+/// one reading of Redis's clock, each event is written to its own route's ready stream, the
+/// answers come route after route, and one route's events held back do not hold another's.
+#[test]
+fn one_call_dispatches_several_routes_each_by_its_own_bucket() {
+    let mut rig = Rig::new("10/s", 1);
+    let (r, q) = (rig.route.clone(), rig.other.clone());
+    let ages = (i64::MAX / 2, 0);
+    // On each route the first event goes at once and the others sleep an interval (100 ms) apart.
+    let (now, on_r) = rig.schedule_on(&r, &[ev("1-0"), ev("2-0")], 5_000_000, ages);
+    let (now_q, on_q) = rig.schedule_on(&q, &[ev("3-0"), ev("4-0"), ev("5-0")], 5_000_000, ages);
+    assert!(matches!(on_r[0], Scheduled::Dispatched { .. }), "{on_r:?}");
+    assert!(matches!(on_q[0], Scheduled::Dispatched { .. }), "{on_q:?}");
+    let (r2, q4, q5) = (slot_of(&on_r[1]), slot_of(&on_q[1]), slot_of(&on_q[2]));
+    assert_eq!(q5 - q4, 100_000);
+    let (dl_r, dl_q) = (now + 5_000_000 + LATE_US, now_q + 5_000_000 + LATE_US);
+    let due_r = [("2-0", r2, dl_r)];
+    let due_q = [("4-0", q4, dl_q), ("5-0", q5, dl_q)];
+    // Too early for all three: each told to come back at its own slot, nothing written.
+    let early = rig.dispatch_on(&[(&r, &due_r), (&q, &due_q)]);
+    assert_eq!(
+        early,
+        vec![
+            Dispatched::NotBefore { at_us: r2 },
+            Dispatched::NotBefore { at_us: q4 },
+            Dispatched::NotBefore { at_us: q5 }
+        ]
+    );
+    assert_eq!((rig.ready_len_of(&r), rig.ready_len_of(&q)), (1, 1));
+    // Once r's and q's second slots have passed: both go, q's third still waits for its own.
+    std::thread::sleep(Duration::from_millis(120));
+    let out = rig.dispatch_on(&[(&r, &due_r), (&q, &due_q)]);
+    assert!(matches!(out[0], Dispatched::Done { .. }), "{out:?}");
+    assert!(matches!(out[1], Dispatched::Done { .. }), "{out:?}");
+    assert_eq!(out[2], Dispatched::NotBefore { at_us: q5 }, "{out:?}");
+    assert_eq!((rig.ready_len_of(&r), rig.ready_len_of(&q)), (2, 2));
+    let written = |rig: &mut Rig, route: &pacer::config::Route| {
+        rig.rt
+            .block_on(pacer::report::read_all(&mut rig.con, &route.keys.ready))
+            .unwrap()
+            .iter()
+            .map(|e| {
+                let field = |f| e.field(f).unwrap_or_default().to_string();
+                (field("pacer_route"), field("pacer_source_id"))
+            })
+            .collect::<Vec<_>>()
+    };
+    let pair = |route: &str, id: &str| (route.to_string(), id.to_string());
+    assert_eq!(
+        written(&mut rig, &r),
+        vec![pair("r", "1-0"), pair("r", "2-0")]
+    );
+    assert_eq!(
+        written(&mut rig, &q),
+        vec![pair("q", "3-0"), pair("q", "4-0")]
+    );
+    // Each decision is recorded on its own route: asked again, both are superseded.
+    let again = rig.dispatch_on(&[(&r, &due_r[..]), (&q, &due_q[..1])]);
+    assert!(
+        again
+            .iter()
+            .all(|d| matches!(d, Dispatched::Superseded(v) if v.starts_with('d'))),
+        "{again:?}"
+    );
 }
 
 /// The trap the design names: slots planned 1/rate apart, dispatched late all at once. The

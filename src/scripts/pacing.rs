@@ -113,6 +113,13 @@ pub enum Dispatched {
     Superseded(String),
 }
 
+/// One route's due events in a `dispatch` call.
+pub struct RouteDispatch<'a> {
+    pub call: RouteCall<'a>,
+    /// In slot order.
+    pub items: &'a [DispatchItem<'a>],
+}
+
 #[derive(Debug, Clone)]
 pub struct DispatchReply {
     pub now_us: i64,
@@ -122,6 +129,7 @@ pub struct DispatchReply {
 
 /// The decision hashes of a call's events, each with its input stream (acknowledged in the
 /// call, or not) and the events it holds.
+#[derive(Default)]
 struct Hashes {
     keys: KeyIndex,
     streams: KeyIndex,
@@ -133,21 +141,21 @@ struct Hashes {
 
 impl Hashes {
     fn new<'e>(call: &RouteCall<'_>, events: impl Iterator<Item = &'e EventRef<'e>>) -> Self {
-        let mut h = Hashes {
-            keys: KeyIndex::default(),
-            streams: KeyIndex::default(),
-            of: Vec::new(),
-            at: Vec::new(),
-        };
-        for e in events {
-            let hash = h.keys.index(call.keys.decisions(e.stream, e.entry_id));
-            if hash > h.of.len() {
-                let stream = call.out.ack_index(&mut h.streams, e.stream);
-                h.of.push((stream, e.stream.to_string()));
-            }
-            h.at.push(hash);
-        }
+        let mut h = Hashes::default();
+        h.add(call, events);
         h
+    }
+
+    /// Adds a route's events: their hashes (indexed after those already added) and streams.
+    fn add<'e>(&mut self, call: &RouteCall<'_>, events: impl Iterator<Item = &'e EventRef<'e>>) {
+        for e in events {
+            let hash = self.keys.index(call.keys.decisions(e.stream, e.entry_id));
+            if hash > self.of.len() {
+                let stream = call.out.ack_index(&mut self.streams, e.stream);
+                self.of.push((stream, e.stream.to_string()));
+            }
+            self.at.push(hash);
+        }
     }
 
     fn push_keys(&self, inv: &mut ScriptInvocation<'_>) {
@@ -263,28 +271,42 @@ impl Scripts {
         })
     }
 
-    /// Dispatches due `items` (in slot order) on one route; see `lua/dispatch.lua`.
+    /// Dispatches due events of one or more routes in one call (their keys in one slot): each
+    /// route's `items` in slot order; see `lua/dispatch.lua`. The reply's items are the routes'
+    /// items, route after route.
     pub async fn dispatch<C: ConnectionLike>(
         &self,
         con: &mut C,
-        call: &RouteCall<'_>,
-        items: &[DispatchItem<'_>],
+        routes: &[RouteDispatch<'_>],
     ) -> Result<DispatchReply> {
-        let hashes = Hashes::new(call, items.iter().map(|i| &i.event));
+        let Some(first) = routes.first() else {
+            return Err(Error::reply("dispatch", "no route to dispatch"));
+        };
+        let mut hashes = Hashes::default();
+        for r in routes {
+            hashes.add(&r.call, r.items.iter().map(|i| &i.event));
+        }
         let mut inv = self.dispatch.prepare_invoke();
-        inv.key(&call.keys.bucket).key(&call.keys.ready);
+        for r in routes {
+            inv.key(&r.call.keys.bucket).key(&r.call.keys.ready);
+        }
         hashes.push_keys(&mut inv);
-        inv.arg(call.bucket.interval_us)
-            .arg(call.bucket.tolerance_us);
-        call.out.push_args(&mut inv);
-        inv.arg(call.name)
+        // One worker's calls: every route writes with the same ttl, trim and group.
+        first.call.out.push_args(&mut inv);
+        inv.arg(routes.len())
             .arg(hashes.keys.len())
-            .arg(hashes.streams.len())
-            .arg(items.len());
+            .arg(hashes.streams.len());
+        for r in routes {
+            inv.arg(r.call.bucket.interval_us)
+                .arg(r.call.bucket.tolerance_us)
+                .arg(r.call.name)
+                .arg(r.items.len());
+        }
         for (stream, name) in &hashes.of {
             inv.arg(*stream).arg(name);
         }
-        for (item, hash) in items.iter().zip(&hashes.at) {
+        let items = routes.iter().flat_map(|r| r.items.iter());
+        for (item, hash) in items.zip(&hashes.at) {
             inv.arg(*hash)
                 .arg(item.event.entry_id)
                 .arg(item.slot_us)
@@ -296,8 +318,9 @@ impl Scripts {
         let reply: Value = inv.invoke_async(con).await?;
         let mut values = Reply::new("dispatch", reply)?;
         let now_us = values.int()?;
-        let mut out = Vec::with_capacity(items.len());
-        for _ in items {
+        let n: usize = routes.iter().map(|r| r.items.len()).sum();
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
             out.push(match values.int()? {
                 reply::DISPATCHED => Dispatched::Done { ms: values.int()? },
                 reply::NOT_BEFORE => Dispatched::NotBefore {

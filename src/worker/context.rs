@@ -86,6 +86,16 @@ impl Context {
         !self.cluster.load(Ordering::Relaxed) || keys::slot(a) == keys::slot(b)
     }
 
+    /// Which dispatch call a key's route may share: one per slot in a cluster, one for all
+    /// routes otherwise.
+    pub(crate) fn call_slot(&self, key: &str) -> u16 {
+        if self.cluster.load(Ordering::Relaxed) {
+            keys::slot(key)
+        } else {
+            0
+        }
+    }
+
     /// Which input streams a script writing `output` (a key) may acknowledge entries of.
     pub(crate) fn acks_in_script(&self, output: &str) -> impl Fn(&str) -> bool + Sync + Send {
         let cluster = self.cluster.load(Ordering::Relaxed);

@@ -1,10 +1,14 @@
-//! The dispatcher: holds events until their slots (`timers`), then hands each route's due events
-//! to `dispatch.lua` in one call, which writes them to the ready stream only if the rate holds at
-//! that moment on Redis's clock; too early, and the event sleeps again (`decide`).
+//! The dispatcher: holds events until their slots (`timers`), then hands the due events to
+//! `dispatch.lua`, which writes them to their routes' ready streams only if each route's rate
+//! holds at that moment on Redis's clock; too early, and the event sleeps again (`decide`).
+//!
+//! The routes due at one moment go in one call (one per slot in a cluster): Redis runs it at one
+//! reading of its clock. Ten routes whose slots fell in the same millisecond, each its own call,
+//! queued in Redis one behind the other and landed up to 2 ms late; see the README's Benchmark.
 //!
 //! Each route has at most `MAX_OUT` calls out at a time, and no route waits for another's: a
 //! call runs in its own task and its answer comes back to the timer loop, so a route whose Redis
-//! node is slow or gone never delays another route's dispatches. Events of a route that fall due
+//! node is slow or gone never delays another slot's dispatches. Events of a route that fall due
 //! while its calls are out go in its next call. Two rather than one: on a route of 1000/s with
 //! burst 1 every millisecond needs its own dispatch, and with one call out a call that came back
 //! late (the worker's thread descheduled, say) left the next millisecond without one; measured,
@@ -15,10 +19,9 @@
 //! On shutdown it keeps going until nothing left falls due within `worker.drain`; whatever is
 //! still held then is dropped unacknowledged, so it stays pending for another worker.
 //!
-//! Over 400 lines: about a fifth is its unit tests on fake time (`mod tests`), which read best
-//! beside the decisions they test.
-//!
-//! Over 400 lines: the timer loop, the per-route call bookkeeping and `decide` with its unit tests.
+//! Over 400 lines: the timer loop, the per-route call bookkeeping, and `decide` with its unit
+//! tests on fake time (`mod tests`, about a fifth), which read best beside the decisions they
+//! test.
 
 mod timers;
 
@@ -31,7 +34,7 @@ use super::placers::Placers;
 use super::waker::Waker;
 use crate::backoff::Backoff;
 use crate::marker::Marker;
-use crate::scripts::{DispatchItem, DispatchReply, Dispatched, EventRef};
+use crate::scripts::{DispatchItem, DispatchReply, Dispatched, EventRef, RouteDispatch};
 use crate::telemetry;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -49,13 +52,12 @@ const MAX_CALL: usize = 1024;
 /// connection, so Redis runs them in the order they were sent.
 const MAX_OUT: usize = 2;
 
-/// A route's dispatch call come back: the route, its events, the answer and when it arrived.
-type Answer = (
-    usize,
-    Vec<Sleeper>,
-    crate::error::Result<DispatchReply>,
-    Instant,
-);
+/// An event's own fields, borrowed as pairs for a call.
+type Pairs<'a> = Vec<(&'a [u8], &'a [u8])>;
+/// The routes of one dispatch call (by index), each with its due events in slot order.
+type Groups = Vec<(usize, Vec<Sleeper>)>;
+/// A dispatch call come back: its routes' events, the answer and when it arrived.
+type Answer = (Groups, crate::error::Result<DispatchReply>, Instant);
 
 /// The timer loop's state.
 struct State {
@@ -114,8 +116,8 @@ pub(crate) async fn run(
             _ = hard_stop.cancelled() => break,
             _ = shutdown.cancelled(), if drain_end.is_none() => {}
             answer = answered.recv() => {
-                let (route, group, reply, received) = answer.expect("the state holds a sender");
-                st.answered(route, group, reply, received);
+                let (groups, reply, received) = answer.expect("the state holds a sender");
+                st.answered(groups, reply, received);
             }
             msg = rx.recv(), if open => match msg {
                 Some(s) => st.timers.insert(&st.ctx.clock, s),
@@ -207,92 +209,157 @@ impl State {
         self.out.values().map(|o| o.waiting.len()).sum()
     }
 
-    /// Sends each route's due events in one call (in slot order), unless the route has
-    /// `MAX_OUT` calls out: then they wait for an answer.
+    /// Sends the due events: the routes with a call to spare in one call per slot (one in all,
+    /// unless Redis is a cluster), each route's events in slot order; a route with `MAX_OUT`
+    /// calls out keeps its events waiting for an answer.
     fn fire(&mut self, due: Vec<Sleeper>) {
         let mut by_route: BTreeMap<usize, Vec<Sleeper>> = BTreeMap::new();
         for s in due {
             by_route.entry(s.route).or_default().push(s);
         }
-        for (route, group) in by_route {
-            match self.out.get_mut(&route) {
-                Some(o) if o.calls >= MAX_OUT => o.waiting.extend(group),
-                _ => self.call(route, group),
+        let mut by_slot: BTreeMap<u16, Groups> = BTreeMap::new();
+        for (route, mut group) in by_route {
+            if let Some(o) = self.out.get_mut(&route).filter(|o| o.calls >= MAX_OUT) {
+                o.waiting.extend(group);
+                continue;
             }
+            group.sort_by_key(|s| s.slot_us);
+            let ready = &self.ctx.cfg.outbound.route_at(route).keys.ready;
+            by_slot
+                .entry(self.ctx.call_slot(ready))
+                .or_default()
+                .push((route, group));
+        }
+        for groups in by_slot.into_values() {
+            self.call(groups);
         }
     }
 
-    /// Starts a route's dispatch call in its own task; its answer comes back to the loop.
-    fn call(&mut self, route: usize, mut group: Vec<Sleeper>) {
-        group.sort_by_key(|s| s.slot_us);
-        let o = self.out.entry(route).or_default();
-        if group.len() > MAX_CALL {
-            // The rest wait for an answer (they are due, so they go right after).
-            o.waiting.extend(group.split_off(MAX_CALL));
+    /// Starts dispatch calls for routes whose keys share a slot, each in its own task (their
+    /// answers come back to the loop): as few calls as `MAX_CALL` allows, each route in one.
+    fn call(&mut self, groups: Groups) {
+        let mut batch: Groups = Vec::new();
+        let mut size = 0;
+        for (route, mut group) in groups {
+            let o = self.out.entry(route).or_default();
+            if group.len() > MAX_CALL {
+                // The rest wait for an answer (they are due, so they go right after).
+                o.waiting.extend(group.split_off(MAX_CALL));
+            }
+            o.calls += 1;
+            size += group.len();
+            batch.push((route, group));
+            if size >= MAX_CALL {
+                self.send(std::mem::take(&mut batch));
+                size = 0;
+            }
         }
-        o.calls += 1;
+        if !batch.is_empty() {
+            self.send(batch);
+        }
+    }
+
+    fn send(&self, groups: Groups) {
         let (ctx, answers) = (self.ctx.clone(), self.answers.clone());
         tokio::spawn(async move {
-            let reply = dispatch_route(&ctx, &group).await;
-            let _ = answers.send((route, group, reply, ctx.time.now()));
+            let reply = dispatch_routes(&ctx, &groups).await;
+            let _ = answers.send((groups, reply, ctx.time.now()));
         });
     }
 
-    /// Carries out a route's answer, then sends what fell due for it meanwhile.
+    /// Carries out a call's answer, route by route, then sends what fell due for its routes
+    /// meanwhile.
     fn answered(
         &mut self,
-        route: usize,
-        group: Vec<Sleeper>,
+        groups: Groups,
         reply: crate::error::Result<DispatchReply>,
         received: Instant,
     ) {
-        let ctx = self.ctx.clone();
-        let o = self
-            .out
-            .get_mut(&route)
-            .expect("a route answering has a call out");
-        o.calls -= 1;
-        let waiting = std::mem::take(&mut o.waiting);
-        if o.calls == 0 {
-            self.out.remove(&route);
-        }
-        let route = ctx.cfg.outbound.route_at(route);
-        let reply = match reply {
-            Ok(reply) => {
-                ctx.health.succeeded();
-                ctx.clock.observe(reply.end_us, received);
-                self.failing.remove(&route.index);
-                reply
+        let mut waiting = Vec::new();
+        for (route, _) in &groups {
+            let o = self
+                .out
+                .get_mut(route)
+                .expect("a route answering has a call out");
+            o.calls -= 1;
+            waiting.append(&mut o.waiting);
+            if o.calls == 0 {
+                self.out.remove(route);
             }
+        }
+        let reply = match reply {
+            Ok(reply) => reply,
             Err(e) => {
-                ctx.failed("dispatch", &e);
-                let backoff = self.failing.entry(route.index).or_default();
-                let delay = backoff.fail();
-                // One line per route per outage, not one per event.
-                if backoff.failures() == 1 {
-                    warn!(error = %e, route = %route.name, events = group.len(), "dispatch failed; retrying with backoff");
+                self.ctx.failed("dispatch", &e);
+                let mut delays = BTreeMap::new();
+                for (index, group) in groups {
+                    let backoff = self.failing.entry(index).or_default();
+                    let delay = backoff.fail();
+                    // One line per route per outage, not one per event.
+                    if backoff.failures() == 1 {
+                        let route = &self.ctx.cfg.outbound.route_at(index).name;
+                        warn!(error = %e, %route, events = group.len(), "dispatch failed; retrying with backoff");
+                    }
+                    delays.insert(index, delay);
+                    for mut s in group {
+                        s.wake = received + delay;
+                        self.timers.requeue(s);
+                    }
                 }
-                for mut s in group.into_iter().chain(waiting) {
-                    s.wake = received + delay;
+                for mut s in waiting {
+                    s.wake = received + delays.get(&s.route).copied().unwrap_or_default();
                     self.timers.requeue(s);
                 }
                 return;
             }
         };
+        self.ctx.health.succeeded();
+        self.ctx.clock.observe(reply.end_us, received);
+        let mut outcomes = reply.items.into_iter();
+        let mut lesson = None;
+        for (index, group) in groups {
+            self.failing.remove(&index);
+            let mine: Vec<Dispatched> = outcomes.by_ref().take(group.len()).collect();
+            let late = self.route_answered(index, group, mine, reply.now_us, reply.end_us, received);
+            lesson = lesson.max(late);
+        }
+        // One lesson per call, from the event it was woken for (the earliest target, so the
+        // latest landing): its other events were taken early within the lead, and ten events of
+        // one late call each teaching the lead threw it to its bound at once.
+        if let Some(late) = lesson {
+            self.timers.learn(late);
+        }
+        if !waiting.is_empty() {
+            self.fire(waiting);
+        }
+    }
+
+    /// Carries out one route's part of an answer; returns how late the call ran after its
+    /// events' targets, from the latest of them that may teach the lead (`decide`).
+    fn route_answered(
+        &mut self,
+        index: usize,
+        group: Vec<Sleeper>,
+        outcomes: Vec<Dispatched>,
+        now_us: i64,
+        end_us: i64,
+        received: Instant,
+    ) -> Option<i64> {
+        let ctx = self.ctx.clone();
+        let mut lesson = None;
+        let route = ctx.cfg.outbound.route_at(index);
         let mut done = Finished::default();
         let mut onward = Vec::new();
         let mut dispatched = false;
         let acked = ctx.acks_in_script(&route.keys.ready);
-        for (mut s, outcome) in group.into_iter().zip(reply.items) {
-            match decide(s.target_us, s.retried, &outcome, reply.now_us) {
+        for (mut s, outcome) in group.into_iter().zip(outcomes) {
+            match decide(s.target_us, s.retried, &outcome, now_us) {
                 Action::Dispatched { id_ms, learn } => {
-                    debug!(route = %route.name, slot = s.slot_us, now = reply.now_us, lead = self.timers.lead_us(), "dispatched");
-                    if let Some(late) = learn {
-                        self.timers.learn(late);
-                    }
+                    debug!(route = %route.name, slot = s.slot_us, now = now_us, lead = self.timers.lead_us(), "dispatched");
+                    lesson = lesson.max(learn);
                     // The call's own time, to the µs; the id's millisecond when the call
                     // had to write past it (ids kept increasing over a clock step back).
-                    telemetry::lateness(&route.name, reply.now_us.max(id_ms * 1000) - s.slot_us);
+                    telemetry::lateness(&route.name, now_us.max(id_ms * 1000) - s.slot_us);
                     count_dispatch(&s.event, route);
                     dispatched = true;
                     if !acked(&s.event.stream) {
@@ -300,21 +367,19 @@ impl State {
                     }
                 }
                 Action::Retry { at_us, learn } => {
-                    debug!(route = %route.name, slot = s.slot_us, at_us, now = reply.now_us, "not yet");
-                    if let Some(late) = learn {
-                        self.timers.learn(late);
-                    }
+                    debug!(route = %route.name, slot = s.slot_us, at_us, now = now_us, "not yet");
+                    lesson = lesson.max(learn);
                     s.retried = at_us == s.target_us;
                     s.target_us = at_us;
                     self.timers
-                        .insert_after_reply(&ctx.clock, s, received, reply.end_us);
+                        .insert_after_reply(&ctx.clock, s, received, end_us);
                 }
                 Action::Moved { slot_us } => {
                     debug!(route = %route.name, from = s.slot_us, to = slot_us, "slot moved");
                     telemetry::replanned(&route.name);
                     s.moved(slot_us);
                     self.timers
-                        .insert_after_reply(&ctx.clock, s, received, reply.end_us);
+                        .insert_after_reply(&ctx.clock, s, received, end_us);
                 }
                 Action::Resume {
                     slot_us,
@@ -324,7 +389,7 @@ impl State {
                     s.moved(slot_us);
                     s.deadline_us = deadline_us;
                     self.timers
-                        .insert_after_reply(&ctx.clock, s, received, reply.end_us);
+                        .insert_after_reply(&ctx.clock, s, received, end_us);
                 }
                 Action::NextRoute { wait_us } => {
                     onward.push(Placing::after(
@@ -354,44 +419,60 @@ impl State {
             crate::fault::point("dispatched");
         }
         self.placers.send(&ctx, onward, &mut done);
-        let index = route.index;
         if !done.is_empty() {
             // Acknowledging is off the timer loop: the next due event must not wait for an XACK.
             let (ctx, stop) = (ctx.clone(), self.stop.clone());
             tokio::spawn(async move { outputs::finish(&ctx, done, &stop).await });
         }
-        if !waiting.is_empty() {
-            self.call(index, waiting);
-        }
+        lesson
     }
 }
 
-async fn dispatch_route(
+async fn dispatch_routes(
     ctx: &Arc<Context>,
-    group: &[Sleeper],
+    groups: &Groups,
 ) -> crate::error::Result<DispatchReply> {
-    let route = ctx.cfg.outbound.route_at(group[0].route);
-    let pairs: Vec<Vec<(&[u8], &[u8])>> = group
+    let pairs: Vec<Vec<Pairs<'_>>> = groups
         .iter()
-        .map(|s| s.event.carried.iter().collect())
-        .collect();
-    let items: Vec<DispatchItem<'_>> = group
-        .iter()
-        .zip(&pairs)
-        .map(|(s, fields)| DispatchItem {
-            event: EventRef::of(&s.event, fields),
-            slot_us: s.slot_us,
-            deadline_us: s.deadline_us,
-            decided_us: s.decided_us,
+        .map(|(_, group)| {
+            group
+                .iter()
+                .map(|s| s.event.carried.iter().collect())
+                .collect()
         })
         .collect();
-    let acks = ctx.acks_in_script(&route.keys.ready);
-    let call = ctx.route_call(route, &acks);
+    let items: Vec<Vec<DispatchItem<'_>>> = groups
+        .iter()
+        .zip(&pairs)
+        .map(|((_, group), pairs)| {
+            group
+                .iter()
+                .zip(pairs)
+                .map(|(s, fields)| DispatchItem {
+                    event: EventRef::of(&s.event, fields),
+                    slot_us: s.slot_us,
+                    deadline_us: s.deadline_us,
+                    decided_us: s.decided_us,
+                })
+                .collect()
+        })
+        .collect();
+    // Every route of the call is in one slot: the first's ready stream stands for them all.
+    let ready = &ctx.cfg.outbound.route_at(groups[0].0).keys.ready;
+    let acks = ctx.acks_in_script(ready);
+    let routes: Vec<RouteDispatch<'_>> = groups
+        .iter()
+        .zip(&items)
+        .map(|((index, _), items)| RouteDispatch {
+            call: ctx.route_call(ctx.cfg.outbound.route_at(*index), &acks),
+            items,
+        })
+        .collect();
     let mut con = ctx.con.clone();
-    let reply = telemetry::timed("dispatch", ctx.scripts.dispatch(&mut con, &call, &items)).await?;
+    let reply = telemetry::timed("dispatch", ctx.scripts.dispatch(&mut con, &routes)).await?;
     // Unconfirmed, the call counts as failed: its events sleep on and the call is made again
     // (the markers make it a no-op where it went through, a redo where a failover lost it).
-    ctx.replicated(&route.keys.ready).await?;
+    ctx.replicated(ready).await?;
     Ok(reply)
 }
 

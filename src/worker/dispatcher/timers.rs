@@ -155,9 +155,12 @@ impl Timers {
         self.lead_us
     }
 
-    /// Learns from a dispatch call that ran `late_us` after its target (negative: early).
+    /// Learns from a dispatch call that ran `late_us` after its target (negative: early). One
+    /// call's error counts for at most the lead's whole range: a call delayed by a descheduled
+    /// thread says little about the next, and moving the lead by a quarter of its 3 ms sent the
+    /// following calls in early, to be told "not yet" and land late.
     pub(crate) fn learn(&mut self, late_us: i64) {
-        let error = late_us - AIM_AFTER_US;
+        let error = (late_us - AIM_AFTER_US).clamp(-LEAD_MAX_US, LEAD_MAX_US);
         self.lead_us = (self.lead_us + error / 4).clamp(0, LEAD_MAX_US);
     }
 
@@ -265,6 +268,9 @@ mod tests {
             timers.learn(-2_000);
         }
         assert_eq!(timers.lead_us(), 0);
+        // One call landing far out moves it by at most a quarter of its range.
+        timers.learn(50_000);
+        assert_eq!(timers.lead_us(), LEAD_MAX_US / 4);
     }
 
     #[test]
@@ -298,7 +304,8 @@ mod tests {
         let time = FakeClock::new(Instant::now());
         let clock = redis_clock(time.now(), 0);
         let mut timers = Timers::default();
-        timers.learn(AIM_AFTER_US + 4 * 400);
+        timers.learn(AIM_AFTER_US + 4 * 200);
+        timers.learn(AIM_AFTER_US + 4 * 200);
         assert_eq!(timers.lead_us(), 400);
         timers.insert(&clock, sleeper(1, 5_000));
         time.advance(Duration::from_micros(4_599));
