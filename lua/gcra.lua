@@ -22,16 +22,17 @@ end
 
 -- Whether a dispatch judged at `tq` (a whole millisecond, see dispatch_clock) keeps the rate
 -- given the gate `dtat`: true and the next gate, or false and the first millisecond it would
--- pass. An entry written in millisecond m is charged at tq - 999 µs (not below the gate), in the
--- previous millisecond: ids in one window of W whole milliseconds are then charged less than W
--- ms apart, so the window keeps the bound (src/pacing.rs `gate` has the argument), and a slot
--- that falls inside a millisecond costs no drift.
+-- pass. An entry written in millisecond m is charged at tq - 1000 µs (not below the gate), the
+-- start of the previous millisecond: ids in one window of W whole milliseconds are then charged
+-- at most W ms apart, so the window keeps the bound (src/pacing.rs `gate` has the argument), a
+-- slot that falls inside a millisecond costs no drift, and an entry written in the millisecond
+-- after its slot does not push the next one on its route past its own.
 local function gate(dtat, tq, cost, interval, tol)
   local earliest = dtat - tol + (cost - 1) * interval
   if tq < earliest then
     return false, ceil_ms(earliest)
   end
-  return true, math.max(dtat, tq - 999) + cost * interval
+  return true, math.max(dtat, tq - 1000) + cost * interval
 end
 
 -- How late (µs) the gate may make an event before its slot is re-planned (src/pacing.rs LATE_US).

@@ -99,14 +99,19 @@ pub fn ceil_ms(x_us: i64) -> i64 {
 /// [`dispatch_clock`]) against the gate at `dtat`: it passes when the gate has room for all its
 /// units (see [`plan`]).
 ///
-/// The dispatch is charged at `tq − 999 µs` (but not below the gate), which lies in the
-/// *previous* millisecond, 999 µs before the start of the entry's own. Why that keeps the bound:
-/// two entries whose ids fall in one window of `W` whole milliseconds have ids at most `W − 1` ms
-/// apart, so their charged instants are less than `W` ms apart (`W − 1` ms plus the 999 µs), and
-/// GCRA on the charged instants lets at most `W / interval + burst` of them into less than `W`.
-/// Charging at `tq` itself would be just as safe but would make a slot that falls inside a
-/// millisecond drift the next one by up to a millisecond; charging earlier than `tq − 999` would
-/// let `W` ms of ids hold more than the bound.
+/// The dispatch is charged at `tq − 1000 µs` (but not below the gate): the start of the
+/// millisecond before the entry's own. Why that keeps the bound: the gate passes an entry at
+/// `tq` once `tq ≥ dtat − tolerance`, and every pass moves `dtat` to at least its charge plus its
+/// cost in intervals; so the units of entries `i..=j` in dispatch order satisfy
+/// `(S − 1) × interval ≤ tq_j − (tq_i − 1000) + tolerance`. Entries whose ids fall in one window
+/// of `W` whole milliseconds have `tq_j − tq_i ≤ W − 1000`, hence `S ≤ W / interval + burst`,
+/// and `interval ≥ 1 / rate` (rounded up). Charging earlier than `tq − 1000` could let one more
+/// in; charging later (it was `tq − 999`) holds one µs more than needed, and that µs cost a
+/// whole millisecond: an entry written in the millisecond after its slot pushed the next one on
+/// its route past its own slot's millisecond, and the one after that, for as long as the route
+/// stayed busy (a late dispatch call made five events late, not one). Charging at `tq` itself
+/// would be just as safe but would make a slot that falls inside a millisecond drift the next
+/// one by up to a millisecond.
 pub fn gate(dtat_us: i64, tq_us: i64, cost: i64, p: &BucketParams) -> Gate {
     // Room for all `cost` units: the same weighted rule as `plan`.
     let earliest = dtat_us - p.tolerance_us + (cost - 1) * p.interval_us;
@@ -116,7 +121,7 @@ pub fn gate(dtat_us: i64, tq_us: i64, cost: i64, p: &BucketParams) -> Gate {
         }
     } else {
         Gate::Pass {
-            dtat_us: dtat_us.max(tq_us - 999) + cost * p.interval_us,
+            dtat_us: dtat_us.max(tq_us - 1000) + cost * p.interval_us,
         }
     }
 }
@@ -278,11 +283,14 @@ mod tests {
         let Gate::Pass { dtat_us } = gate(0, 60_000, 1, &p) else {
             panic!("the first dispatch must pass");
         };
+        // It is charged at the start of the millisecond before its own (59 ms), so the next
+        // may go an interval on: ids 60 and 159, two in any 100 ms window, as 10/s with burst 1
+        // allows (rate x W + burst).
         assert_eq!(
             gate(dtat_us, 100_000, 1, &p),
-            Gate::NotBefore { at_us: 160_000 }
+            Gate::NotBefore { at_us: 159_000 }
         );
-        assert!(matches!(gate(dtat_us, 160_000, 1, &p), Gate::Pass { .. }));
+        assert!(matches!(gate(dtat_us, 159_000, 1, &p), Gate::Pass { .. }));
     }
 
     #[test]
