@@ -359,6 +359,69 @@ fn routes_due_together_share_one_dispatch_call() {
     );
 }
 
+/// A route whose keys are broken fails its own dispatch calls only: the routes due with it go on
+/// at their rate. Of ten routes with events asleep, r9's ready stream is overwritten with a
+/// string; the other nine's events all go out on time, and r9's once its stream is back.
+#[test]
+fn a_route_with_broken_keys_does_not_hold_back_the_routes_due_with_it() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("broken");
+    let port = free_port();
+    let routes: String = (0..10)
+        .map(|r| format!("    r{r}: {{rate: 20/s, burst: 1, max_wait: 20s}}\n"))
+        .collect();
+    let body = format!("outbound:\n  streams: [\"in\"]\n  routes:\n{routes}");
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, &body);
+    let pacer = start(&cfg, port);
+    let events: Vec<_> = (0..10)
+        .flat_map(|i| {
+            let i = i.to_string();
+            (0..10).map(move |r| event(&[("route", &format!("r{r}")), ("i", &i)]))
+        })
+        .collect();
+    push(&redis, "in", &events);
+    let len = |redis: &RedisServer, r: usize| {
+        let mut con = redis.con();
+        redis::cmd("XLEN")
+            .arg(format!("pacer:{{r{r}}}:ready"))
+            .query::<usize>(&mut con)
+            .unwrap_or(0)
+    };
+    // The first of each route goes at once, the other nine sleep 50 ms apart, the routes' slots
+    // in the same few milliseconds.
+    assert!(wait_until(Duration::from_secs(5), || len(&redis, 9) >= 1));
+    let mut con = redis.con();
+    let _: () = redis::pipe()
+        .atomic()
+        .del("pacer:{r9}:ready")
+        .set("pacer:{r9}:ready", "not a stream")
+        .query(&mut con)
+        .unwrap();
+    let healthy = |redis: &RedisServer| (0..9).map(|r| len(redis, r)).sum::<usize>();
+    assert!(
+        wait_until(Duration::from_secs(5), || healthy(&redis) == 90),
+        "the routes due with the broken one stalled: {} of 90 out\n{}",
+        healthy(&redis),
+        pacer.log_text()
+    );
+    for r in 0..9 {
+        assert_rate(&redis, &format!("pacer:{{r{r}}}:ready"), 20.0, 1.0);
+    }
+    assert_eq!(len(&redis, 9), 0, "r9's ready stream is a string");
+    // Its stream back, r9's nine sleepers go out, each once (the first went with the string).
+    let _: () = redis::cmd("DEL")
+        .arg("pacer:{r9}:ready")
+        .query(&mut con)
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(15), || len(&redis, 9) == 9),
+        "route r9 did not recover: {} out\n{}",
+        len(&redis, 9),
+        pacer.log_text()
+    );
+    assert_rate(&redis, "pacer:{r9}:ready", 20.0, 1.0);
+}
+
 #[test]
 fn a_worker_with_a_skewed_clock_paces_exactly_like_the_rest() {
     if std::process::Command::new("faketime")

@@ -211,13 +211,15 @@ impl State {
 
     /// Sends the due events: the routes with a call to spare in one call per slot (one in all,
     /// unless Redis is a cluster), each route's events in slot order; a route with `MAX_OUT`
-    /// calls out keeps its events waiting for an answer.
+    /// calls out keeps its events waiting for an answer. A route whose last call failed goes
+    /// alone until one succeeds: one route's keys broken (a ready stream overwritten with a
+    /// string, say) must not fail the calls of the routes due with it.
     fn fire(&mut self, due: Vec<Sleeper>) {
         let mut by_route: BTreeMap<usize, Vec<Sleeper>> = BTreeMap::new();
         for s in due {
             by_route.entry(s.route).or_default().push(s);
         }
-        let mut by_slot: BTreeMap<u16, Groups> = BTreeMap::new();
+        let mut by_call: BTreeMap<(u16, Option<usize>), Groups> = BTreeMap::new();
         for (route, mut group) in by_route {
             if let Some(o) = self.out.get_mut(&route).filter(|o| o.calls >= MAX_OUT) {
                 o.waiting.extend(group);
@@ -225,12 +227,13 @@ impl State {
             }
             group.sort_by_key(|s| s.slot_us);
             let ready = &self.ctx.cfg.outbound.route_at(route).keys.ready;
-            by_slot
-                .entry(self.ctx.call_slot(ready))
+            let alone = self.failing.contains_key(&route).then_some(route);
+            by_call
+                .entry((self.ctx.call_slot(ready), alone))
                 .or_default()
                 .push((route, group));
         }
-        for groups in by_slot.into_values() {
+        for groups in by_call.into_values() {
             self.call(groups);
         }
     }
@@ -320,7 +323,8 @@ impl State {
         for (index, group) in groups {
             self.failing.remove(&index);
             let mine: Vec<Dispatched> = outcomes.by_ref().take(group.len()).collect();
-            let late = self.route_answered(index, group, mine, reply.now_us, reply.end_us, received);
+            let late =
+                self.route_answered(index, group, mine, reply.now_us, reply.end_us, received);
             lesson = lesson.max(late);
         }
         // One lesson per call, from the event it was woken for (the earliest target, so the
