@@ -241,6 +241,7 @@ pub fn register(cfg: &crate::config::Config) {
         "ack",
         "info",
         "admit",
+        "decide",
         "record",
         "forward",
         "prepare",

@@ -167,6 +167,13 @@ fn http_answers_with_the_room_left_the_ietf_headers_and_retry_after() {
     let (m, _, _) = api.ports[0];
     assert_eq!(http_post(m, "/v1/admit", ask).unwrap().0, 404);
     assert!(metric_at(m, "pacer_api_decisions_total{api=\"http\",rule=\"per-source\",outcome=\"limited\",mode=\"enforce\"}") >= 1.0);
+    // Its Redis calls are timed with the rest of pacer's.
+    assert!(
+        metric_at(
+            m,
+            "pacer_redis_command_duration_seconds_count{op=\"decide\"}"
+        ) >= 1.0
+    );
 }
 
 #[test]

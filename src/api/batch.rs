@@ -116,9 +116,11 @@ async fn call(scripts: &Scripts, con: &mut RedisConn, rules: &[InboundRule], job
             cost: j.cost,
         })
         .collect();
-    let reply = scripts
-        .decide(con, rules, LOG_ENTRIES_PER_READ, &requests)
-        .await;
+    let reply = crate::telemetry::timed(
+        "decide",
+        scripts.decide(con, rules, LOG_ENTRIES_PER_READ, &requests),
+    )
+    .await;
     drop(requests);
     match reply {
         Ok((_, verdicts)) => {
