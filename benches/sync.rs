@@ -1,6 +1,6 @@
 //! The synchronous admission API under load, with and without leasing, over HTTP and gRPC, and
 //! redis-cell on the same redis-server as the anchor (`cargo bench --bench sync -- [--seconds
-//! 5] [--conns 8]`).
+//! 5] [--conns 8] [--offered 2000]`).
 //!
 //! Three pacer workers share one redis-server; each is driven by `--conns` keep-alive clients
 //! (HTTP/1.1 connections, or tasks on one HTTP/2 gRPC channel) asking for 2 hot identities of a
@@ -8,7 +8,11 @@
 //! 10 ms and batches of up to 50, 1% of the limit). Printed per run: decisions/s per
 //! worker, client-side p50/p99 latency, Redis CPU per decision, the share of decisions that
 //! reached Redis, and the most any identity was allowed in a rolling second (client clock)
-//! against its bound (burst + rate x 1 s). Then fairness: one identity, three workers, the third
+//! against its bound (burst + rate x 1 s); the workers' own CPU per decision, and from it and
+//! Redis's the decisions one core makes per second. First closed loop (each client sends when
+//! answered: the most the machine decides), then open loop at `--offered` requests per second
+//! per worker, the same with and without leasing (latency below saturation, where a closed loop
+//! measures the queue it builds). Then fairness: one identity, three workers, the third
 //! started 2 s late: its share of what was allowed in its first second. Then redis-cell's
 //! `CL.THROTTLE` with the same clients and identities (its module is built from crates.io into
 //! target/; a clear skip if that fails). Everything runs on this machine's 2 cores: the load
@@ -47,7 +51,7 @@ enum Face {
 type Sample = (usize, usize, i64, bool, i64);
 
 struct Workers {
-    _pacers: Vec<Pacer>,
+    pacers: Vec<Pacer>,
     /// (metrics, http, grpc) ports.
     ports: Vec<(u16, u16, u16)>,
     _dir: TempDir,
@@ -65,15 +69,15 @@ fn start_workers(redis: &RedisServer, n: usize, rule: &str) -> Workers {
         );
         let cfg = dir.write(&format!("w{w}.yaml"), &yaml);
         let p = Pacer::run(&pacer_bin(), &cfg, &[("RUST_LOG", "warn")]);
-        assert!(wait_until(Duration::from_secs(10), || matches!(
-            http_get(m, "/readyz"),
-            Some((200, _))
-        )));
+        let ready = wait_until(Duration::from_secs(10), || {
+            matches!(http_get(m, "/readyz"), Some((200, _)))
+        });
+        assert!(ready, "worker {w} not ready in 10 s:\n{}", p.log_text());
         pacers.push(p);
         ports.push((m, h, g));
     }
     Workers {
-        _pacers: pacers,
+        pacers,
         ports,
         _dir: dir,
     }
@@ -90,6 +94,9 @@ struct Load {
     t0: Instant,
     from: Duration,
     until: Duration,
+    /// Open loop: the worker's requests per second, spread evenly over its clients; none:
+    /// closed loop (each client sends its next request as soon as the last is answered).
+    offered: Option<f64>,
 }
 
 async fn drive(load: Load) -> Vec<Sample> {
@@ -102,6 +109,7 @@ async fn drive(load: Load) -> Vec<Sample> {
         t0,
         from,
         until,
+        offered,
     } = load;
     tokio::time::sleep(from.saturating_sub(t0.elapsed())).await;
     let mut tasks = Vec::new();
@@ -133,9 +141,16 @@ async fn drive(load: Load) -> Vec<Sample> {
             };
             let mut out = Vec::new();
             let mut i = c;
+            // Each client's share of the offered rate, its first send staggered by its place.
+            let gap = offered.map(|r| Duration::from_secs_f64(conns as f64 / r));
+            let mut next = Instant::now() + gap.unwrap_or_default() * c as u32 / conns as u32;
             while t0.elapsed() < until {
                 i += 1;
                 let k = i % keys.len();
+                if let Some(gap) = gap {
+                    tokio::time::sleep_until(next.into()).await;
+                    next += gap;
+                }
                 let sent = Instant::now();
                 let allowed = if let Some(sender) = http.as_mut() {
                     let body = format!("{{\"fields\": {{\"k\": \"{}\"}}}}", keys[k]);
@@ -230,16 +245,44 @@ fn rule(leased: bool) -> String {
     )
 }
 
-fn run(face: Face, leased: bool, seconds: u64, conns: usize, rt: &tokio::runtime::Runtime) {
+/// What one run measured, for the side-by-side lines.
+struct Run {
+    /// Decisions per second per worker.
+    per_worker: f64,
+    /// Worker and Redis CPU µs per decision.
+    worker_us: f64,
+    redis_us: f64,
+    p50: i64,
+    p99: i64,
+}
+
+impl Run {
+    /// Decisions one core could make per second: the worker's CPU per decision and its share
+    /// of Redis's.
+    fn per_core(&self) -> f64 {
+        1e6 / (self.worker_us + self.redis_us)
+    }
+}
+
+fn run(
+    face: Face,
+    leased: bool,
+    seconds: u64,
+    conns: usize,
+    offered: Option<f64>,
+    rt: &tokio::runtime::Runtime,
+) -> Run {
     let redis = RedisServer::start();
     let mut con = redis.con();
     let w = start_workers(&redis, 3, &rule(leased));
+    let pids: Vec<u32> = w.pacers.iter().map(|p| p.pid()).collect();
     let _: () = redis::cmd("CONFIG")
         .arg("RESETSTAT")
         .query(&mut con)
         .unwrap();
     let keys: Arc<Vec<String>> = Arc::new((0..KEYS).map(|k| format!("key{k}")).collect());
     let cpu0 = cpu_seconds(&mut con);
+    let worker_cpu0 = common::process_cpu_seconds(pids.clone());
     let calls0 = redis_calls(&w, face);
     let t0 = Instant::now();
     let until = Duration::from_secs(seconds);
@@ -256,6 +299,7 @@ fn run(face: Face, leased: bool, seconds: u64, conns: usize, rt: &tokio::runtime
                 t0,
                 from: Duration::ZERO,
                 until,
+                offered,
             })));
         }
         let mut all = Vec::new();
@@ -266,6 +310,7 @@ fn run(face: Face, leased: bool, seconds: u64, conns: usize, rt: &tokio::runtime
     });
     let secs = t0.elapsed().as_secs_f64();
     let cpu = cpu_seconds(&mut con) - cpu0;
+    let worker_cpu = common::process_cpu_seconds(pids) - worker_cpu0;
     let calls = redis_calls(&w, face) - calls0;
     let commands =
         common::commandstats_line(&common::command_calls(&mut con), samples_len(&samples));
@@ -281,15 +326,28 @@ fn run(face: Face, leased: bool, seconds: u64, conns: usize, rt: &tokio::runtime
     let allowed = samples.iter().filter(|s| s.3).count();
     let most = most_in_a_second(&samples);
     let bound = BURST + RATE;
+    let measured = Run {
+        per_worker: n / secs / 3.0,
+        worker_us: worker_cpu * 1e6 / n,
+        redis_us: cpu * 1e6 / n,
+        p50: percentile(&rtts, 0.5),
+        p99: percentile(&rtts, 0.99),
+    };
+    let load = match offered {
+        Some(r) => format!("offered {:.1}k/s per worker", r / 1000.0),
+        None => "closed loop".to_string(),
+    };
     println!(
-        "{:<5} {:<9} decisions/s per worker {} (total {:.1}k); p50 {} us, p99 {} us; Redis CPU {:.2} us/decision; reached Redis {:.1}%; allowed {:.1}%; most in a rolling second {} against {} ({:+.2}%)",
+        "{:<5} {:<9} {load}: decisions/s per worker {} (total {:.1}k); p50 {} us, p99 {} us; CPU per decision: worker {:.2} us, Redis {:.2} us ({:.1}k decisions/s per core); reached Redis {:.1}%; allowed {:.1}%; most in a rolling second {} against {} ({:+.2}%)",
         if face == Face::Http { "http" } else { "grpc" },
         if leased { "leased" } else { "unleased" },
         per_worker.join(" / "),
         n / secs / 1000.0,
-        percentile(&rtts, 0.5),
-        percentile(&rtts, 0.99),
-        cpu * 1e6 / n,
+        measured.p50,
+        measured.p99,
+        measured.worker_us,
+        measured.redis_us,
+        measured.per_core() / 1000.0,
         calls * 100.0 / n,
         allowed as f64 * 100.0 / n,
         most,
@@ -297,6 +355,7 @@ fn run(face: Face, leased: bool, seconds: u64, conns: usize, rt: &tokio::runtime
         (most as f64 - bound as f64) * 100.0 / RATE as f64,
     );
     println!("      Redis commands (calls / µs per decision): {commands}");
+    measured
 }
 
 fn samples_len(samples: &[Sample]) -> u64 {
@@ -325,6 +384,7 @@ fn fairness(leased: bool, conns: usize, rt: &tokio::runtime::Runtime) {
                 t0,
                 from,
                 until,
+                offered: None,
             })));
         }
         let mut all = Vec::new();
@@ -449,6 +509,8 @@ fn anchor(conns: usize, seconds: u64, rt: &tokio::runtime::Runtime) {
 fn main() {
     let seconds = arg("--seconds", 5);
     let conns = arg("--conns", 8) as usize;
+    // The open-loop runs' load: by default a third of what one worker decides unleased here.
+    let offered = arg("--offered", 2000) as f64;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -458,8 +520,19 @@ fn main() {
         "sync admission: 3 workers, {conns} clients each, {KEYS} identities of gcra {RATE}/s burst {BURST}, {seconds} s per run"
     );
     for face in [Face::Http, Face::Grpc] {
+        let unleased = run(face, false, seconds, conns, None, &rt);
+        let leased = run(face, true, seconds, conns, None, &rt);
+        println!(
+            "      leased / unleased: {:.2}x decisions/s per worker, {:.2}x decisions per core",
+            leased.per_worker / unleased.per_worker,
+            leased.per_core() / unleased.per_core()
+        );
+    }
+    // Latency where it is a latency and not a queue: the same offered load on every worker,
+    // below what it decides unleased, each request sent on its schedule.
+    for face in [Face::Http, Face::Grpc] {
         for leased in [false, true] {
-            run(face, leased, seconds, conns, &rt);
+            run(face, leased, seconds, conns, Some(offered), &rt);
         }
     }
     for leased in [false, true] {
