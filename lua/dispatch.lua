@@ -104,7 +104,7 @@ for r = 1, routes do
   local tat, dtat, last = rt_tat[r], rt_dtat[r], rt_last[r]
   local changed, wrote = false, false
   local t, tq = dispatch_clock(now, last)
-  local id_ms = int(tq / 1000)
+  local xadd_id = int(tq / 1000) .. '-*'
   local dispatched = decision('d', tq / 1000)
   -- The gate as the events of this call find it: each refused one queues behind the ones
   -- before.
@@ -124,7 +124,7 @@ for r = 1, routes do
       tat = next_tat
       if verdict == 'pass' then
         code, value = DISPATCHED, tq / 1000
-        redis.call('XADD', ready, id_ms .. '-*', 'pacer_route', route,
+        redis.call('XADD', ready, xadd_id, 'pacer_route', route,
           'pacer_source_stream', hash_name[k], 'pacer_source_id', ev_entry[i], 'pacer_slot_us',
           int(g), 'pacer_wait_ms', int(math.floor(math.max(0, g - ev_decided[i]) / 1000)),
           unpack(ARGV, ev_fields[i] + 1, ev_stop[i] - 1))

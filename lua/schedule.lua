@@ -116,8 +116,11 @@ local claims = {} -- id claims to write: key index -> owner
 -- stepped back leaves `last` ahead until it catches up.
 local t, tq = dispatch_clock(now, last)
 out[1] = t
-local id_ms = int(tq / 1000)
+-- The ready entries' id and what they record, made once for the call (a Lua string is hashed
+-- when it is made, and a call may dispatch a thousand events).
+local xadd_id = int(tq / 1000) .. '-*'
 local dispatched = decision('d', tq / 1000)
+local slot_at, slot_text
 -- Whether any entry of the call could be too old (the worker passes the oldest).
 local aged = t - oldest * 1000 > math.min(stale, max_age > 0 and max_age or stale)
 for i = 1, n do
@@ -158,9 +161,13 @@ for i = 1, n do
       local ok, g = gate(dtat, tq, cost, interval, tol)
       if ok then
         code, value = DISPATCHED, tq / 1000
-        redis.call('XADD', KEYS[2], id_ms .. '-*', 'pacer_route', route,
+        if slot ~= slot_at then
+          -- Events dispatched at once share their slot (now), unless the rate binds.
+          slot_at, slot_text = slot, int(slot)
+        end
+        redis.call('XADD', KEYS[2], xadd_id, 'pacer_route', route,
           'pacer_source_stream', ev_name[i], 'pacer_source_id', ev_entry[i], 'pacer_slot_us',
-          int(slot), 'pacer_wait_ms', '0', unpack(ARGV, ev_fields[i] + 1, ev_stop[i] - 1))
+          slot_text, 'pacer_wait_ms', '0', unpack(ARGV, ev_fields[i] + 1, ev_stop[i] - 1))
         dtat, last, tat, changed, wrote = g, t, next_tat, true, true
         if ev_stream[i] > 0 then
           local list = acks[ev_stream[i]]
