@@ -12,7 +12,7 @@
 --              then its identities' limiter keys, one per check: every key field of every
 --              rule, rule by rule, in the order the rules list them
 -- ARGV[1]      decision time to live, ms (each decision hash lives that long after a write)
--- ARGV[2]      approximate MAXLEN of the forward and rejected streams
+-- ARGV[2]      approximate MAXLEN of the forward and rejected streams (one XTRIM each per call)
 -- ARGV[3]      the outputs written here, bits: 1 the accepted events (to the forward stream),
 --              2 the rejected ones; the caller writes the others
 -- ARGV[4]      entries per read: a sliding log whose cap is more than this many entries per
@@ -202,6 +202,7 @@ end
 read_states()
 
 local out, o = { now }, 1
+local wrote_forward, wrote_rejected = false, false
 local record, recorded = {}, {}
 local passed = {}
 local all_passed = string.rep('1', nrules)
@@ -251,10 +252,11 @@ for i = 1, n do
         -- The fields of src/event/inbound.rs's rejected_fields, in its order: the reasons,
         -- then the forward entry's (the carried fields and where the entry came from).
         local f = fields_at[i]
-        redis.call('XADD', rejected, 'MAXLEN', '~', maxlen, '*', 'pacer_reason', 'rate_limited',
+        redis.call('XADD', rejected, '*', 'pacer_reason', 'rate_limited',
           'pacer_rule', rule.name, 'pacer_limit', label, 'pacer_key', field,
           'pacer_retry_after_ms', int(math.ceil(best / 1000)), unpack(ARGV, f + 1, fields_end(f) - 1))
         decision = 'R' .. tail
+        wrote_rejected = true
         ack(i)
       else
         decision = 'r' .. tail
@@ -272,7 +274,8 @@ for i = 1, n do
     end
     if accepted and forward then
       local f = fields_at[i]
-      redis.call('XADD', forward, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, f + 1, fields_end(f) - 1))
+      redis.call('XADD', forward, '*', unpack(ARGV, f + 1, fields_end(f) - 1))
+      wrote_forward = true
       ack(i)
     end
     local h = hash[i]
@@ -290,6 +293,13 @@ for i = 1, n do
   end
 end
 
+-- One trim per stream written, not a MAXLEN on every XADD (each is more arguments to convert).
+if wrote_forward then
+  redis.call('XTRIM', forward, 'MAXLEN', '~', maxlen)
+end
+if wrote_rejected then
+  redis.call('XTRIM', rejected, 'MAXLEN', '~', maxlen)
+end
 save_states()
 for _, h in ipairs(hashes) do
   if record[h] then

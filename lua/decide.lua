@@ -111,7 +111,8 @@ for q = 1, n do
     end
   end
   local o = #out
-  out[o + 1], out[o + 2], out[o + 3], out[o + 4] = accepted and 1 or 0, int(best), binding, best_lim
+  -- Numbers go back as integer replies (whole, and below 2^53): no text to format.
+  out[o + 1], out[o + 2], out[o + 3], out[o + 4] = accepted and 1 or 0, best, binding, best_lim
   for y = from, to do
     local granted, span, left, lim, reset = 0, 0, -1, 0, 0
     if ask[y] >= 0 then
@@ -133,8 +134,8 @@ for q = 1, n do
       end
     end
     o = #out
-    out[o + 1], out[o + 2], out[o + 3] = passed[y] and 1 or 0, int(left), lim
-    out[o + 4], out[o + 5], out[o + 6] = int(reset), int(granted), int(span)
+    out[o + 1], out[o + 2], out[o + 3] = passed[y] and 1 or 0, left, lim
+    out[o + 4], out[o + 5], out[o + 6] = reset, granted, span
   end
 end
 
