@@ -50,6 +50,14 @@ fn start_api(workers: usize, rules: &str) -> Api {
     }
 }
 
+/// Posts `body` and checks the answer is `status` with an error that says `says`.
+fn refused(port: u16, body: &str, status: u16, says: &str) {
+    let (got, _, answer) = post(port, body);
+    assert_eq!(got, status, "{body}: {answer}");
+    let e = answer["error"].as_str().unwrap_or_default();
+    assert!(e.contains(says), "{body}: {answer}");
+}
+
 fn post(port: u16, body: &str) -> (u16, Vec<(String, String)>, Value) {
     let (status, headers, text) = http_post(port, "/v1/admit", body).expect("pacer answers");
     let json = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
@@ -158,10 +166,7 @@ fn http_answers_with_the_room_left_the_ietf_headers_and_retry_after() {
         ),
         ("not json", "not JSON"),
     ] {
-        let (status, _, body) = post(h, ask);
-        assert_eq!(status, 400, "{ask}: {body}");
-        let e = body["error"].as_str().unwrap();
-        assert!(e.contains(says), "{ask}: {e}");
+        refused(h, ask, 400, says);
     }
     // The operations endpoints still answer on the metrics port, which has no /v1/admit.
     let (m, _, _) = api.ports[0];
@@ -561,35 +566,24 @@ fn redis_unreachable_is_503_when_failing_closed_and_huge_or_hostile_bodies_get_c
     );
     assert_eq!(status, 200, "{body}");
     let huge = "x".repeat(300);
-    let (status, _, body) = post(h, &format!("{{\"fields\": {{\"source\": \"{huge}\"}}}}"));
-    assert_eq!(status, 400);
-    assert!(
-        body["error"].as_str().unwrap().contains("more than 256"),
-        "{body}"
+    refused(
+        h,
+        &format!("{{\"fields\": {{\"source\": \"{huge}\"}}}}"),
+        400,
+        "more than 256",
     );
     let (status, _, _) = post(h, r#"{"fields": {"source": "\u0000\u00ff{}%"}}"#);
     assert_eq!(status, 200);
     let big = format!("{{\"fields\": {{\"source\": \"{}\"}}}}", "y".repeat(70_000));
-    let (status, _, body) = post(h, &big);
-    assert_eq!(status, 413, "a body over 64 KiB");
-    assert!(
-        body["error"]
-            .as_str()
-            .unwrap()
-            .contains("at most 65536 bytes"),
-        "{body}"
-    );
+    refused(h, &big, 413, "at most 65536 bytes");
     // Redis gone: fail_closed (the default) answers 503 and gRPC UNAVAILABLE, promptly.
     api.redis.kill();
     let t0 = Instant::now();
-    let (status, _, body) = post(h, r#"{"fields": {"source": "b"}}"#);
-    assert_eq!(status, 503, "{body}");
-    assert!(
-        body["error"]
-            .as_str()
-            .unwrap()
-            .starts_with("limiter unavailable"),
-        "{body}"
+    refused(
+        h,
+        r#"{"fields": {"source": "b"}}"#,
+        503,
+        "limiter unavailable",
     );
     let rt = tokio::runtime::Runtime::new().unwrap();
     let e = rt

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use pacer::keys::hash_tag;
-use pacer::testkit::{free_port, http_get, metric, wait_until, RedisServer, TempDir};
+use pacer::testkit::{free_port, http_get, metric, wait_until, Pacer, RedisServer, TempDir};
 use std::time::{Duration, Instant};
 
 /// An event's fields as pushed: names and raw values.
@@ -318,6 +318,77 @@ fn sigterm_dispatches_what_falls_due_within_drain_and_leaves_the_rest_pending() 
     assert!(pacer.log_text().contains("leaving events pending"));
 }
 
+/// One worker on the routes `names`, each configured `route` (a YAML flow mapping), with
+/// `per_route` events pushed on each, the routes taking turns.
+struct Routes {
+    _dir: TempDir,
+    port: u16,
+    pacer: Pacer,
+    names: Vec<String>,
+}
+
+fn routes_with_events(
+    redis: &RedisServer,
+    names: Vec<String>,
+    route: &str,
+    per_route: usize,
+) -> Routes {
+    let dir = TempDir::new("routes");
+    let port = free_port();
+    let body: String = names
+        .iter()
+        .map(|r| format!("    {r}: {route}\n"))
+        .collect();
+    let body = format!("outbound:\n  streams: [\"in\"]\n  routes:\n{body}");
+    let cfg = config(&dir, "c.yaml", redis, port, WORKER, &body);
+    let pacer = start(&cfg, port);
+    let events: Vec<_> = (0..per_route)
+        .flat_map(|i| {
+            let i = i.to_string();
+            names
+                .iter()
+                .map(move |r| event(&[("route", r.as_str()), ("i", &i)]))
+        })
+        .collect();
+    push(redis, "in", &events);
+    Routes {
+        _dir: dir,
+        port,
+        pacer,
+        names,
+    }
+}
+
+/// Routes r0 .. r{n - 1}.
+fn numbered(n: usize) -> Vec<String> {
+    (0..n).map(|r| format!("r{r}")).collect()
+}
+
+fn ready_key(route: &str) -> String {
+    format!("pacer:{{{route}}}:ready")
+}
+
+/// Entries on a route's ready stream (0 while it is not a stream).
+fn out(redis: &RedisServer, route: &str) -> usize {
+    redis::cmd("XLEN")
+        .arg(ready_key(route))
+        .query::<usize>(&mut redis.con())
+        .unwrap_or(0)
+}
+
+impl Routes {
+    /// Entries on every route's ready stream.
+    fn out(&self, redis: &RedisServer) -> usize {
+        self.names.iter().map(|r| out(redis, r)).sum()
+    }
+
+    fn assert_rates(&self, redis: &RedisServer, per_second: f64, burst: f64) {
+        for r in &self.names {
+            assert_rate(redis, &ready_key(r), per_second, burst);
+        }
+    }
+}
+
 /// The routes whose slots fall due together go to Redis in one dispatch call, not one call each:
 /// ten routes of 10/s with burst 1 get three events each at once, so twenty events fall due in
 /// two waves, 100 and 200 ms on. One call per route made twenty calls (more with retries), and
@@ -325,27 +396,15 @@ fn sigterm_dispatches_what_falls_due_within_drain_and_leaves_the_rest_pending() 
 #[test]
 fn routes_due_together_share_one_dispatch_call() {
     let redis = RedisServer::start();
-    let dir = TempDir::new("together");
-    let port = free_port();
-    let routes: String = (0..10)
-        .map(|r| format!("    r{r}: {{rate: 10/s, burst: 1, max_wait: 10s}}\n"))
-        .collect();
-    let body = format!("outbound:\n  streams: [\"in\"]\n  routes:\n{routes}");
-    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, &body);
-    let _pacer = start(&cfg, port);
-    let events: Vec<_> = (0..3)
-        .flat_map(|_| (0..10).map(|r| event(&[("route", &format!("r{r}"))])))
-        .collect();
-    push(&redis, "in", &events);
-    let ready = |redis: &RedisServer| -> usize {
-        (0..10)
-            .map(|r| read(redis, &format!("pacer:{{r{r}}}:ready")).len())
-            .sum()
-    };
-    assert!(wait_until(Duration::from_secs(10), || ready(&redis) == 30));
-    for r in 0..10 {
-        assert_rate(&redis, &format!("pacer:{{r{r}}}:ready"), 10.0, 1.0);
-    }
+    let routes = routes_with_events(
+        &redis,
+        numbered(10),
+        "{rate: 10/s, burst: 1, max_wait: 10s}",
+        3,
+    );
+    assert!(wait_until(Duration::from_secs(10), || routes.out(&redis) == 30));
+    routes.assert_rates(&redis, 10.0, 1.0);
+    let port = routes.port;
     let (_, text) = http_get(port, "/metrics").unwrap();
     let calls = metric(
         &text,
@@ -365,31 +424,16 @@ fn routes_due_together_share_one_dispatch_call() {
 #[test]
 fn a_route_with_broken_keys_does_not_hold_back_the_routes_due_with_it() {
     let redis = RedisServer::start();
-    let dir = TempDir::new("broken");
-    let port = free_port();
-    let routes: String = (0..10)
-        .map(|r| format!("    r{r}: {{rate: 20/s, burst: 1, max_wait: 20s}}\n"))
-        .collect();
-    let body = format!("outbound:\n  streams: [\"in\"]\n  routes:\n{routes}");
-    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, &body);
-    let pacer = start(&cfg, port);
-    let events: Vec<_> = (0..10)
-        .flat_map(|i| {
-            let i = i.to_string();
-            (0..10).map(move |r| event(&[("route", &format!("r{r}")), ("i", &i)]))
-        })
-        .collect();
-    push(&redis, "in", &events);
-    let len = |redis: &RedisServer, r: usize| {
-        let mut con = redis.con();
-        redis::cmd("XLEN")
-            .arg(format!("pacer:{{r{r}}}:ready"))
-            .query::<usize>(&mut con)
-            .unwrap_or(0)
-    };
+    let routes = routes_with_events(
+        &redis,
+        numbered(10),
+        "{rate: 20/s, burst: 1, max_wait: 20s}",
+        10,
+    );
+    let pacer = &routes.pacer;
     // The first of each route goes at once, the other nine sleep 50 ms apart, the routes' slots
     // in the same few milliseconds.
-    assert!(wait_until(Duration::from_secs(5), || len(&redis, 9) >= 1));
+    assert!(wait_until(Duration::from_secs(5), || out(&redis, "r9") >= 1));
     let mut con = redis.con();
     let _: () = redis::pipe()
         .atomic()
@@ -397,26 +441,27 @@ fn a_route_with_broken_keys_does_not_hold_back_the_routes_due_with_it() {
         .set("pacer:{r9}:ready", "not a stream")
         .query(&mut con)
         .unwrap();
-    let healthy = |redis: &RedisServer| (0..9).map(|r| len(redis, r)).sum::<usize>();
+    let nine = numbered(9);
+    let healthy = |redis: &RedisServer| nine.iter().map(|r| out(redis, r)).sum::<usize>();
     assert!(
         wait_until(Duration::from_secs(5), || healthy(&redis) == 90),
         "the routes due with the broken one stalled: {} of 90 out\n{}",
         healthy(&redis),
         pacer.log_text()
     );
-    for r in 0..9 {
-        assert_rate(&redis, &format!("pacer:{{r{r}}}:ready"), 20.0, 1.0);
+    for r in &nine {
+        assert_rate(&redis, &ready_key(r), 20.0, 1.0);
     }
-    assert_eq!(len(&redis, 9), 0, "r9's ready stream is a string");
+    assert_eq!(out(&redis, "r9"), 0, "r9's ready stream is a string");
     // Its stream back, r9's nine sleepers go out, each once (the first went with the string).
     let _: () = redis::cmd("DEL")
         .arg("pacer:{r9}:ready")
         .query(&mut con)
         .unwrap();
     assert!(
-        wait_until(Duration::from_secs(15), || len(&redis, 9) == 9),
+        wait_until(Duration::from_secs(15), || out(&redis, "r9") == 9),
         "route r9 did not recover: {} out\n{}",
-        len(&redis, 9),
+        out(&redis, "r9"),
         pacer.log_text()
     );
     assert_rate(&redis, "pacer:{r9}:ready", 20.0, 1.0);
@@ -552,9 +597,7 @@ fn readyz_follows_redis_and_the_worker_recovers_after_a_restart() {
 #[test]
 fn on_a_cluster_routes_sharing_a_slot_share_dispatch_calls() {
     let redis = RedisServer::start_cluster();
-    let dir = TempDir::new("cluster-together");
-    let port = free_port();
-    let slot_of = |route: &str| pacer::keys::slot(&format!("pacer:{{{route}}}:ready"));
+    let slot_of = |route: &str| pacer::keys::slot(&ready_key(route));
     let twin = (0..1_000_000)
         .map(|n| format!("t{n}"))
         .find(|name| slot_of(name) == slot_of("a"))
@@ -563,41 +606,20 @@ fn on_a_cluster_routes_sharing_a_slot_share_dispatch_calls() {
         .map(|n| format!("o{n}"))
         .find(|name| slot_of(name) != slot_of("a"))
         .expect("a name in another slot");
-    let routes = [String::from("a"), twin, other];
-    let body: String = routes
-        .iter()
-        .map(|r| format!("    {r}: {{rate: 20/s, burst: 1, max_wait: 10s}}\n"))
-        .collect();
-    let body = format!("outbound:\n  streams: [\"in\"]\n  routes:\n{body}");
-    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, &body);
-    let pacer = start(&cfg, port);
-    let events: Vec<_> = (0..10)
-        .flat_map(|i| {
-            let i = i.to_string();
-            routes
-                .clone()
-                .map(move |r| event(&[("route", r.as_str()), ("i", &i)]))
-        })
-        .collect();
-    push(&redis, "in", &events);
-    let ready: Vec<String> = routes
-        .iter()
-        .map(|r| format!("pacer:{{{r}}}:ready"))
-        .collect();
-    let out = |redis: &RedisServer| ready.iter().map(|s| read(redis, s).len()).sum::<usize>();
-    assert!(wait_until(Duration::from_secs(10), || out(&redis) >= 3));
+    let names = vec![String::from("a"), twin, other];
+    let routes = routes_with_events(&redis, names, "{rate: 20/s, burst: 1, max_wait: 10s}", 10);
+    let pacer = &routes.pacer;
+    assert!(wait_until(Duration::from_secs(10), || routes.out(&redis) >= 3));
     pacer.signal("STOP");
     std::thread::sleep(Duration::from_millis(300));
     pacer.signal("CONT");
     assert!(
-        wait_until(Duration::from_secs(15), || out(&redis) == 30),
+        wait_until(Duration::from_secs(15), || routes.out(&redis) == 30),
         "{} of 30 out; log:\n{}",
-        out(&redis),
+        routes.out(&redis),
         pacer.log_text()
     );
-    for stream in &ready {
-        assert_rate(&redis, stream, 20.0, 1.0);
-    }
+    routes.assert_rates(&redis, 20.0, 1.0);
     // redis-rs says "CrossSlot", Redis "CROSSSLOT".
     let log = pacer.log_text().to_lowercase();
     assert!(!log.contains("crossslot"), "{log}");
