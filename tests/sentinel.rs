@@ -128,6 +128,10 @@ fn a_killed_master_is_followed_through_the_sentinels_losing_and_doubling_nothing
         .wait_new_master(old, Duration::from_secs(20))
         .expect("the sentinels promote the replica");
     let promoted_at = redis_time_ms(sentinels.server(new));
+    assert!(
+        sentinels.wait_agreed(new, Duration::from_secs(20)),
+        "the sentinels did not all come to name {new}"
+    );
     // Back, the old master is turned into the new one's replica by the sentinels.
     let back = sentinels
         .servers
@@ -153,6 +157,16 @@ fn a_killed_master_is_followed_through_the_sentinels_losing_and_doubling_nothing
         "pacer:in-dead",
     ];
     let at = placements_by_stream(master, &outputs);
+    // Whatever follows is read from the promoted node; it must still be the master (a sentinel
+    // that converted it into a replica of the restarted, empty old master would have wiped it).
+    let role: String = redis::cmd("INFO")
+        .arg("replication")
+        .query(&mut master.con())
+        .unwrap();
+    assert!(
+        role.contains("role:master"),
+        "{new} is no longer master:\n{role}"
+    );
     let held: BTreeSet<(String, String)> = inputs
         .iter()
         .flat_map(|s| ids(master, s).into_iter().map(|id| (s.to_string(), id)))

@@ -181,6 +181,25 @@ impl Sentinels {
         .then_some(found)
         .flatten()
     }
+
+    /// Waits until every sentinel names `master` and none is still failing over.
+    ///
+    /// Every sentinel, not the first that answers: one still on the old configuration takes
+    /// the promoted node for a replica that claims to be master, and once the old master is
+    /// back (a restart without persistence brings it back empty, as a master) it turns the
+    /// promoted node into that empty node's replica, wiping its data. So a test restarts an
+    /// old master only once this holds.
+    pub fn wait_agreed(&self, master: u16, limit: Duration) -> bool {
+        wait_until(limit, || {
+            self.sentinel_ports().into_iter().all(|p| {
+                let view = sentinel_master(p);
+                view.get("port") == Some(&master.to_string())
+                    && view
+                        .get("flags")
+                        .is_some_and(|f| !f.contains("failover_in_progress"))
+            })
+        })
+    }
 }
 
 /// The master's port as the first of the sentinels on `sentinel_ports` that answers names it:
