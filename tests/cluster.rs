@@ -541,10 +541,66 @@ struct Takeover {
     followed_ms: i64,
 }
 
-/// A route on a master whose replica lags (frozen, its link cut) for 1 s while events flow; then the master
-/// is killed (-9) and the lagging replica promoted with `CLUSTER FAILOVER TAKEOVER`, so every
-/// write it had not received is gone; then the old master comes back as its replica. The input
-/// stream lives on another master, so acknowledgements survive while outputs may not.
+/// What `take_over_lagging` did.
+struct Promotion {
+    /// Redis's clock on the promoted replica once it is master, ms.
+    promoted_at: i64,
+    /// What `measure` found on the old master as it was killed, and on the promoted replica
+    /// once it is master.
+    held: (i64, i64),
+}
+
+/// Freezes `master`'s replica and cuts its link for 1 s while traffic flows, so that what the
+/// master takes meanwhile reaches no replica; kills the master (-9), promotes the lagging
+/// replica with `CLUSTER FAILOVER TAKEOVER` (every write it had not received is gone) and brings
+/// the old master back as its replica.
+fn take_over_lagging(
+    cluster: &mut Cluster,
+    master: u16,
+    measure: fn(&mut redis::Connection) -> i64,
+) -> Promotion {
+    let replica = cluster.replicas_of(master)[0];
+    cluster.pause(replica);
+    // Frozen, the replica would still find in its socket what the master sent before dying;
+    // cut the link, so that what the master takes from now on reaches no replica.
+    let _: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("replica")
+        .query(&mut cluster.con(master))
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    let before = measure(&mut cluster.con(master));
+    cluster.kill(master);
+    cluster.resume(replica);
+    cluster.failover(replica, true);
+    let promoted_at = {
+        let (s, us): (i64, i64) = redis::cmd("TIME").query(&mut cluster.con(replica)).unwrap();
+        s * 1000 + us / 1000
+    };
+    let after = measure(&mut cluster.con(replica));
+    cluster.restart(master);
+    Promotion {
+        promoted_at,
+        held: (before, after),
+    }
+}
+
+/// How many inbound decisions the node holds (fields of its decision hashes).
+fn inbound_decisions(con: &mut redis::Connection) -> i64 {
+    let hashes: Vec<String> = redis::cmd("KEYS")
+        .arg("pacer:in:*:decided:*")
+        .query(con)
+        .unwrap();
+    hashes
+        .iter()
+        .map(|h| redis::cmd("HLEN").arg(h).query::<i64>(con).unwrap())
+        .sum()
+}
+
+/// A route on a master whose replica lags while events flow, then is promoted by takeover
+/// (`take_over_lagging`). The input stream lives on another master, so acknowledgements
+/// survive while outputs may not.
 fn lagging_takeover(wait_replicas: u32) -> Takeover {
     let mut cluster = Cluster::start(3, 1);
     let masters = cluster.masters();
@@ -562,25 +618,7 @@ fn lagging_takeover(wait_replicas: u32) -> Takeover {
         event(&[("route", &feed_route), ("n", &format!("{tick}.{i}"))])
     });
     std::thread::sleep(Duration::from_millis(1500));
-    let replica = cluster.replicas_of(masters[1])[0];
-    cluster.pause(replica);
-    // Frozen, the replica would still find in its socket what the master sent before dying;
-    // cut the link, so that what the master takes from now on reaches no replica.
-    let _: i64 = redis::cmd("CLIENT")
-        .arg("KILL")
-        .arg("TYPE")
-        .arg("replica")
-        .query(&mut cluster.con(masters[1]))
-        .unwrap();
-    std::thread::sleep(Duration::from_secs(1));
-    cluster.kill(masters[1]);
-    cluster.resume(replica);
-    cluster.failover(replica, true);
-    let promoted_at = {
-        let (s, us): (i64, i64) = redis::cmd("TIME").query(&mut cluster.con(replica)).unwrap();
-        s * 1000 + us / 1000
-    };
-    cluster.restart(masters[1]);
+    let promoted_at = take_over_lagging(&mut cluster, masters[1], |_| 0).promoted_at;
     let pushed = producer.join().unwrap();
 
     let outputs = vec![
@@ -642,4 +680,70 @@ fn a_lagging_replica_promoted_by_takeover_loses_nothing_with_wait_replicas() {
         with.pushed, with.lost, with.doubled, with.followed_ms
     );
     assert_eq!((with.lost, with.doubled), (0, 0));
+}
+
+/// Issue 15, point 4, for inbound admission: the same lagging takeover of the master holding
+/// the identities' state, their decisions and the forward stream, with `wait_replicas: 1`. The
+/// input stream lives on one other master and the rejected stream on the third (written by a
+/// second call, after the decision it writes is replicated), so acknowledgements and
+/// rejections survive while the state, the decisions and the forwards written in the gap
+/// vanish together. Nothing is acknowledged before a replica
+/// holds its decision, so each entry ends exactly once on what the cluster holds after, and no
+/// source's forwards exceed its limit in any second.
+#[test]
+fn a_lagging_replica_of_the_inbound_state_promoted_by_takeover_loses_nothing_with_wait_replicas() {
+    let mut cluster = Cluster::start(3, 1);
+    let masters = cluster.masters();
+    let dir = TempDir::new("inbound-takeover");
+    let input = cluster.name_on(masters[0], "in");
+    let forward = cluster.name_on(masters[1], "acc");
+    let rejected = cluster.name_on(masters[2], "rej");
+    let body = format!(
+        "inbound:\n  streams: [\"{input}\"]\n  forward_stream: \"{forward}\"\n  rejected_stream: \"{rejected}\"\n  rules:\n    - {{name: per-source, key: [source], algorithm: sliding_log, limits: [10/s]}}\n"
+    );
+    let redis = "  wait_replicas: 1\n  wait_timeout: 100ms\n";
+    let worker = "  batch: 64\n  drain: 1s\n  claim_idle: 5s";
+    let pacers = workers(&dir, &cluster, redis, worker, &body, 2);
+    // 5 sources offering 20/s each against 10/s, for 5 s.
+    let producer = feed(&cluster, &input, 5, 10, |tick, i| {
+        event(&[
+            ("source", &format!("s{}", i % 5)),
+            ("n", &format!("{tick}.{i}")),
+        ])
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    let promotion = take_over_lagging(&mut cluster, masters[1], inbound_decisions);
+    let (before, after) = promotion.held;
+    assert!(
+        after < before,
+        "the promoted replica lacks no decision ({after} of {before}): this rig does not show what wait_replicas is for"
+    );
+    let pushed = producer.join().unwrap();
+
+    let outputs = [
+        forward.clone(),
+        rejected.clone(),
+        "pacer:in-dead".to_string(),
+    ];
+    let at = assert_each_once(&cluster, &pushed, &outputs, &[input], &pacers);
+    let mut by_source: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for e in entries(&cluster, &forward) {
+        let source = e.field("source").unwrap().to_string();
+        by_source.entry(source).or_default().push(e.ms);
+    }
+    assert_eq!(by_source.len(), 5, "{by_source:?}");
+    for (source, times) in &by_source {
+        let seen = max_in_window(times, 1000);
+        assert!(seen <= 10, "{source}: {seen} forwarded in a second");
+    }
+    let resumed = by_source
+        .values()
+        .flatten()
+        .any(|&t| t >= promotion.promoted_at);
+    assert!(resumed, "nothing was forwarded after the promotion");
+    eprintln!(
+        "inbound takeover: {} entries ended once; the promoted replica lacked {} of the old master's {before} decisions",
+        at.len(),
+        before - after
+    );
 }
