@@ -6,6 +6,7 @@
 mod common;
 
 use common::*;
+use pacer::keys::InboundKeys;
 use pacer::testkit::{free_port, wait_until, RedisServer, TempDir};
 use std::time::Duration;
 
@@ -19,13 +20,39 @@ fn wide(head: &[(&str, &str)], n: usize) -> Vec<(String, Vec<u8>)> {
 
 #[test]
 fn wide_huge_and_binary_events_end_once_and_their_batch_mates_once() {
+    hostile_mix(1);
+}
+
+/// The same with inbound state in 4 partitions, each writing its own forward and rejected
+/// streams in the deciding call (`inbound.partitioned_outputs`).
+#[test]
+fn wide_huge_and_binary_events_end_once_in_partitions_with_their_own_outputs() {
+    hostile_mix(4);
+}
+
+/// Wide, huge and binary events among ordinary ones on both flows, the inbound state in
+/// `partitions` partitions (with their own outputs when more than one).
+fn hostile_mix(partitions: usize) {
     let redis = RedisServer::start();
     let dir = TempDir::new("hostile");
     let port = free_port();
+    let mut inbound =
+        inbound_body("{name: per-source, key: [source], algorithm: gcra, limits: [1000/s]}");
+    if partitions > 1 {
+        inbound += &format!(
+            "  partitions: {partitions}\n  partition_by: source\n  partitioned_outputs: true\n"
+        );
+    }
     let body = format!(
-        "outbound:\n  streams: [\"in\"]\n  max_event_fields: 3000\n  routes:\n    fast: {{rate: 100/ms, burst: 1000}}\n{}",
-        inbound_body("{name: per-source, key: [source], algorithm: gcra, limits: [1000/s]}")
+        "outbound:\n  streams: [\"in\"]\n  max_event_fields: 3000\n  routes:\n    fast: {{rate: 100/ms, burst: 1000}}\n{inbound}"
     );
+    // The inbound outputs: every partition's forward stream, then every rejected one.
+    let parts: Vec<InboundKeys> = (0..partitions)
+        .map(|k| InboundKeys::partition("pacer:accepted", "pacer:in-rejected", k, partitions, true))
+        .collect();
+    let mut in_outputs: Vec<String> = parts.iter().map(|k| k.forward.clone()).collect();
+    in_outputs.extend(parts.iter().map(|k| k.rejected.clone()));
+    in_outputs.dedup();
     let cfg = config(&dir, "c.yaml", &redis, port, "  batch: 64", &body);
     let _pacer = start(&cfg, port);
 
@@ -77,29 +104,21 @@ fn wide_huge_and_binary_events_end_once_and_their_batch_mates_once() {
     let out_ids = push(&redis, "in", &out);
     let in_ids = push(&redis, "pacer:in", &inb);
 
-    let outputs = ["pacer:{fast}:ready", "pacer:rejected", "pacer:dead"];
-    let in_outputs = ["pacer:accepted", "pacer:in-rejected", "pacer:dead"];
+    // Both flows share the dead-letter stream: every entry of either is in exactly one output.
+    let mut every_output = vec!["pacer:{fast}:ready", "pacer:rejected", "pacer:dead"];
+    every_output.extend(in_outputs.iter().map(String::as_str));
     let all = out_ids.len() + in_ids.len();
     let ended = wait_until(Duration::from_secs(20), || {
         let mut con = redis.con();
-        [
-            "pacer:{fast}:ready",
-            "pacer:rejected",
-            "pacer:dead",
-            "pacer:accepted",
-            "pacer:in-rejected",
-        ]
-        .iter()
-        .map(|s| redis::cmd("XLEN").arg(*s).query::<usize>(&mut con).unwrap())
-        .sum::<usize>()
+        every_output
+            .iter()
+            .map(|s| redis::cmd("XLEN").arg(*s).query::<usize>(&mut con).unwrap())
+            .sum::<usize>()
             >= all
     });
     assert!(ended, "not every entry ended");
     // Give a doubled write the time to show, then check each entry ended once.
     std::thread::sleep(Duration::from_millis(500));
-    // Both flows share the dead-letter stream: every entry of either is in exactly one output.
-    let mut every_output = outputs.to_vec();
-    every_output.extend(&in_outputs[..2]);
     assert_each_once_by_stream(
         &redis,
         &[("in", &out_ids), ("pacer:in", &in_ids)],
@@ -123,6 +142,15 @@ fn wide_huge_and_binary_events_end_once_and_their_batch_mates_once() {
     for d in &wide_dead {
         assert_eq!(d.field("pacer_reason"), Some("malformed"));
     }
+    let fed: Vec<&String> = parts
+        .iter()
+        .map(|k| &k.forward)
+        .filter(|s| !read(&redis, s).is_empty())
+        .collect();
+    assert!(
+        fed.len() >= partitions.min(2),
+        "accepted events landed in {fed:?} only"
+    );
     // The event just under the limit went through with every field, as did the binary one.
     let ready = read(&redis, "pacer:{fast}:ready");
     assert_eq!(ready.len(), out_ids.len() - expected_dead);
