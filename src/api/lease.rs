@@ -15,9 +15,9 @@
 //!   refuses that identity locally until the retry time Redis gave, or a lease's ttl if that is
 //!   longer, counted from when the call was sent; and a worker whose last fetch was granted
 //!   less than it asked (the identity is at its limit) waits, once it is spent, until a random
-//!   point in the second half of that lease's span. An identity over its limit then costs a Redis call per ttl per worker, not one per
-//!   request; and nothing is lost while the burst holds a ttl's worth of tokens: they wait in the
-//!   bucket for whoever asks next.
+//!   point in the second half of that lease's span. An identity over its limit then costs about
+//!   1.3 Redis calls per ttl per worker, not one per request; and nothing is lost while the
+//!   burst holds a ttl's worth of tokens: they wait in the bucket for whoever asks next.
 
 use crate::config::Lease;
 use std::collections::HashMap;
