@@ -84,6 +84,10 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 dir=$(mktemp -d "${TMPDIR:-/tmp}/fresh-path.XXXXXX")
 trap 'rm -rf "$dir"' EXIT
 mkdir "$dir/bin" "$dir/cache"
+# apt runs its download and signature methods as the unprivileged _apt user, which must find
+# gpgv on this PATH: mktemp's 0700 hid it ("gpgv ... required for verification, but neither
+# seems installed"), and apt-get update fell back to stale index files.
+chmod 755 "$dir" "$dir/bin"
 : >"$dir/revealed"
 for name in "${HIDE[@]}"; do
     for d in "${SYSTEM_DIRS[@]}"; do
