@@ -248,51 +248,6 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
     assert_rate(&redis, "pacer:{b}:ready", 100.0, 1.0);
 
     let dead = read(&redis, "pacer:dead");
-    let mut ages: Vec<i64> = dead
-        .iter()
-        .filter(|d| d.field("pacer_reason") == Some("too_many_deliveries"))
-        .map(|d| {
-            let src: i64 = d
-                .field("pacer_source_id")
-                .unwrap()
-                .split('-')
-                .next()
-                .unwrap()
-                .parse()
-                .unwrap();
-            d.ms - src
-        })
-        .collect();
-    ages.sort();
-    if !ages.is_empty() {
-        std::fs::write("/tmp/chaos_logs.txt", logs()).unwrap();
-        let list: Vec<String> = dead
-            .iter()
-            .filter(|d| d.field("pacer_reason") == Some("too_many_deliveries"))
-            .map(|d| {
-                format!(
-                    "{} {} {:?} {:?} fields={}",
-                    d.id,
-                    d.field("pacer_source_id").unwrap(),
-                    d.field("route"),
-                    d.field("n"),
-                    d.fields.len()
-                )
-            })
-            .collect();
-        std::fs::write("/tmp/chaos_dead.txt", list.join("\n")).unwrap();
-        eprintln!(
-            "DEBUG too_many ages ms: min {} p50 {} max {}; details {:?}",
-            ages[0],
-            ages[ages.len() / 2],
-            ages[ages.len() - 1],
-            dead.iter()
-                .filter(|d| d.field("pacer_reason") == Some("too_many_deliveries"))
-                .take(3)
-                .map(|d| d.field("pacer_detail"))
-                .collect::<Vec<_>>()
-        );
-    }
     let count = |s: &str| read(&redis, s).len();
     let count_all = |streams: &[String]| streams.iter().map(|s| count(s)).sum::<usize>();
     let reasons: BTreeMap<String, usize> = dead.iter().fold(BTreeMap::new(), |mut m, d| {
