@@ -239,7 +239,8 @@ impl State {
     }
 
     /// Starts dispatch calls for routes whose keys share a slot, each in its own task (their
-    /// answers come back to the loop): as few calls as `MAX_CALL` allows, each route in one.
+    /// answers come back to the loop): as few calls as `MAX_CALL` allows (no call holds more
+    /// events), each route in one.
     fn call(&mut self, groups: Groups) {
         let mut batch: Groups = Vec::new();
         let mut size = 0;
@@ -250,12 +251,12 @@ impl State {
                 o.waiting.extend(group.split_off(MAX_CALL));
             }
             o.calls += 1;
-            size += group.len();
-            batch.push((route, group));
-            if size >= MAX_CALL {
+            if size + group.len() > MAX_CALL && !batch.is_empty() {
                 self.send(std::mem::take(&mut batch));
                 size = 0;
             }
+            size += group.len();
+            batch.push((route, group));
         }
         if !batch.is_empty() {
             self.send(batch);
