@@ -423,6 +423,31 @@ fn leases_answer_most_decisions_locally_within_the_stated_bound() {
 }
 
 #[test]
+fn a_lease_on_a_small_burst_still_admits_the_full_rate() {
+    // 1000/s with a burst of 5: a fetch can bring at most 5 tokens, half what a lease asks
+    // (max 10, 1% of the limit), so every lease is short. One worker, then three, under more
+    // demand than the limit: leased, they must still pass about the rate, not what the
+    // bucket gathers between one worker's fetches.
+    for workers in [1, 3] {
+        let api = start_api(
+            workers,
+            "    - {name: per-key, key: [k], algorithm: gcra, limits: [1000/s], burst: 5, lease: true}\n",
+        );
+        let run = Duration::from_secs(3);
+        let (mut ok, sent) = blast(&api, r#"{"fields": {"k": "hot"}}"#, 6, run);
+        let most = most_in_window(&mut ok, 1_000_000);
+        // Over 3 s: at most burst + rate x (3 s + ttl); at least 90% of the rate.
+        assert!(ok.len() <= 5 + 3010 + 2, "{workers}: {} allowed", ok.len());
+        assert!(
+            ok.len() >= 2700,
+            "{workers} workers: {} allowed of {sent} in 3 s at 1000/s (most in a second {most})",
+            ok.len()
+        );
+        assert!(most <= 5 + 1000 + 10 + 2, "{workers}: {most} in a second");
+    }
+}
+
+#[test]
 fn leased_workers_paused_and_killed_under_load_keep_the_bound() {
     // As above, and meanwhile: worker 0 stopped (SIGSTOP) for 0.6 s with its lease, then
     // continued; worker 1 killed (-9) holding its lease. A lease outlives neither: a stopped

@@ -251,15 +251,11 @@ impl Decider {
                 } else {
                     lease.ttl
                 };
-                let r = slot.refill(asked, outcome.granted, sent, sent + span);
+                let r = slot.refill((asked, outcome.granted, req.cost), sent, sent + span, lease);
                 telemetry::lease_fetched(rule, outcome.granted, r.wasted);
             } else if verdict.binding.is_some_and(|(b, _)| b == x) {
-                // Refused here for the retry time, and at least a lease's ttl: an identity
-                // over its limit would otherwise send a call per gcra interval. Nothing is
-                // lost by it while the burst holds a ttl's worth of tokens (the default max):
-                // they wait in the bucket for whoever asks next.
                 let retry = Duration::from_micros(verdict.retry_us.max(0) as u64);
-                slot.block(sent + retry.max(lease.ttl));
+                slot.refused((asked, req.cost), sent, retry, lease);
             }
         }
         if !verdict.accepted {

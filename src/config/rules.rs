@@ -42,6 +42,12 @@ pub struct Lease {
     pub ttl: Duration,
     /// The most tokens one lease takes (the batch adapts between 1 and this).
     pub max: i64,
+    /// For gcra, what an identity's bucket holds at most (its smallest burst, in tokens) and
+    /// how long it takes to gather that at the limit's rate: a fetch brings no more than the
+    /// bucket gathered since the last one, so a worker at the limit must not wait longer than
+    /// that between fetches, or tokens are lost (`src/api/lease.rs`). None for fixed_window,
+    /// whose count does not leak away.
+    pub bucket: Option<(i64, Duration)>,
 }
 
 /// Names that become key names and metric labels.
@@ -115,7 +121,21 @@ fn read_lease(
         1,
         smallest.max(1) as u64,
     ) as i64;
-    Some(Lease { ttl, max })
+    let bucket = (rule.algorithm == Algorithm::Gcra)
+        .then(|| {
+            rule.limits
+                .iter()
+                .map(|l| {
+                    let tokens = l.tolerance_us / l.interval_us.max(1) + 1;
+                    (
+                        tokens,
+                        Duration::from_micros((tokens * l.interval_us) as u64),
+                    )
+                })
+                .min()
+        })
+        .flatten();
+    Some(Lease { ttl, max, bucket })
 }
 
 pub(super) fn read_rules(p: &mut Problems, v: Option<Value>) -> Vec<InboundRule> {
