@@ -11,9 +11,11 @@
 //!   dispatch to a ready stream. Jobs are removed on completion.
 //!
 //! Each run starts from an empty Redis (FLUSHALL) and preloads its input before the measured
-//! window, which closes when the last event is out. pacer's opens when its workers are started
-//! (their start included, as in the other benchmarks); BullMQ's once its node processes have
-//! started and connected (node's start left out), which can only flatter BullMQ. Within it:
+//! window, which closes when the last event is out. Both open the same way: once every worker
+//! process has started and is ready, the events are released at once (BullMQ's workers are
+//! told to go; pacer's consumer group, created behind the preload, is moved back to its start),
+//! so neither system's process start is counted. (Until 2026-11-24 pacer's window included its
+//! three workers' start, one after the other: about a fifth of a 20,000-event run.) Within it:
 //! events/s, Redis CPU µs per event (`INFO cpu`, user + sys), Redis commands per event and each
 //! command's calls and µs (`INFO commandstats`, which counts the calls scripts make, and their
 //! time both under them and under the script), and the workers' CPU µs per event. Rounds alternate which system goes first; the summary gives the
@@ -24,7 +26,7 @@
 //! `--concurrency` is each BullMQ Worker's (jobs in flight at once). BullMQ's default is 1, but
 //! more lets ioredis pipeline: here 1 cost about 105-130 µs of Redis CPU per job and 10 to 200
 //! about 55-80, with more jobs/s. 50 is the default, so that pacer meets BullMQ at its best;
-//! pacer's workers read batches of 256.
+//! pacer's workers read batches of 512, pacer's own default (`--batch` to change it).
 //!
 //! Without node it prints `skipped: node is not installed` and exits 0. It installs BullMQ with
 //! `npm ci` in `benches/bullmq` when its node_modules is missing.
@@ -128,7 +130,11 @@ fn figures(
     }
 }
 
-/// pacer on `routes` routes whose rate does not bind.
+/// pacer on `routes` routes whose rate does not bind. As for BullMQ, the window opens once every
+/// worker has started and is ready (connected, its scripts loaded, reading): the events are
+/// preloaded behind the consumer group (created at the stream's end), and the window opens by
+/// moving the group back to the stream's start (XGROUP SETID) and adding one more event, whose
+/// XADD wakes the workers blocked on their reads. That event is counted with the others.
 fn pacer_run(bin: &Path, redis: &RedisServer, workers: u64, events: u64, routes: u64) -> Run {
     let mut con = redis.con();
     reset(&mut con);
@@ -136,16 +142,33 @@ fn pacer_run(bin: &Path, redis: &RedisServer, workers: u64, events: u64, routes:
     let yaml: String = (0..routes)
         .map(|r| format!("    r{r}: {{rate: 1000/ms, burst: 1000000}}\n"))
         .collect();
-    // The group first, so that the workers read the preload from its start.
-    pacer::testkit::create_group(&mut con, "in", "pacer");
-    preload(&mut con, events, |i| {
-        [("route", format!("r{}", i % routes)), ("to", i.to_string())]
-    });
-    let cpu0 = cpu_seconds(&mut con);
-    let start = Instant::now();
+    let fields = |i: u64| [("route", format!("r{}", i % routes)), ("to", i.to_string())];
+    preload(&mut con, events, fields);
+    let _: () = redis::cmd("XGROUP")
+        .arg(&["CREATE", "in", "pacer", "$"])
+        .query(&mut con)
+        .unwrap();
     let running = start_workers(bin, &dir, redis, workers, &|url, port| {
-        outbound_config(url, port, &yaml)
+        outbound_config(url, port, &yaml, 512)
     });
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut con)
+        .unwrap();
+    let cpu0 = cpu_seconds(&mut con);
+    let worker_cpu0 = process_cpu_seconds(running.iter().map(Pacer::pid));
+    let start = Instant::now();
+    let _: () = redis::cmd("XGROUP")
+        .arg(&["SETID", "in", "pacer", "0"])
+        .query(&mut con)
+        .unwrap();
+    let mut waker = redis::cmd("XADD");
+    waker.arg("in").arg("*");
+    for (name, value) in fields(events) {
+        waker.arg(name).arg(value);
+    }
+    let _: String = waker.query(&mut con).unwrap();
+    let events = events + 1;
     let ready = |con: &mut redis::Connection| -> u64 {
         (0..routes)
             .map(|r| xlen(con, &format!("pacer:{{r{r}}}:ready")))
@@ -154,9 +177,12 @@ fn pacer_run(bin: &Path, redis: &RedisServer, workers: u64, events: u64, routes:
     assert!(wait_until(Duration::from_secs(600), || ready(&mut con) >= events));
     let seconds = start.elapsed().as_secs_f64();
     let cpu = cpu_seconds(&mut con) - cpu0;
-    let worker_cpu = process_cpu_seconds(running.iter().map(Pacer::pid));
-    // Left out as the other benchmarks do: the XLEN polling, INFO and the connections' setup.
-    figures(&mut con, events, seconds, cpu, worker_cpu, &BENCH_OWN)
+    let worker_cpu = process_cpu_seconds(running.iter().map(Pacer::pid)) - worker_cpu0;
+    // Left out as the other benchmarks do: the XLEN polling, INFO and the connections' setup;
+    // and the window's opening (its XADD is one event's, counted).
+    let mut own = BENCH_OWN.to_vec();
+    own.push("xgroup|setid");
+    figures(&mut con, events, seconds, cpu, worker_cpu, &own)
 }
 
 /// A `node worker.js work` process: whether it said `ready`, and the completions it last
@@ -214,7 +240,7 @@ impl NodeWorker {
 
 /// BullMQ on `routes` queues whose rate limiter does not bind. The window opens once every
 /// worker process has started and connected its Workers (node's start, about 0.3 s of CPU, is
-/// left out: in BullMQ's favour, since pacer's window includes its workers' start).
+/// left out, as pacer's workers' start is).
 fn bullmq_run(
     redis: &RedisServer,
     workers: u64,

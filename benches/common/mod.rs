@@ -259,7 +259,7 @@ pub fn outbound_throughput(bin: &Path, workers: u64, events: u64) -> Measured {
         workers,
         events,
         |i| [("route", format!("r{}", i % 10)), ("to", i.to_string())],
-        &|url, port| outbound_config(url, port, &routes),
+        &|url, port| outbound_config(url, port, &routes, 256),
         |con| {
             (0..10)
                 .map(|r| xlen(con, &format!("pacer:{{r{r}}}:ready")))
@@ -269,9 +269,10 @@ pub fn outbound_throughput(bin: &Path, workers: u64, events: u64) -> Measured {
     )
 }
 
-/// A worker config with outbound `routes` (YAML lines under `routes:`) reading `in`.
-pub fn outbound_config(url: &str, port: u16, routes: &str) -> String {
-    let batch = arg("--batch", 256);
+/// A worker config with outbound `routes` (YAML lines under `routes:`) reading `in`, in batches
+/// of `--batch`, else `batch`.
+pub fn outbound_config(url: &str, port: u16, routes: &str, batch: u64) -> String {
+    let batch = arg("--batch", batch);
     let wait = arg("--wait-replicas", 0);
     format!(
         "redis: {{url: \"{url}\", wait_replicas: {wait}}}\nmetrics: {{listen: \"127.0.0.1:{port}\"}}\nworker: {{batch: {batch}, max_inflight: 100000}}\noutbound:\n  streams: [\"in\"]\n  routes:\n{routes}"
