@@ -76,12 +76,16 @@ end
 -- Reads the fields list[from..to] of hash `key` in one HMGET (at most 1000 a time: unpack has
 -- a stack limit); returns their values in order (false where absent).
 local function hmget(key, list, from, to)
-  local out = {}
+  if to - from < 1000 then
+    return redis.call('HMGET', key, unpack(list, from, to))
+  end
+  local out, o = {}, 0
   for a = from, to, 1000 do
     local part = redis.call('HMGET', key, unpack(list, a, math.min(a + 999, to)))
     for j = 1, #part do
-      out[#out + 1] = part[j]
+      out[o + j] = part[j]
     end
+    o = o + #part
   end
   return out
 end
@@ -128,24 +132,30 @@ local function ack_all(first, group, acks)
   end
 end
 
--- What a call's h record hashes (KEYS[first..]) hold for its entries (entry i in hash
--- hashes[i]), read in one HMGET per hash; `get` sees what this call `set` since, so an entry
--- that comes twice in one call (a worker holding two deliveries of it) finds what the first
--- copy decided, and `save` writes what changed, once, after the outputs it speaks of.
-local function records(first, h, hashes, entries)
-  local held, changed, per = lists(h), lists(h), lists(h)
-  for i = 1, #entries do
-    local list = per[hashes[i]]
-    list[#list + 1] = entries[i]
-  end
+-- What a call's h record hashes (KEYS[first..]) hold for its entries, read in one HMGET per
+-- hash: hash k's are lists[k][from[k] .. to[k]]. `get` sees what this call `set` since, so an
+-- entry that comes twice in one call (a worker holding two deliveries of it) finds what the
+-- first copy decided, and `save` writes what changed, once, after the outputs it speaks of.
+-- `held` (per hash: entry -> value) and `changed` (per hash: entry, value, entry, value...) are
+-- what `get` reads and `set` writes, for loops that read and write them without a call.
+local function records_of(first, h, lists, from, to)
+  local held, changed = {}, {}
   for k = 1, h do
-    if #per[k] > 0 then
-      for j, v in ipairs(hmget(KEYS[first + k - 1], per[k], 1, #per[k])) do
-        held[k][per[k][j]] = v or nil
+    local seen, list = {}, lists[k]
+    held[k], changed[k] = seen, {}
+    if to[k] >= from[k] then
+      local values = hmget(KEYS[first + k - 1], list, from[k], to[k])
+      for j = from[k], to[k] do
+        local v = values[j - from[k] + 1]
+        if v then
+          seen[list[j]] = v
+        end
       end
     end
   end
   return {
+    held = held,
+    changed = changed,
     get = function(k, entry)
       return held[k][entry]
     end,
@@ -162,6 +172,19 @@ local function records(first, h, hashes, entries)
       end
     end,
   }
+end
+
+-- The same, for entries[i] in hash hashes[i].
+local function records(first, h, hashes, entries)
+  local per, from, to = lists(h), {}, {}
+  for i = 1, #entries do
+    local list = per[hashes[i]]
+    list[#list + 1] = entries[i]
+  end
+  for k = 1, h do
+    from[k], to[k] = 1, #per[k]
+  end
+  return records_of(first, h, per, from, to)
 end
 
 -- Decisions, as recorded per input entry: "<kind><number>" or "s<slot>:<deadline>", the same

@@ -60,39 +60,40 @@ if #KEYS ~= 2 + h + s + c then
   bad('key count')
 end
 local at = 15
--- Per event, in flat arrays (a table per event costs more than its use): its hash, stream
--- index and name, entry id, exceptions, and where its fields start and stop.
-local ev_hash, ev_stream, ev_name, ev_entry = {}, {}, {}, {}
-local ev_cost, ev_wait, ev_claim, ev_expect, ev_fields, ev_stop = {}, {}, {}, {}, {}, {}
-local groups = {}
+-- Per event, in flat arrays: its entry id, where its fields start (their count, then the
+-- pairs), and its exceptions if it has any ({ cost, max_wait_us, claim, expect }). Its hash,
+-- stream and name are its group's (events come grouped by decision hash: group k's are
+-- first[k] .. last[k]). A table per event, or an array per property, would cost more than its
+-- use: growing tables and collecting them is a large part of what a call costs Redis.
+local ev_entry, ev_fields, ev_extra = {}, {}, {}
+local g_stream, g_name, first, last = {}, {}, {}, {}
+local counts = {}
 for k = 1, h do
-  groups[k] = { count = num(at, 'count'), stream = index(at + 1, s, true, 'stream'), name = ARGV[at + 2] }
+  counts[k], g_stream[k], g_name[k] = num(at, 'count'), index(at + 1, s, true, 'stream'), ARGV[at + 2]
   at = at + 3
 end
 local i = 0
 for k = 1, h do
-  for _ = 1, groups[k].count do
+  first[k] = i + 1
+  for _ = 1, counts[k] do
     i = i + 1
-    ev_hash[i], ev_stream[i], ev_name[i] = k, groups[k].stream, groups[k].name
     ev_entry[i] = ARGV[at]
     local extra = ARGV[at + 1]
     if extra == nil then
       bad('events run past the arguments')
     end
-    if extra == '' then
-      ev_cost[i], ev_wait[i], ev_claim[i], ev_expect[i] = 1, default_wait, 0, ''
-    else
+    if extra ~= '' then
       local cost, wait, claim, expect = string.match(extra, '^(%d+),(%d+),(%d+),(.*)$')
       cost, wait, claim = tonumber(cost), tonumber(wait), tonumber(claim)
       if not (cost and wait and claim) or cost < 1 or claim > c then
         bad('extra ' .. extra)
       end
-      ev_cost[i], ev_wait[i], ev_claim[i], ev_expect[i] = cost, wait, claim, expect
+      ev_extra[i] = { cost, wait, claim, expect }
     end
     ev_fields[i] = at + 2
-    ev_stop[i] = fields_end(at + 2)
-    at = ev_stop[i]
+    at = fields_end(at + 2)
   end
+  last[k] = i
 end
 if i ~= n or at - 1 ~= #ARGV then
   bad('argument count')
@@ -100,21 +101,25 @@ end
 
 -- Then read: the bucket, the ready stream's newest entry, the decisions on record, the id
 -- claims (reading also checks every key's type, so nothing fails once writing starts).
-local now, tat, dtat, last, decided = read_route(h, s, group, ev_hash, ev_entry)
+local now, tat, dtat, last_us, decided = read_route(h, s, group, ev_entry, first, last)
 local claimed = {}
 for k = 1, c do
   claimed[k] = redis.call('GET', KEYS[2 + h + s + k])
 end
 
 -- Decide, in order; the plan and gate move as each event takes its share.
-local out = { 0, 0 }
+local out, o = { 0, 0 }, 2
+local held, records = decided.held, decided.changed
 local changed = false
 local wrote = false
-local acks = lists(s) -- per input stream index: entry ids
+local acks, acked = lists(s), {} -- per input stream index: entry ids, and their count
+for k = 1, s do
+  acked[k] = 0
+end
 local claims = {} -- id claims to write: key index -> owner
 -- Pacer's time on this route never goes back: ready ids must increase, and a Redis clock
 -- stepped back leaves `last` ahead until it catches up.
-local t, tq = dispatch_clock(now, last)
+local t, tq = dispatch_clock(now, last_us)
 out[1] = t
 -- The ready entries' id and what they record, made once for the call (a Lua string is hashed
 -- when it is made, and a call may dispatch a thousand events).
@@ -123,86 +128,97 @@ local dispatched = decision('d', tq / 1000)
 local slot_at, slot_text
 -- Whether any entry of the call could be too old (the worker passes the oldest).
 local aged = t - oldest * 1000 > math.min(stale, max_age > 0 and max_age or stale)
-for i = 1, n do
-  local code, value
-  -- What is on record, or what an earlier copy of this entry in the call made of it.
-  local had, claim, expect = decided.get(ev_hash[i], ev_entry[i]), ev_claim[i], ev_expect[i]
-  local age = 0
-  if aged and expect == '' then
-    age = t - tonumber(string.match(ev_entry[i], '^%d+') or 0) * 1000
-  end
-  if had and had ~= expect then
-    code, value = DECIDED, had
-    if decision_kind(had) == 'd' and ev_stream[i] > 0 then
-      -- Dispatched by an earlier delivery that never got to acknowledge it.
-      local list = acks[ev_stream[i]]
-      list[#list + 1] = ev_entry[i]
+for k = 1, h do
+  local stream, name, seen, record = g_stream[k], g_name[k], held[k], records[k]
+  for i = first[k], last[k] do
+    local code, value
+    local entry, x = ev_entry[i], ev_extra[i]
+    local cost, wait, claim, expect = 1, default_wait, 0, ''
+    if x then
+      cost, wait, claim, expect = x[1], x[2], x[3], x[4]
     end
-  elseif claim > 0 and claimed[claim] and claimed[claim] ~= ev_entry[i] .. '@' .. ev_name[i] then
-    code, value = DUPLICATE, claimed[claim]
-  elseif age > stale then
-    code, value = STALE, age
-  elseif max_age > 0 and age > max_age then
-    code, value = EXPIRED, age
-  elseif not fits(ev_cost[i], interval, tol) then
-    -- More units than the burst: it could never pass (the worker refuses such events first).
-    code, value = TOO_LONG, 2 ^ 53
-  else
-    local cost = ev_cost[i]
-    local slot, next_tat = plan(math.max(tat, dtat), t, cost, interval, tol)
-    -- A slot ahead is slept until the first millisecond it can be written in; the wait is
-    -- judged on that, so the recorded slot is never past the deadline.
-    if slot > t then
-      slot = ceil_ms(slot)
+    -- What is on record, or what an earlier copy of this entry in the call made of it.
+    local had = seen[entry]
+    local age = 0
+    if aged and expect == '' then
+      age = t - tonumber(string.match(entry, '^%d+') or 0) * 1000
     end
-    if slot - t > ev_wait[i] then
-      code, value = TOO_LONG, slot - t
-    elseif slot <= t then
-      local ok, g = gate(dtat, tq, cost, interval, tol)
-      if ok then
-        code, value = DISPATCHED, tq / 1000
-        if slot ~= slot_at then
-          -- Events dispatched at once share their slot (now), unless the rate binds.
-          slot_at, slot_text = slot, int(slot)
-        end
-        redis.call('XADD', KEYS[2], xadd_id, 'pacer_route', route,
-          'pacer_source_stream', ev_name[i], 'pacer_source_id', ev_entry[i], 'pacer_slot_us',
-          slot_text, 'pacer_wait_ms', '0', unpack(ARGV, ev_fields[i] + 1, ev_stop[i] - 1))
-        dtat, last, tat, changed, wrote = g, t, next_tat, true, true
-        if ev_stream[i] > 0 then
-          local list = acks[ev_stream[i]]
-          list[#list + 1] = ev_entry[i]
-        end
-      elseif g - t <= ev_wait[i] then
-        -- An earlier slot went out late: this one waits until the gate lets it through.
-        code, value = SLEEP, g
-        tat, changed = math.max(next_tat, g + cost * interval), true
-      else
-        code, value = TOO_LONG, g - t
+    if had and had ~= expect then
+      code, value = DECIDED, had
+      if decision_kind(had) == 'd' and stream > 0 then
+        -- Dispatched by an earlier delivery that never got to acknowledge it.
+        acked[stream] = acked[stream] + 1
+        acks[stream][acked[stream]] = entry
       end
+    elseif claim > 0 and claimed[claim] and claimed[claim] ~= entry .. '@' .. name then
+      code, value = DUPLICATE, claimed[claim]
+    elseif age > stale then
+      code, value = STALE, age
+    elseif max_age > 0 and age > max_age then
+      code, value = EXPIRED, age
+    elseif not fits(cost, interval, tol) then
+      -- More units than the burst: it could never pass (the worker refuses such events first).
+      code, value = TOO_LONG, 2 ^ 53
     else
-      code, value = SLEEP, slot
-      tat, changed = next_tat, true
+      local slot, next_tat = plan(math.max(tat, dtat), t, cost, interval, tol)
+      -- A slot ahead is slept until the first millisecond it can be written in; the wait is
+      -- judged on that, so the recorded slot is never past the deadline.
+      if slot > t then
+        slot = ceil_ms(slot)
+      end
+      if slot - t > wait then
+        code, value = TOO_LONG, slot - t
+      elseif slot <= t then
+        local ok, g = gate(dtat, tq, cost, interval, tol)
+        if ok then
+          code, value = DISPATCHED, tq / 1000
+          if slot ~= slot_at then
+            -- Events dispatched at once share their slot (now), unless the rate binds.
+            slot_at, slot_text = slot, int(slot)
+          end
+          local f = ev_fields[i]
+          redis.call('XADD', KEYS[2], xadd_id, 'pacer_route', route,
+            'pacer_source_stream', name, 'pacer_source_id', entry, 'pacer_slot_us',
+            slot_text, 'pacer_wait_ms', '0', unpack(ARGV, f + 1, f + 2 * tonumber(ARGV[f])))
+          dtat, last_us, tat, changed, wrote = g, t, next_tat, true, true
+          if stream > 0 then
+            acked[stream] = acked[stream] + 1
+            acks[stream][acked[stream]] = entry
+          end
+        elseif g - t <= wait then
+          -- An earlier slot went out late: this one waits until the gate lets it through.
+          code, value = SLEEP, g
+          tat, changed = math.max(next_tat, g + cost * interval), true
+        else
+          code, value = TOO_LONG, g - t
+        end
+      else
+        code, value = SLEEP, slot
+        tat, changed = next_tat, true
+      end
+      local made
+      if code == DISPATCHED then
+        made = dispatched
+      elseif code == SLEEP then
+        -- It must go by its wait, give or take the small lateness tolerance (gcra.lua LATE).
+        made = decision('s', value, t + wait + LATE)
+      else
+        made = decision('x', value)
+      end
+      -- As decided.set(k, entry, made), without a call per event.
+      seen[entry] = made
+      record[#record + 1] = entry
+      record[#record + 1] = made
+      if claim > 0 and not claimed[claim] then
+        -- Taken now: a later event of this call with the same id is its duplicate.
+        local owner = entry .. '@' .. name
+        claims[claim] = owner
+        claimed[claim] = owner
+      end
     end
-    local made
-    if code == DISPATCHED then
-      made = dispatched
-    elseif code == SLEEP then
-      -- It must go by its wait, give or take the small lateness tolerance (gcra.lua LATE).
-      made = decision('s', value, t + ev_wait[i] + LATE)
-    else
-      made = decision('x', value)
-    end
-    decided.set(ev_hash[i], ev_entry[i], made)
-    if claim > 0 and not claimed[claim] then
-      -- Taken now: a later event of this call with the same id is its duplicate.
-      local owner = ev_entry[i] .. '@' .. ev_name[i]
-      claims[claim] = owner
-      claimed[claim] = owner
-    end
+    out[o + 1], out[o + 2] = code, value
+    o = o + 2
   end
-  out[#out + 1] = code
-  out[#out + 1] = value
 end
 
 -- Record: the decisions (after the ready entries they speak of), the claims, the bucket, then
@@ -212,7 +228,7 @@ for k, owner in pairs(claims) do
   redis.call('SET', KEYS[2 + h + s + k], owner, 'PX', ttl)
 end
 out[2] = tat
-save_route(1, now, tat, dtat, last, changed, wrote, maxlen)
+save_route(1, now, tat, dtat, last_us, changed, wrote, maxlen)
 ack_all(3 + h, group, acks)
-out[#out + 1] = redis_now_us()
+out[o + 1] = redis_now_us()
 return out

@@ -1,0 +1,253 @@
+//! What `schedule.lua` costs Redis per event, counted in instructions rather than time: a
+//! redis-server runs under valgrind's callgrind, and the same calls pacer's workers make (read
+//! a batch, schedule it on one route whose rate does not bind, the input acknowledged in the
+//! script) run against it. Time on this two-core virtual machine swings by a third between runs;
+//! an instruction count repeats to about 0.5%, so it tells a 5% change in a script apart.
+//!
+//! Two phases on the same server, counted separately (`callgrind_control --dump` between them):
+//! the producer's XADDs and the workers' XREADGROUPs alone, then the same with the schedule
+//! calls. Their difference per event is what the script costs, its arguments included.
+//!
+//! `cargo bench --bench script_cost -- [--calls 50] [--per 128] [--fields 2]`
+//!
+//! `--per` events per call (a worker's call on one route holds up to 128), `--fields` fields per
+//! event besides pacer's own. Without valgrind it prints `skipped: valgrind is not installed`.
+
+mod common;
+
+use common::arg;
+use pacer::config::{Config, Overrides};
+use pacer::scripts::{EventRef, RouteCall, ScheduleItem, Scheduled, Scripts, Writing};
+use pacer::testkit::{free_port, wait_until, TempDir};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const GROUP: &str = "pacer";
+
+/// redis-server under callgrind; killed on drop.
+struct Counted {
+    child: Child,
+    port: u16,
+    dir: TempDir,
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Counted {
+    fn start() -> Self {
+        let dir = TempDir::new("script-cost");
+        let port = free_port();
+        let child = Command::new("valgrind")
+            .arg("--tool=callgrind")
+            .arg(format!(
+                "--callgrind-out-file={}",
+                dir.path().join("cg.out").display()
+            ))
+            .args(["redis-server", "--port", &port.to_string()])
+            .args(["--save", "", "--appendonly", "no"])
+            .current_dir(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting valgrind");
+        let counted = Counted { child, port, dir };
+        let client = redis::Client::open(counted.url()).unwrap();
+        assert!(
+            wait_until(Duration::from_secs(60), || client.get_connection().is_ok()),
+            "redis-server under valgrind did not start"
+        );
+        counted
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Writes the instructions counted since the last dump (or the start) and returns them.
+    fn dump(&self, n: usize) -> u64 {
+        let ok = Command::new("callgrind_control")
+            .arg("--dump")
+            .arg(self.child.id().to_string())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "callgrind_control --dump failed");
+        let file = self.dir.path().join(format!("cg.out.{n}"));
+        let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{file:?}: {e}"));
+        text.lines()
+            .find_map(|l| l.strip_prefix("summary: ").or(l.strip_prefix("totals: ")))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no instruction count in {file:?}"))
+    }
+}
+
+fn present(program: &str) -> bool {
+    Command::new(program)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// One round: `per` events added and read; scheduled when `schedule`. Returns the events read.
+fn round(
+    rt: &tokio::runtime::Runtime,
+    con: &mut redis::aio::MultiplexedConnection,
+    scripts: &Scripts,
+    route: &pacer::config::Route,
+    (per, fields, schedule): (usize, usize, bool),
+) -> usize {
+    let values: Vec<Vec<(Vec<u8>, Vec<u8>)>> = (0..per)
+        .map(|i| {
+            (0..fields)
+                .map(|f| {
+                    let value = format!("value {f} of event {i}, some forty bytes long");
+                    (format!("field{f}").into_bytes(), value.into_bytes())
+                })
+                .collect()
+        })
+        .collect();
+    rt.block_on(async {
+        let mut pipe = redis::pipe();
+        for v in &values {
+            let cmd = pipe.cmd("XADD").arg("in").arg("*");
+            for (name, value) in v {
+                cmd.arg(name).arg(value);
+            }
+            cmd.ignore();
+        }
+        let _: () = pipe.query_async(con).await.unwrap();
+        let read: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+            .arg(&["GROUP", GROUP, "c", "COUNT"])
+            .arg(per)
+            .arg(&["STREAMS", "in", ">"])
+            .query_async(con)
+            .await
+            .unwrap();
+        let ids: Vec<String> = read.keys[0].ids.iter().map(|e| e.id.clone()).collect();
+        if !schedule {
+            return ids.len();
+        }
+        let pairs: Vec<Vec<(&[u8], &[u8])>> = values
+            .iter()
+            .map(|v| {
+                v.iter()
+                    .map(|(a, b)| (a.as_slice(), b.as_slice()))
+                    .collect()
+            })
+            .collect();
+        let items: Vec<ScheduleItem<'_>> = ids
+            .iter()
+            .zip(&pairs)
+            .map(|(id, fields)| ScheduleItem {
+                event: EventRef {
+                    stream: "in",
+                    entry_id: id,
+                    entry_ms: pacer::event::entry_ms(id),
+                    cost: 1,
+                    fields,
+                },
+                claim: None,
+                expect: None,
+                max_wait_us: 1_000_000,
+            })
+            .collect();
+        let acks = |_: &str| true;
+        let call = RouteCall {
+            name: &route.name,
+            keys: &route.keys,
+            bucket: &route.bucket,
+            out: Writing {
+                ttl_ms: 600_000,
+                max_len: 1_000_000,
+                group: GROUP,
+                acks: &acks,
+            },
+        };
+        let reply = scripts
+            .schedule(con, &call, (600_000_000, 0, 1_000_000), &items)
+            .await
+            .unwrap();
+        assert!(
+            reply
+                .items
+                .iter()
+                .all(|s| matches!(s, Scheduled::Dispatched { .. })),
+            "every event dispatched at once: {:?}",
+            reply.items.first()
+        );
+        ids.len()
+    })
+}
+
+fn main() {
+    let calls = arg("--calls", 50) as usize;
+    let per = arg("--per", 128) as usize;
+    let fields = arg("--fields", 2) as usize;
+    if !present("valgrind") {
+        println!("skipped: valgrind is not installed");
+        return;
+    }
+    pacer::testkit::ensure_redis_installed();
+    let yaml = "outbound:\n  streams: [in]\n  routes:\n    r: {rate: 1000/ms, burst: 1000000}\n";
+    let route = Config::parse(yaml, &Overrides::default())
+        .unwrap()
+        .outbound
+        .routes["r"]
+        .clone();
+    let server = Counted::start();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut con = rt
+        .block_on(client.get_multiplexed_async_connection())
+        .unwrap();
+    let mut sync = client.get_connection().unwrap();
+    pacer::testkit::create_group(&mut sync, "in", GROUP);
+    let scripts = Scripts::default();
+    // Warm up (the script loaded, the streams and hashes past their first allocations), then
+    // the two phases, each between two dumps (a dump resets the count).
+    for _ in 0..10 {
+        round(&rt, &mut con, &scripts, &route, (per, fields, true));
+    }
+    server.dump(1);
+    let mut read = 0;
+    for _ in 0..calls {
+        read += round(&rt, &mut con, &scripts, &route, (per, fields, false));
+    }
+    let base = server.dump(2) as f64 / read as f64;
+    // The first phase's entries stay pending: a new group, so that the second starts as clean.
+    let _: () = redis::cmd("XGROUP")
+        .arg(&["DESTROY", "in", GROUP])
+        .query(&mut sync)
+        .unwrap();
+    let _: () = redis::cmd("XGROUP")
+        .arg(&["CREATE", "in", GROUP, "$"])
+        .query(&mut sync)
+        .unwrap();
+    server.dump(3);
+    let mut scheduled = 0;
+    for _ in 0..calls {
+        scheduled += round(&rt, &mut con, &scripts, &route, (per, fields, true));
+    }
+    let with = server.dump(4) as f64 / scheduled as f64;
+    println!(
+        "schedule.lua under callgrind: {calls} calls of {per} events with {fields} fields each, one route whose rate does not bind"
+    );
+    println!("  redis-server instructions per event");
+    println!("    producer's XADD and the worker's XREADGROUP   {base:>8.0}");
+    println!("    the same with the schedule call              {with:>8.0}");
+    println!(
+        "    schedule.lua (the difference)                {:>8.0}",
+        with - base
+    );
+}
