@@ -28,6 +28,16 @@ impl Error {
         }
     }
 
+    /// Whether Redis refused the call because a key it touches holds the wrong kind of value
+    /// (a key pacer uses, written by something else): retrying cannot help until someone
+    /// fixes or deletes the key.
+    pub fn is_wrong_type(&self) -> bool {
+        match self {
+            Error::Redis(e) => e.code() == Some("WRONGTYPE") || e.to_string().contains("WRONGTYPE"),
+            _ => false,
+        }
+    }
+
     pub fn reply(op: &'static str, detail: impl Into<String>) -> Self {
         Error::Reply {
             op,

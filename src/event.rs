@@ -82,6 +82,9 @@ pub enum Reason {
     RateLimited,
     /// Inbound: admission could not be decided (Redis errors) and `fail_policy` is fail_closed.
     LimiterUnavailable,
+    /// Outbound: its route's calls fail with an error retrying cannot fix (a key of the route
+    /// holds the wrong kind of value); the detail names the route and the error.
+    RouteBroken,
 }
 
 impl Reason {
@@ -96,6 +99,7 @@ impl Reason {
             Reason::MissingKey => "missing_key",
             Reason::RateLimited => "rate_limited",
             Reason::LimiterUnavailable => "limiter_unavailable",
+            Reason::RouteBroken => "route_broken",
         }
     }
 }

@@ -1,7 +1,9 @@
 //! Hostile input against real processes: events with thousands of fields, huge and binary
 //! values, among ordinary ones, on the outbound and the inbound flow at once. Before, an event
 //! of about 4,000 empty fields failed a script half-way: it was lost and its batch-mates were
-//! forwarded twice. Now every entry ends in exactly one output, once.
+//! forwarded twice. Now every entry ends in exactly one output, once. And hostile state: a
+//! route key overwritten with a value of the wrong type, which used to hold the route's events
+//! until they filled the worker and stopped every route.
 
 mod common;
 
@@ -368,4 +370,136 @@ inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  rej
             .collect();
         println!("{label}: {}", counts.join(", "));
     }
+}
+
+/// A route whose bucket key another program overwrote with a value of the wrong type: every
+/// call on it fails. Its events must end (dead-lettered, saying why), the other routes must
+/// flow, and nothing may be lost.
+#[test]
+fn a_route_whose_keys_are_broken_dead_letters_its_events_and_the_others_flow() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("broken-route");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    fine: {rate: 100/ms, burst: 1000}\n    broken: {rate: 100/ms, burst: 1000}\n";
+    let cfg = config(
+        &dir,
+        "c.yaml",
+        &redis,
+        port,
+        "  batch: 64\n  max_inflight: 200",
+        body,
+    );
+    let _: () = redis::cmd("SET")
+        .arg("pacer:{broken}:bucket:broken")
+        .arg("not a hash")
+        .query(&mut redis.con())
+        .unwrap();
+    let _pacer = start(&cfg, port);
+    let events: Vec<_> = (0..600)
+        .map(|i| {
+            let route = if i % 2 == 0 { "fine" } else { "broken" };
+            event(&[("route", route), ("n", &i.to_string())])
+        })
+        .collect();
+    let ids = push(&redis, "in", &events);
+    let outputs = [
+        "pacer:{fine}:ready",
+        "pacer:{broken}:ready",
+        "pacer:rejected",
+        "pacer:dead",
+    ];
+    let ended = wait_until(Duration::from_secs(30), || {
+        let mut con = redis.con();
+        outputs
+            .iter()
+            .map(|s| redis::cmd("XLEN").arg(*s).query::<usize>(&mut con).unwrap())
+            .sum::<usize>()
+            >= ids.len()
+    });
+    let mut con = redis.con();
+    std::thread::sleep(Duration::from_millis(300));
+    let lens: Vec<usize> = outputs
+        .iter()
+        .map(|s| redis::cmd("XLEN").arg(*s).query::<usize>(&mut con).unwrap())
+        .collect();
+    assert!(ended, "not every entry ended: {outputs:?} hold {lens:?}");
+    assert_each_once(&redis, &ids, &outputs, "in");
+    assert_eq!(lens[0], 300, "the other route flows");
+    let dead = read(&redis, "pacer:dead");
+    assert_eq!(dead.len(), 300, "{:?}", dead.first());
+    for d in &dead {
+        assert_eq!(d.field("pacer_reason"), Some("route_broken"), "{d:?}");
+        let detail = d.field("pacer_detail").unwrap_or("");
+        assert!(
+            detail.contains("route broken") && detail.contains("WRONGTYPE"),
+            "{detail}"
+        );
+        assert_eq!(
+            d.field("route"),
+            Some("broken"),
+            "the event's own fields are kept"
+        );
+    }
+}
+
+/// The same, when the key breaks while events sleep on the route: their dispatch calls fail
+/// too. They keep trying until their deadline (a key fixed in time loses nothing:
+/// `tests/outbound.rs`), then are dead-lettered; the events sleeping on the other route (which
+/// share dispatch calls on one server) still go at their slots.
+#[test]
+fn a_route_whose_keys_break_while_events_sleep_on_it_does_not_hold_up_the_others() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("broken-sleepers");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    slow: {rate: 20/s, max_wait: 10s}\n    other: {rate: 20/s, max_wait: 10s}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, "  batch: 64", body);
+    let _pacer = start(&cfg, port);
+    let events: Vec<_> = (0..80)
+        .map(|i| {
+            let route = if i % 2 == 0 { "slow" } else { "other" };
+            event(&[("route", route), ("n", &i.to_string())])
+        })
+        .collect();
+    let ids = push(&redis, "in", &events);
+    std::thread::sleep(Duration::from_millis(500));
+    let mut con = redis.con();
+    let _: () = redis::pipe()
+        .atomic()
+        .cmd("DEL")
+        .arg("pacer:{slow}:bucket:slow")
+        .cmd("SET")
+        .arg("pacer:{slow}:bucket:slow")
+        .arg("not a hash")
+        .query(&mut con)
+        .unwrap();
+    let outputs = [
+        "pacer:{slow}:ready",
+        "pacer:{other}:ready",
+        "pacer:rejected",
+        "pacer:dead",
+    ];
+    let ended = wait_until(Duration::from_secs(20), || {
+        outputs
+            .iter()
+            .map(|s| redis::cmd("XLEN").arg(*s).query::<usize>(&mut con).unwrap())
+            .sum::<usize>()
+            >= ids.len()
+    });
+    let lens: Vec<usize> = outputs
+        .iter()
+        .map(|s| redis::cmd("XLEN").arg(*s).query::<usize>(&mut con).unwrap())
+        .collect();
+    assert!(ended, "not every entry ended: {outputs:?} hold {lens:?}");
+    assert_eq!(lens[1], 40, "the other route's sleepers went");
+    assert!(
+        lens[0] < 40,
+        "some were still asleep on the broken route: {lens:?}"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert_each_once(&redis, &ids, &outputs, "in");
+    let dead = read(&redis, "pacer:dead");
+    assert_eq!(dead.len(), 40 - lens[0]);
+    assert!(dead
+        .iter()
+        .all(|d| d.field("pacer_reason") == Some("route_broken")));
 }

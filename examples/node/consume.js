@@ -41,7 +41,8 @@ function handle(fields) {
     console.log(`rejected ${sourceId} reason=${fields.pacer_reason} retry_after_ms=${fields.pacer_retry_after_ms}`);
   } else if ('pacer_reason' in fields) {
     // Dead letter: pacer could not take the event (malformed, unknown_route, duplicate,
-    // missing_key, too_many_deliveries). Sending it again unchanged will not help.
+    // missing_key, too_many_deliveries). Sending it again unchanged will not help, but for
+    // route_broken: once the route's key is fixed, it can be sent again.
     console.log(`dead ${sourceId} reason=${fields.pacer_reason} detail=${fields.pacer_detail}`);
   } else {
     // Ready (outbound, due now at the route's pace; pacer_route may be a fallback of the route

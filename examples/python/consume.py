@@ -55,7 +55,8 @@ def handle(fields):
         )
     elif "pacer_reason" in fields:
         # Dead letter: pacer could not take the event (malformed, unknown_route, duplicate,
-        # missing_key, too_many_deliveries). Sending it again unchanged will not help.
+        # missing_key, too_many_deliveries). Sending it again unchanged will not help, but for
+        # route_broken: once the route's key is fixed, it can be sent again.
         print(f"dead {source_id} reason={fields['pacer_reason']} detail={fields['pacer_detail']}")
     else:
         # Ready (outbound, due now at the route's pace; pacer_route may be a fallback of the

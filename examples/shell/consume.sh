@@ -58,7 +58,8 @@ handle() {
     echo "rejected $source_id reason=${f[pacer_reason]} retry_after_ms=${f[pacer_retry_after_ms]}"
   elif [[ -v f[pacer_reason] ]]; then
     # Dead letter: pacer could not take the event (malformed, unknown_route, duplicate,
-    # missing_key, too_many_deliveries). Sending it again unchanged will not help.
+    # missing_key, too_many_deliveries). Sending it again unchanged will not help, but for
+    # route_broken: once the route's key is fixed, it can be sent again.
     echo "dead $source_id reason=${f[pacer_reason]} detail=${f[pacer_detail]}"
   else
     # Ready (outbound, due now at the route's pace; pacer_route may be a fallback of the route

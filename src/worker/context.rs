@@ -128,8 +128,27 @@ impl Context {
         &self,
         op: &'static str,
         stop: &CancellationToken,
-        mut f: F,
+        f: F,
     ) -> Option<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        self.retry_unless(op, stop, |_| false, f)
+            .await
+            .and_then(Result::ok)
+    }
+
+    /// As `retry`, but an error `hopeless` says retrying cannot fix is returned at once. It is
+    /// the call's, not Redis's: it does not count against health (the rest of the worker's
+    /// calls go on), and the caller says what became of the call's events.
+    pub(crate) async fn retry_unless<T, F, Fut>(
+        &self,
+        op: &'static str,
+        stop: &CancellationToken,
+        hopeless: impl Fn(&Error) -> bool,
+        mut f: F,
+    ) -> Option<Result<T>>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
@@ -139,8 +158,9 @@ impl Context {
             match telemetry::timed(op, f()).await {
                 Ok(v) => {
                     self.health.succeeded();
-                    return Some(v);
+                    return Some(Ok(v));
                 }
+                Err(e) if hopeless(&e) => return Some(Err(e)),
                 Err(e) => {
                     // Health says the outage once; here only the detail, at debug.
                     self.failed(op, &e);

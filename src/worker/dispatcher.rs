@@ -29,7 +29,7 @@ pub(crate) use timers::Sleeper;
 
 use super::context::Context;
 use super::outputs::{self, count_dispatch, Finished};
-use super::placement::Placing;
+use super::placement::{self, Placing};
 use super::placers::Placers;
 use super::waker::Waker;
 use crate::backoff::Backoff;
@@ -275,7 +275,7 @@ impl State {
     /// meanwhile.
     fn answered(
         &mut self,
-        groups: Groups,
+        mut groups: Groups,
         reply: crate::error::Result<DispatchReply>,
         received: Instant,
     ) {
@@ -294,6 +294,9 @@ impl State {
         let reply = match reply {
             Ok(reply) => reply,
             Err(e) => {
+                if e.is_wrong_type() && groups.len() == 1 {
+                    waiting = self.broken(&mut groups[0], waiting, &e, received);
+                }
                 self.ctx.failed("dispatch", &e);
                 let mut delays = BTreeMap::new();
                 for (index, group) in groups {
@@ -337,6 +340,42 @@ impl State {
         if !waiting.is_empty() {
             self.fire(waiting);
         }
+    }
+
+    /// A route alone in its call (as it is after one failure) whose key holds the wrong kind of
+    /// value: retrying helps only once someone fixes the key. Its sleepers (in the call, and
+    /// among `waiting`) keep retrying until their deadline, the promise of their wait; those
+    /// past it are dead-lettered as route_broken, as `placement` does at once for events not
+    /// yet given a slot. Returns the rest of `waiting`.
+    fn broken(
+        &mut self,
+        (index, group): &mut (usize, Vec<Sleeper>),
+        waiting: Vec<Sleeper>,
+        e: &crate::error::Error,
+        received: Instant,
+    ) -> Vec<Sleeper> {
+        let clock = &self.ctx.clock;
+        let past = |s: &Sleeper| clock.local(s.deadline_us) <= received;
+        let (mut late, kept): (Vec<Sleeper>, Vec<Sleeper>) =
+            std::mem::take(group).into_iter().partition(past);
+        *group = kept;
+        let (also, waiting): (Vec<Sleeper>, Vec<Sleeper>) = waiting
+            .into_iter()
+            .partition(|s| s.route == *index && past(s));
+        late.extend(also);
+        if late.is_empty() {
+            return waiting;
+        }
+        let route = self.ctx.cfg.outbound.route_at(*index);
+        warn!(route = %route.name, events = late.len(), error = %e, "a route's key holds the wrong kind of value: its events past their deadline are dead-lettered as route_broken");
+        let refused = placement::route_broken(route, e);
+        let mut done = Finished::default();
+        for s in late {
+            done.dead.push((s.event.entry(), refused.clone()));
+        }
+        let (ctx, stop) = (self.ctx.clone(), self.stop.clone());
+        tokio::spawn(async move { outputs::finish(&ctx, done, &stop).await });
+        waiting
     }
 
     /// Carries out one route's part of an answer; returns how late the call ran after its

@@ -9,6 +9,7 @@ use super::context::Context;
 use super::dispatcher::Sleeper;
 use super::outputs::{count_dispatch, Finished, Rejection};
 use crate::config::Route;
+use crate::error::Error;
 use crate::event::{OutboundEvent, Reason, Refused};
 use crate::marker::Marker;
 use crate::pacing;
@@ -188,15 +189,21 @@ pub(crate) async fn still_held(
 }
 
 /// Offers `group` to `route` in one `schedule` call, retried with backoff until Redis answers;
-/// `None` if `stop` came first (the entries stay pending for another worker).
+/// `None` if `stop` came first (the entries stay pending for another worker). A route whose
+/// call fails with an error retrying cannot fix (one of its keys holds the wrong kind of
+/// value: something else wrote it) dead-letters the group, saying why, rather than hold its
+/// events, and in time the worker's every permit, until someone fixes the key.
 pub(crate) async fn place_on(
     ctx: &Context,
     route: &Route,
     group: Vec<Placing>,
     stop: &CancellationToken,
 ) -> Option<Placed> {
-    let (group, mut reply) = schedule_on(ctx, route, group, stop).await;
-    let mut reply = reply.take()?;
+    let (group, reply) = schedule_on(ctx, route, group, stop).await;
+    let mut reply = match reply? {
+        Ok(reply) => reply,
+        Err(e) => return Some(broken(route, group, &e)),
+    };
     let mut placed = Placed::default();
     ctx.clock.observe(reply.end_us, ctx.time.now());
     telemetry::route_queue(&route.name, reply.tat_us - reply.now_us);
@@ -358,12 +365,39 @@ fn primary<'c>(ctx: &'c Context, event: &OutboundEvent) -> &'c Route {
     ctx.cfg.outbound.route_at(event.route)
 }
 
+/// The group dead-lettered as `route_broken`: its route's call failed with `e`, which retrying
+/// cannot fix (nothing was written: every script reads all its keys before it writes).
+fn broken(route: &Route, group: Vec<Placing>, e: &Error) -> Placed {
+    warn!(route = %route.name, events = group.len(), error = %e, "a route's key holds the wrong kind of value: its events are dead-lettered as route_broken");
+    let refused = route_broken(route, e);
+    let mut placed = Placed::default();
+    for p in group {
+        placed
+            .finished
+            .dead
+            .push((p.event.entry(), refused.clone()));
+    }
+    placed
+}
+
+/// Why an event of `route` is dead-lettered when the route's call failed with `e`, an error
+/// retrying cannot fix.
+pub(crate) fn route_broken(route: &Route, e: &Error) -> Refused {
+    Refused {
+        reason: Reason::RouteBroken,
+        detail: format!(
+            "route {}'s calls fail with an error retrying cannot fix ({e}); delete or fix the key, then replay the event",
+            route.name
+        ),
+    }
+}
+
 async fn schedule_on(
     ctx: &Context,
     route: &Route,
     group: Vec<Placing>,
     stop: &CancellationToken,
-) -> (Vec<Placing>, Option<ScheduleReply>) {
+) -> (Vec<Placing>, Option<crate::error::Result<ScheduleReply>>) {
     let reply = {
         let pairs: Vec<Vec<(&[u8], &[u8])>> = group
             .iter()
@@ -389,7 +423,7 @@ async fn schedule_on(
         // Nothing sleeps on a decision its replicas have not confirmed: unconfirmed, the call
         // is made again, and gives back the decisions it recorded (or records them anew on a
         // promoted replica that lacks them).
-        ctx.retry("schedule", stop, || {
+        ctx.retry_unless("schedule", stop, Error::is_wrong_type, || {
             let mut con = ctx.con.clone();
             let (items, call) = (&items, &call);
             async move {
