@@ -90,6 +90,7 @@ impl Worker {
             permits: Arc::new(Semaphore::new(cfg.worker.max_inflight)),
             cluster: AtomicBool::new(false),
             policy_seen: Default::default(),
+            broken_routes: Default::default(),
             cfg,
         };
         Ok(Worker {

@@ -394,7 +394,7 @@ fn a_route_whose_keys_are_broken_dead_letters_its_events_and_the_others_flow() {
         .arg("not a hash")
         .query(&mut redis.con())
         .unwrap();
-    let _pacer = start(&cfg, port);
+    let pacer = start(&cfg, port);
     let events: Vec<_> = (0..600)
         .map(|i| {
             let route = if i % 2 == 0 { "fine" } else { "broken" };
@@ -440,6 +440,10 @@ fn a_route_whose_keys_are_broken_dead_letters_its_events_and_the_others_flow() {
             "the event's own fields are kept"
         );
     }
+    // Said once, not for every batch dead-lettered.
+    let log = pacer.log_text();
+    let said = log.matches("dead-lettered as route_broken until it is fixed");
+    assert_eq!(said.count(), 1, "{log}");
 }
 
 /// The same, when the key breaks while events sleep on the route: their dispatch calls fail

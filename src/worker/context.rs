@@ -38,6 +38,9 @@ pub(crate) struct Context {
     pub(crate) cluster: AtomicBool,
     /// Redis's `maxmemory-policy` as last read (to log it when it changes).
     pub(crate) policy_seen: std::sync::Mutex<String>,
+    /// Routes whose last schedule call found a key of the wrong type (by route index): the
+    /// warning is logged when a route breaks, not for every batch dead-lettered while it is.
+    pub(crate) broken_routes: std::sync::Mutex<std::collections::BTreeSet<usize>>,
 }
 
 impl Context {

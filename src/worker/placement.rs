@@ -18,7 +18,7 @@ use crate::telemetry::{self, Outcome};
 use std::collections::BTreeMap;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 /// An event on its way to a route.
 pub(crate) struct Placing {
@@ -202,8 +202,9 @@ pub(crate) async fn place_on(
     let (group, reply) = schedule_on(ctx, route, group, stop).await;
     let mut reply = match reply? {
         Ok(reply) => reply,
-        Err(e) => return Some(broken(route, group, &e)),
+        Err(e) => return Some(broken(ctx, route, group, &e)),
     };
+    mended(ctx, route);
     let mut placed = Placed::default();
     ctx.clock.observe(reply.end_us, ctx.time.now());
     telemetry::route_queue(&route.name, reply.tat_us - reply.now_us);
@@ -367,8 +368,16 @@ fn primary<'c>(ctx: &'c Context, event: &OutboundEvent) -> &'c Route {
 
 /// The group dead-lettered as `route_broken`: its route's call failed with `e`, which retrying
 /// cannot fix (nothing was written: every script reads all its keys before it writes).
-fn broken(route: &Route, group: Vec<Placing>, e: &Error) -> Placed {
-    warn!(route = %route.name, events = group.len(), error = %e, "a route's key holds the wrong kind of value: its events are dead-lettered as route_broken");
+fn broken(ctx: &Context, route: &Route, group: Vec<Placing>, e: &Error) -> Placed {
+    let first = ctx
+        .broken_routes
+        .lock()
+        .expect("broken routes")
+        .insert(route.index);
+    if first {
+        warn!(route = %route.name, error = %e, "a route's key holds the wrong kind of value: its events are dead-lettered as route_broken until it is fixed");
+    }
+    debug!(route = %route.name, events = group.len(), "dead-lettered as route_broken");
     let refused = route_broken(route, e);
     let mut placed = Placed::default();
     for p in group {
@@ -378,6 +387,14 @@ fn broken(route: &Route, group: Vec<Placing>, e: &Error) -> Placed {
             .push((p.event.entry(), refused.clone()));
     }
     placed
+}
+
+/// A schedule call on `route` succeeded: if it was broken, it is mended (said once).
+fn mended(ctx: &Context, route: &Route) {
+    let mut broken = ctx.broken_routes.lock().expect("broken routes");
+    if !broken.is_empty() && broken.remove(&route.index) {
+        info!(route = %route.name, "the route's calls succeed again: its events are placed again");
+    }
 }
 
 /// Why an event of `route` is dead-lettered when the route's call failed with `e`, an error
