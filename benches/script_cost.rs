@@ -15,7 +15,7 @@
 
 mod common;
 
-use common::arg;
+use common::{arg, present};
 use pacer::config::{Config, Overrides};
 use pacer::scripts::{EventRef, RouteCall, ScheduleItem, Scheduled, Scripts, Writing};
 use pacer::testkit::{free_port, wait_until, TempDir};
@@ -85,15 +85,6 @@ impl Counted {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or_else(|| panic!("no instruction count in {file:?}"))
     }
-}
-
-fn present(program: &str) -> bool {
-    Command::new(program)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
 }
 
 /// One round: `per` events added and read; scheduled when `schedule`. Returns the events read.

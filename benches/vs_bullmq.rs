@@ -37,8 +37,8 @@
 mod common;
 
 use common::{
-    arg, command_calls, cpu_seconds, median, outbound_config, preload, process_cpu_seconds,
-    start_workers, xlen, BENCH_OWN,
+    arg, command_calls, cpu_seconds, median, outbound_config, preload, present,
+    process_cpu_seconds, start_workers, xlen, BENCH_OWN,
 };
 use pacer::testkit::{wait_until, Pacer, RedisServer, TempDir};
 use std::collections::BTreeMap;
@@ -62,16 +62,6 @@ struct Run {
 
 fn bullmq_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/bullmq")
-}
-
-/// Whether `program --version` runs.
-fn present(program: &str) -> bool {
-    Command::new(program)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
 }
 
 /// Installs BullMQ from benches/bullmq/package-lock.json if it is not there yet; the reason to

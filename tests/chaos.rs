@@ -212,18 +212,13 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
     }
 
     let total = out_ids.len() + in_ids.len();
-    let mut con = redis.con();
     let all: Vec<&str> = OUTBOUND
         .iter()
         .copied()
         .chain(forwards.iter().chain(&rejecteds).map(String::as_str))
         .collect();
     let ended = wait_until(Duration::from_secs(90), || {
-        let n: usize = all
-            .iter()
-            .map(|s| redis::cmd("XLEN").arg(*s).query::<usize>(&mut con).unwrap())
-            .sum();
-        n >= total
+        lengths(&redis, &all).iter().sum::<usize>() >= total
             && pending(&redis, "in", "pacer") == 0
             && pending(&redis, "pacer:in", "pacer") == 0
     });

@@ -111,12 +111,7 @@ fn hostile_mix(partitions: usize) {
     every_output.extend(in_outputs.iter().map(String::as_str));
     let all = out_ids.len() + in_ids.len();
     let ended = wait_until(Duration::from_secs(20), || {
-        let mut con = redis.con();
-        every_output
-            .iter()
-            .map(|s| redis::cmd("XLEN").arg(*s).query::<usize>(&mut con).unwrap())
-            .sum::<usize>()
-            >= all
+        lengths(&redis, &every_output).iter().sum::<usize>() >= all
     });
     assert!(ended, "not every entry ended");
     // Give a doubled write the time to show, then check each entry ended once.
@@ -409,19 +404,10 @@ fn a_route_whose_keys_are_broken_dead_letters_its_events_and_the_others_flow() {
         "pacer:dead",
     ];
     let ended = wait_until(Duration::from_secs(30), || {
-        let mut con = redis.con();
-        outputs
-            .iter()
-            .map(|s| redis::cmd("XLEN").arg(*s).query::<usize>(&mut con).unwrap())
-            .sum::<usize>()
-            >= ids.len()
+        lengths(&redis, &outputs).iter().sum::<usize>() >= ids.len()
     });
-    let mut con = redis.con();
     std::thread::sleep(Duration::from_millis(300));
-    let lens: Vec<usize> = outputs
-        .iter()
-        .map(|s| redis::cmd("XLEN").arg(*s).query::<usize>(&mut con).unwrap())
-        .collect();
+    let lens = lengths(&redis, &outputs);
     assert!(ended, "not every entry ended: {outputs:?} hold {lens:?}");
     assert_each_once(&redis, &ids, &outputs, "in");
     assert_eq!(lens[0], 300, "the other route flows");
@@ -483,16 +469,9 @@ fn a_route_whose_keys_break_while_events_sleep_on_it_does_not_hold_up_the_others
         "pacer:dead",
     ];
     let ended = wait_until(Duration::from_secs(20), || {
-        outputs
-            .iter()
-            .map(|s| redis::cmd("XLEN").arg(*s).query::<usize>(&mut con).unwrap())
-            .sum::<usize>()
-            >= ids.len()
+        lengths(&redis, &outputs).iter().sum::<usize>() >= ids.len()
     });
-    let lens: Vec<usize> = outputs
-        .iter()
-        .map(|s| redis::cmd("XLEN").arg(*s).query::<usize>(&mut con).unwrap())
-        .collect();
+    let lens = lengths(&redis, &outputs);
     assert!(ended, "not every entry ended: {outputs:?} hold {lens:?}");
     assert_eq!(lens[1], 40, "the other route's sleepers went");
     assert!(

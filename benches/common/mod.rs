@@ -117,6 +117,16 @@ pub fn preload(
     let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query(con).unwrap();
 }
 
+/// Whether `program --version` runs (a benchmark that needs it prints a skip otherwise).
+pub fn present(program: &str) -> bool {
+    std::process::Command::new(program)
+        .arg("--version")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// CPU time (user + system, seconds) the processes `pids` have used so far, from
 /// `/proc/<pid>/stat` (fields 14 and 15, in clock ticks of 1/100 s on Linux).
 pub fn process_cpu_seconds(pids: impl IntoIterator<Item = u32>) -> f64 {

@@ -86,6 +86,15 @@ pub fn event(pairs: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
         .collect()
 }
 
+/// How many entries each of `streams` holds (XLEN), in order.
+pub fn lengths(redis: &RedisServer, streams: &[&str]) -> Vec<usize> {
+    let mut con = redis.con();
+    streams
+        .iter()
+        .map(|s| redis::cmd("XLEN").arg(*s).query::<usize>(&mut con).unwrap())
+        .collect()
+}
+
 /// Every entry of `stream`.
 pub fn read(redis: &RedisServer, stream: &str) -> Vec<OutputEntry> {
     let (rt, mut con) = redis.async_con();
