@@ -2,8 +2,8 @@
 -- instant, how a verdict is kept, min_spacing, expiry, and states packed as numbers. Prepended,
 -- after lib.lua, to admit.lua together with the three algorithms in lua/admission/.
 
--- Redis's clock, read once: the time of every decision of the call.
-local now = redis_now_us()
+-- Redis's clock, read once by start_call (states.lua): the time of every decision of the call.
+local now
 
 -- A verdict is (retry, limit): retry 0 passes, else the µs until it would pass; limit is the
 -- index of the binding limit, 0 for min_spacing. The later one binds; a tie keeps the first.
@@ -61,8 +61,11 @@ local function packing(n)
   return f
 end
 
+-- Set by start_call (states.lua): a Redis Function's library is loaded where `struct` is not
+-- yet in reach.
+local struct_unpack, struct_pack
+
 -- The n numbers packed in `v`, or nil when it is absent or unreadable.
-local struct_unpack, struct_pack = struct.unpack, struct.pack
 local function unpack_numbers(v, n)
   if v and #v == 8 * n then
     local nums = { struct_unpack(packing(n), v) }

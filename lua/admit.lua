@@ -51,6 +51,7 @@
 -- checks are implied by the rules instead of spelled out per event; an accepted event's fields
 -- go from ARGV to XADD without a copy; and an event an earlier delivery decided is not checked.
 
+start_call()
 local ttl, maxlen = num(1, 'ttl'), num(2, 'maxlen')
 -- Writing an output here, in the step that decides it, makes it atomic with its record: no
 -- write-once marker and no second call, which a stream in another slot needs.

@@ -29,6 +29,7 @@
 -- Checking comes before charging, as in admit.lua: a rejected request uses up nothing (but
 -- under count_rejected).
 
+start_call()
 local rules, nrules, at = read_rules(2, num(1, 'entries per read'))
 
 -- The requests, flat: request q's checks are x = first[q] .. first[q + 1] - 1.

@@ -6,9 +6,12 @@
 //! codec) always, `lua/gcra.lua` (the route's bucket) for pacing, `lua/admission.lua` and
 //! `lua/admission/*.lua` (the inbound algorithms) for admission. They are called by EVALSHA;
 //! redis-rs loads a script again when Redis answers NOSCRIPT (after a restart or SCRIPT FLUSH).
+//! `decide.lua`, one call per leased fetch or unleased request, runs as a Redis Function where
+//! Redis lets it (`function`): its helpers are then defined once, not on every call.
 
 mod admit;
 mod decide;
+mod function;
 mod outputs;
 mod pacing;
 
@@ -16,6 +19,7 @@ pub use admit::{
     spacing_label, AdmitItem, AdmitReply, AdmitTargets, Admitted, LOG_ENTRIES_PER_READ,
 };
 pub use decide::{DecideCheck, DecideRequest};
+pub use function::Function;
 pub use outputs::{EmitCall, EmitItem, Voided};
 pub use pacing::{
     DispatchItem, DispatchReply, Dispatched, EventRef, RouteCall, RouteDispatch, ScheduleItem,
@@ -44,6 +48,15 @@ pub const DISPATCH: &str = lua!("lib.lua", "gcra.lua", "dispatch.lua");
 pub const EMIT: &str = lua!("lib.lua", "emit.lua");
 pub const VOID: &str = lua!("lib.lua", "void.lua");
 pub const REAP: &str = lua!("reap.lua");
+/// The helpers and the inbound algorithms, as the admission scripts start.
+pub const ADMISSION_LIB: &str = lua!(
+    "lib.lua",
+    "admission.lua",
+    "admission/sliding_log.lua",
+    "admission/gcra.lua",
+    "admission/fixed_window.lua",
+    "admission/states.lua"
+);
 pub const ADMIT: &str = lua!(
     "lib.lua",
     "admission.lua",
@@ -53,15 +66,8 @@ pub const ADMIT: &str = lua!(
     "admission/states.lua",
     "admit.lua"
 );
-pub const DECIDE: &str = lua!(
-    "lib.lua",
-    "admission.lua",
-    "admission/sliding_log.lua",
-    "admission/gcra.lua",
-    "admission/fixed_window.lua",
-    "admission/states.lua",
-    "decide.lua"
-);
+/// `decide.lua`'s own file: it runs after ADMISSION_LIB, as a script or as a Redis Function.
+pub const DECIDE_BODY: &str = lua!("decide.lua");
 
 /// The scripts' reply codes, one meaning each (`lua/lib.lua` defines the same).
 pub mod reply {
@@ -153,7 +159,7 @@ pub struct Scripts {
     void: Script,
     reap: Script,
     admit: Script,
-    decide: Script,
+    decide: Function,
 }
 
 impl Default for Scripts {
@@ -165,7 +171,7 @@ impl Default for Scripts {
             void: Script::new(VOID),
             reap: Script::new(REAP),
             admit: Script::new(ADMIT),
-            decide: Script::new(DECIDE),
+            decide: Function::new("decide", ADMISSION_LIB, DECIDE_BODY),
         }
     }
 }
@@ -180,11 +186,33 @@ impl Scripts {
             &self.void,
             &self.reap,
             &self.admit,
-            &self.decide,
         ] {
             script.prepare_invoke().load_async(con).await?;
         }
+        self.decide.load_script(con).await?;
+        // Calls go by the script until the function loads (an ACL without function|load).
+        if let Err(e) = self.decide.load(con).await {
+            tracing::debug!(error = %e, "decide.lua stays a script: its function did not load");
+        }
         Ok(())
+    }
+}
+
+/// Where a call's arguments are written: a script's invocation, or a `Cmd` that holds them for
+/// a `Function`.
+pub(crate) trait Args {
+    fn push<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self;
+}
+
+impl Args for ScriptInvocation<'_> {
+    fn push<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        self.arg(arg)
+    }
+}
+
+impl Args for redis::Cmd {
+    fn push<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        self.arg(arg)
     }
 }
 

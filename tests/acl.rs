@@ -7,7 +7,7 @@
 mod common;
 
 use common::*;
-use pacer::testkit::{free_port, wait_until, RedisServer, TempDir};
+use pacer::testkit::{free_port, http_post, wait_until, RedisServer, TempDir};
 use std::process::Command;
 use std::time::Duration;
 
@@ -65,6 +65,7 @@ fn the_readme_acl_user_runs_every_flow() {
         .query(&mut redis.con())
         .expect("the README's ACL SETUSER line");
     let dir = TempDir::new("acl");
+    let api = free_port();
     let body = format!(
         r#"outbound:
   streams: ["pacer:out"]
@@ -72,7 +73,8 @@ fn the_readme_acl_user_runs_every_flow() {
     primary: {{rate: 20/s, burst: 1, max_wait: 500ms, fallbacks: [spare]}}
     spare: {{rate: 10/s, burst: 1, max_wait: 500ms}}
     slow: {{rate: 2/s, burst: 1, max_wait: 1s}}
-{}"#,
+{}  api: {{listen: 127.0.0.1:{api}}}
+"#,
         inbound_body("{name: per-source, key: [source], algorithm: sliding_log, limits: [2/s]}")
     );
     let url = format!("redis://pacer:{PASSWORD}@127.0.0.1:{}", redis.port);
@@ -122,6 +124,20 @@ fn the_readme_acl_user_runs_every_flow() {
         placements_by_stream(&redis, &outputs),
         a.log_text()
     );
+    // Synchronous admission: decide.lua as a Redis Function, loaded and called as this user.
+    let answers: Vec<u16> = (0..3)
+        .map(|_| {
+            http_post(api, "/v1/admit", r#"{"fields": {"source": "sync"}}"#)
+                .unwrap()
+                .0
+        })
+        .collect();
+    assert_eq!(answers, [200, 200, 429]);
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut redis.con())
+        .unwrap();
+    assert!(stats.contains("cmdstat_fcall:calls=3,"), "{stats}");
     let at = placements_by_stream(&redis, &outputs);
     for (stream, what) in [
         ("pacer:{primary}:ready", "dispatched"),

@@ -316,13 +316,17 @@ fn run_case(
                 // And no longer than its state is worth keeping, as the model computes it (for
                 // gcra and fixed_window, often well within the horizon). The key was written at
                 // this call's `now` or earlier, so its time to live is at most the model's as of
-                // now, give or take the millisecond each side rounds to.
+                // now, give or take a millisecond each for the two roundings: the script's
+                // time to live is rounded up to the ms from its `now`, and Redis counts it from
+                // its own clock in whole ms. A key an earlier call wrote can show both (a script
+                // that ran longer between its TIME and its PSETEX than this check comes after
+                // this call's TIME: seen about once in 40 runs of 120 cases, 2 ms over).
                 let Some(model) = engine.states.get(&(r, key.clone())) else {
                     return Err(TestCaseError::fail(format!("{key}: not in the model")));
                 };
                 let worth_ms = model.ttl_ms(reply.now_us, &rule.rule);
                 prop_assert!(
-                    pttl <= worth_ms + 1,
+                    pttl <= worth_ms + 2,
                     "{} ttl {} > {} ms",
                     key,
                     pttl,
@@ -388,7 +392,21 @@ fn on_redis<S: Strategy>(
         &mut redis::Connection,
     ) -> Result<(), TestCaseError>,
 ) {
-    let redis = RedisServer::start();
+    on_redis_with(&RedisServer::start(), cases, strategy, run)
+}
+
+/// The same against `redis`.
+fn on_redis_with<S: Strategy>(
+    redis: &RedisServer,
+    cases: u32,
+    strategy: S,
+    run: impl Fn(
+        &S::Value,
+        &mut redis::aio::MultiplexedConnection,
+        &tokio::runtime::Runtime,
+        &mut redis::Connection,
+    ) -> Result<(), TestCaseError>,
+) {
     let (rt, con) = redis.async_con();
     let con = RefCell::new(con);
     let sync = RefCell::new(redis.con());
@@ -541,9 +559,91 @@ fn run_sync_case(
     Ok(())
 }
 
+/// How many times Redis ran `command`, from `INFO commandstats`.
+fn command_calls(redis: &RedisServer, command: &str) -> u64 {
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut redis.con())
+        .unwrap();
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|l| l.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
 #[test]
 fn synchronous_decisions_and_leases_agree_in_lua_and_rust() {
-    on_redis(150, sync_case(), run_sync_case);
+    // decide.lua as a Redis Function, the way pacer calls it wherever Redis lets it.
+    let redis = RedisServer::start();
+    on_redis_with(&redis, 150, sync_case(), run_sync_case);
+    assert!(command_calls(&redis, "fcall") > 0);
+    assert_eq!(command_calls(&redis, "evalsha"), 0);
+}
+
+#[test]
+fn synchronous_decisions_agree_where_decide_cannot_be_a_function() {
+    // A Redis that will not run it as a Function (FCALL renamed away, as a locked-down
+    // deployment might): every call goes by EVALSHA, with the same answers.
+    let redis = RedisServer::start_with(&["--rename-command", "FCALL", ""]);
+    on_redis_with(&redis, 40, sync_case(), run_sync_case);
+    assert!(command_calls(&redis, "evalsha") > 0);
+}
+
+#[test]
+fn decide_loads_its_function_again_when_redis_has_lost_it() {
+    let redis = RedisServer::start();
+    let (rt, mut con) = redis.async_con();
+    let scripts = Scripts::default();
+    // 10 an hour: the three calls below share one bucket of 10.
+    let rules = vec![InboundRule {
+        name: "r".into(),
+        key: vec!["k".into()],
+        rule: make(Algorithm::Gcra, &[(10, 3_600_000_000)], 0, None),
+        rates: Vec::new(),
+        shadow: false,
+        default_identity: None,
+        lease: None,
+    }];
+    let request = |key: &'static str| DecideRequest {
+        checks: vec![DecideCheck {
+            rule: 0,
+            field: 0,
+            key,
+            ask: Ask::Decide,
+        }],
+        cost: 1,
+    };
+    let mut decide = |n: usize| {
+        let requests: Vec<_> = (0..n)
+            .map(|_| request("pacer:in:{fwd}:r:gcra:k=a"))
+            .collect();
+        let (_, verdicts) = rt
+            .block_on(scripts.decide(&mut con, &rules, 0, &requests))
+            .expect("decide");
+        verdicts.iter().filter(|v| v.accepted).count()
+    };
+    let libraries = || -> String {
+        let list: redis::Value = redis::cmd("FUNCTION")
+            .arg("LIST")
+            .query(&mut redis.con())
+            .unwrap();
+        format!("{list:?}")
+    };
+    // Loaded on first use (a worker loads it when it starts), then lost, then loaded again:
+    // the bucket's 10 are spent across the three calls, each an FCALL.
+    assert_eq!(decide(4), 4);
+    assert!(libraries().contains("pacer_decide_"), "{}", libraries());
+    let _: () = redis::cmd("FUNCTION")
+        .arg("FLUSH")
+        .query(&mut redis.con())
+        .unwrap();
+    assert!(!libraries().contains("pacer_decide_"));
+    assert_eq!(decide(4), 4);
+    assert!(libraries().contains("pacer_decide_"), "{}", libraries());
+    assert_eq!(decide(4), 2);
+    assert_eq!(command_calls(&redis, "evalsha"), 0);
+    assert_eq!(command_calls(&redis, "fcall"), 5);
 }
 
 // ---------------------------------------------------------------- Rust against brute force

@@ -350,6 +350,15 @@ fn blast(api: &Api, body: &str, threads: usize, run: Duration) -> (Vec<i64>, usi
     (all, sent)
 }
 
+/// How many times Redis ran `command`, from `INFO commandstats`.
+fn command_calls(stats: &str, command: &str) -> u64 {
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|l| l.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
 #[test]
 fn concurrent_requests_share_redis_calls_and_each_gets_its_own_answer() {
     // Unleased, 5 per second per source: 8 threads, each its own source, 40 requests each.
@@ -382,12 +391,10 @@ fn concurrent_requests_share_redis_calls_and_each_gets_its_own_answer() {
         .arg("commandstats")
         .query(&mut api.redis.con())
         .unwrap();
-    let calls: u64 = stats
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|l| l.split(',').next()?.parse().ok())
-        .unwrap_or(0);
+    // decide.lua runs as a Redis Function: every call was an FCALL.
+    let calls: u64 = command_calls(&stats, "fcall");
     assert!(calls > 0 && calls < 320, "{calls} calls for 320 requests");
+    assert_eq!(command_calls(&stats, "evalsha"), 0, "{stats}");
 }
 
 #[test]
@@ -548,6 +555,13 @@ fn on_a_cluster_each_identity_is_decided_on_its_partitions_master() {
         let body = format!(r#"{{"fields": {{"source": "{source}"}}, "rules": ["{rule}"]}}"#);
         post(ports[i % 2], &body).0
     };
+    // One master loses decide.lua's function (a restart without persistence would): the
+    // workers load it again and the limits hold.
+    let masters = cluster.masters();
+    let _: () = redis::cmd("FUNCTION")
+        .arg("FLUSH")
+        .query(&mut cluster.con(masters[0]))
+        .unwrap();
     for s in 0..20 {
         let source = format!("exact{s}");
         let allowed = (0..60)
@@ -561,7 +575,7 @@ fn on_a_cluster_each_identity_is_decided_on_its_partitions_master() {
         assert!((20..=30).contains(&allowed), "{source}: {allowed}");
     }
     let mut per_master = Vec::new();
-    for m in cluster.masters() {
+    for &m in &masters {
         let keys: Vec<String> = redis::cmd("KEYS")
             .arg("pacer:in:*")
             .query(&mut cluster.con(m))
@@ -573,6 +587,19 @@ fn on_a_cluster_each_identity_is_decided_on_its_partitions_master() {
     }
     assert_eq!(per_master.iter().sum::<usize>(), 40, "{per_master:?}");
     assert!(per_master.iter().all(|&n| n > 0), "{per_master:?}");
+    // Decided by FCALL on every master.
+    for &m in &masters {
+        let stats: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query(&mut cluster.con(m))
+            .unwrap();
+        assert!(command_calls(&stats, "fcall") > 0, "{m}: {stats}");
+    }
+    let list: redis::Value = redis::cmd("FUNCTION")
+        .arg("LIST")
+        .query(&mut cluster.con(masters[0]))
+        .unwrap();
+    assert!(format!("{list:?}").contains("pacer_decide_"), "{list:?}");
     drop(pacers);
 }
 

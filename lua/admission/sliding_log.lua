@@ -38,7 +38,8 @@ function sliding_log.load(text, rule, key)
   return { alg = sliding_log, key = key, rule = rule, text = text, len = #text / 8, added = 0 }
 end
 
-local packed_now = struct_pack('<d', now)
+-- `now` as a log entry (set by start_call, states.lua).
+local packed_now
 
 -- The p-th entry of the saved log, oldest first (read by entry: once per call).
 local function entry(st, p)

@@ -4,7 +4,17 @@
 -- once at its end (`save_states`).
 
 local algorithms = { sliding_log = sliding_log, gcra = gcra, fixed_window = fixed_window }
-local states, states_order, state_texts, state_loading = {}, {}, {}, {}
+local states, states_order, state_texts, state_loading
+
+-- Starts a call: reads Redis's clock and empties what the files before keep per call. The
+-- first thing admit.lua and decide.lua do; decide.lua also runs as a Redis Function, whose
+-- library is loaded once and then called many times, where nothing per call may be set at load.
+local function start_call()
+  now = redis_now_us()
+  struct_unpack, struct_pack = struct.unpack, struct.pack
+  packed_now = struct_pack('<d', now)
+  states, states_order, state_texts, state_loading = {}, {}, {}, {}
+end
 
 -- Marks `key` (of `rule`) to be read in the call's MGET (a log read by entry reads itself).
 local function want_state(key, rule)

@@ -16,14 +16,14 @@
 //!   worker whose last fetch was granted less than it asked (the identity is at its limit)
 //!   waits once it is spent. An identity over its limit then costs a few Redis calls per
 //!   bucket's worth of tokens, not one per request.
-//! - **The wait at the limit adapts.** A fetch brings what the identity's bucket gathered since
-//!   the last fetch by any worker, and a gcra bucket gathers no more than its burst. Each worker
-//!   waits, between fetches at the limit, a random time whose scale it adapts so that a fetch
-//!   finds about half what the bucket holds: alone, it fetches twice per bucket's fill time and
-//!   passes the full rate; with k workers, each waits about k times longer, so the identity
-//!   costs about two calls per fill time however many workers share it. The random draw keeps
-//!   the workers' fetches from locking into one order, where the one whose turn came right after
-//!   another's would get little.
+//! - **The wait at the limit fits the bucket.** A fetch brings what the identity's bucket
+//!   gathered since the last fetch by any worker, and a gcra bucket gathers no more than its
+//!   burst. So a worker at the limit waits, between fetches, a random point in the second half
+//!   of the lease's span or of the time the bucket takes to gather what a fetch may take,
+//!   whichever is shorter (`State::short_wait`): alone, it passes the full rate even on a small
+//!   burst; with k workers an identity costs about 1.3·k calls per such span. The random draw
+//!   keeps the workers' fetches from locking into one order, where the one whose turn came right
+//!   after another's would get little.
 
 use crate::config::Lease;
 use std::collections::HashMap;

@@ -1,13 +1,13 @@
 //! Inbound admission in one call per batch (`admit.lua`): decide, record, and write the
 //! accepted and rejected events where the slot allows.
 
-use super::{push_fields, reply, KeyIndex, Reply, Scripts};
+use super::{push_fields, reply, Args, KeyIndex, Reply, Scripts};
 use crate::config::InboundRule;
 use crate::error::{Error, Result};
 use crate::event::Fields;
 use crate::keys::InboundKeys;
 use redis::aio::ConnectionLike;
-use redis::{ScriptInvocation, Value};
+use redis::Value;
 
 /// Where an `admit` call writes, and how long what it records lasts.
 pub struct AdmitTargets<'a> {
@@ -162,29 +162,29 @@ impl Scripts {
 }
 
 /// The rules as `lua/admission.lua`'s `read_rules` reads them (`admit` and `decide` share it).
-pub(crate) fn push_rules(call: &mut ScriptInvocation<'_>, rules: &[InboundRule]) {
-    call.arg(rules.len());
+pub(crate) fn push_rules(call: &mut impl Args, rules: &[InboundRule]) {
+    call.push(rules.len());
     for r in rules {
         let rule = &r.rule;
-        call.arg(&r.name)
-            .arg(rule.algorithm.as_str())
-            .arg(u8::from(r.shadow))
-            .arg(u8::from(rule.count_rejected))
-            .arg(rule.spacing_us)
-            .arg(spacing_label(rule.spacing_us))
-            .arg(rule.horizon_us())
-            .arg(rule.log_cap())
-            .arg(r.key.len());
+        call.push(&r.name)
+            .push(rule.algorithm.as_str())
+            .push(u8::from(r.shadow))
+            .push(u8::from(rule.count_rejected))
+            .push(rule.spacing_us)
+            .push(spacing_label(rule.spacing_us))
+            .push(rule.horizon_us())
+            .push(rule.log_cap())
+            .push(r.key.len());
         for field in &r.key {
-            call.arg(field);
+            call.push(field);
         }
-        call.arg(rule.limits.len());
+        call.push(rule.limits.len());
         for l in &rule.limits {
-            call.arg(l.window_us)
-                .arg(l.count)
-                .arg(l.interval_us)
-                .arg(l.tolerance_us)
-                .arg(&l.label);
+            call.push(l.window_us)
+                .push(l.count)
+                .push(l.interval_us)
+                .push(l.tolerance_us)
+                .push(&l.label);
         }
     }
 }

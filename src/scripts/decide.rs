@@ -7,7 +7,6 @@ use crate::admission::{Ask, CheckOutcome, Room, SyncVerdict, SPACING};
 use crate::config::InboundRule;
 use crate::error::Result;
 use redis::aio::ConnectionLike;
-use redis::Value;
 
 /// One check of a synchronous request: an identity under a rule.
 pub struct DecideCheck<'a> {
@@ -46,23 +45,24 @@ impl Scripts {
         log_entries_per_read: i64,
         requests: &[DecideRequest<'_>],
     ) -> Result<(i64, Vec<SyncVerdict>)> {
-        let mut call = self.decide.prepare_invoke();
-        call.arg(log_entries_per_read);
-        push_rules(&mut call, rules);
-        call.arg(requests.len());
+        let mut keys = Vec::new();
+        let mut args = redis::Cmd::new();
+        args.arg(log_entries_per_read);
+        push_rules(&mut args, rules);
+        args.arg(requests.len());
         for r in requests {
-            call.arg(r.cost).arg(r.checks.len());
+            args.arg(r.cost).arg(r.checks.len());
             for c in &r.checks {
-                call.key(c.key);
+                keys.push(c.key);
                 let ask = match c.ask {
                     Ask::Decide => 0,
                     Ask::Covered => -1,
                     Ask::Lease(n) => n.max(1),
                 };
-                call.arg(c.rule + 1).arg(c.field + 1).arg(ask);
+                args.arg(c.rule + 1).arg(c.field + 1).arg(ask);
             }
         }
-        let reply: Value = call.invoke_async(con).await?;
+        let reply = self.decide.call(con, &keys, &args).await?;
         let mut v = Reply::new("decide", reply)?;
         let now_us = v.int()?;
         let mut verdicts = Vec::with_capacity(requests.len());
