@@ -7,13 +7,19 @@
 -- call's now_us) by tests/admit_differential.rs.
 --
 -- A batch is the requests a worker has in hand at once: one call for them all spares each the
--- per-call cost (Redis defining this script's functions, reading the rules), about half of a
--- lone request's.
+-- per-call cost (calling Redis at all, reading the rules).
+--
+-- It runs as a Redis Function (src/scripts/function.rs), whose library keeps the rules it has
+-- read by their digest (admission.lua's rules_by_digest), so a call usually passes none; as a
+-- script, its rules always follow.
 --
 -- KEYS        every request's identities' limiter keys, one per check, request by request;
 --             all in one slot
--- ARGV[1]     entries per read (admit.lua's ARGV[4]: when a sliding log is read by entry)
--- ARGV[2..]   the rules (admission.lua's read_rules)
+-- ARGV[1]     the rules' digest (of ARGV[3..] as they are when the rules follow)
+-- ARGV[2]     1: the rules follow; 0: they do not (the library may have them)
+-- ARGV[3]     if they follow: entries per read (admit.lua's ARGV[4]: when a sliding log is read
+--             by entry)
+-- ARGV[4..]   if they follow: the rules (admission.lua's read_rules)
 -- then        n, the number of requests; then per request: cost (events it counts for, >= 1),
 --             c (its checks); then per check: its rule's index (1-based), its key field's index
 --             in the rule, and what is asked of it:
@@ -26,11 +32,16 @@
 --           then per check six numbers: passed (1/0), remaining (-1: no limit), limit (0:
 --           min_spacing), reset_us, granted tokens, lease_us (how long they may be spent: a
 --           fixed window's time to its end; 0: no bound here, the caller's lease ttl) }
+-- or, when the rules did not follow and are not kept here, the status reply RESEND: call again
+-- with them.
 -- Checking comes before charging, as in admit.lua: a rejected request uses up nothing (but
 -- under count_rejected).
 
 start_call()
-local rules, nrules, at = read_rules(2, num(1, 'entries per read'))
+local rules, nrules, at = rules_by_digest(1)
+if not rules then
+  return redis.status_reply('RESEND')
+end
 
 -- The requests, flat: request q's checks are x = first[q] .. first[q + 1] - 1.
 local n = num(at, 'requests')

@@ -7,6 +7,7 @@ use crate::admission::{Ask, CheckOutcome, Room, SyncVerdict, SPACING};
 use crate::config::InboundRule;
 use crate::error::Result;
 use redis::aio::ConnectionLike;
+use redis::Arg;
 
 /// One check of a synchronous request: an identity under a rule.
 pub struct DecideCheck<'a> {
@@ -45,24 +46,39 @@ impl Scripts {
         log_entries_per_read: i64,
         requests: &[DecideRequest<'_>],
     ) -> Result<(i64, Vec<SyncVerdict>)> {
-        let mut keys = Vec::new();
-        let mut args = redis::Cmd::new();
-        args.arg(log_entries_per_read);
-        push_rules(&mut args, rules);
-        args.arg(requests.len());
-        for r in requests {
-            args.arg(r.cost).arg(r.checks.len());
-            for c in &r.checks {
-                keys.push(c.key);
-                let ask = match c.ask {
-                    Ask::Decide => 0,
-                    Ask::Covered => -1,
-                    Ask::Lease(n) => n.max(1),
-                };
-                args.arg(c.rule + 1).arg(c.field + 1).arg(ask);
+        let mut rule_args = redis::Cmd::new();
+        rule_args.arg(log_entries_per_read);
+        push_rules(&mut rule_args, rules);
+        let digest = digest(&rule_args);
+        let keys: Vec<&str> = requests
+            .iter()
+            .flat_map(|r| r.checks.iter().map(|c| c.key))
+            .collect();
+        let args = |full: bool| {
+            let mut args = redis::Cmd::new();
+            args.arg(&digest).arg(u8::from(full));
+            if full {
+                for a in rule_args.args_iter() {
+                    if let Arg::Simple(a) = a {
+                        args.arg(a);
+                    }
+                }
             }
-        }
-        let reply = self.decide.call(con, &keys, &args).await?;
+            args.arg(requests.len());
+            for r in requests {
+                args.arg(r.cost).arg(r.checks.len());
+                for c in &r.checks {
+                    let ask = match c.ask {
+                        Ask::Decide => 0,
+                        Ask::Covered => -1,
+                        Ask::Lease(n) => n.max(1),
+                    };
+                    args.arg(c.rule + 1).arg(c.field + 1).arg(ask);
+                }
+            }
+            args
+        };
+        let reply = self.decide.call(con, &keys, args).await?;
         let mut v = Reply::new("decide", reply)?;
         let now_us = v.int()?;
         let mut verdicts = Vec::with_capacity(requests.len());
@@ -99,4 +115,17 @@ impl Scripts {
         }
         Ok((now_us, verdicts))
     }
+}
+
+/// The SHA1 of a call's rule arguments, each length-prefixed (so that no two lists read alike):
+/// what `decide.lua`'s function keeps them by.
+fn digest(rule_args: &redis::Cmd) -> String {
+    let mut text = String::new();
+    for a in rule_args.args_iter() {
+        if let Arg::Simple(a) = a {
+            text.push_str(&format!("{}:", a.len()));
+            text.push_str(&String::from_utf8_lossy(a));
+        }
+    }
+    redis::Script::new(&text).get_hash().to_string()
 }

@@ -76,19 +76,24 @@ impl Function {
         Ok(())
     }
 
-    /// Calls it with `keys` and the arguments `args` holds (a `Cmd` used as a list): `FCALL`,
-    /// or `EVALSHA` while the function is off.
+    /// Calls it with `keys` and the arguments `args(full)` makes (a `Cmd` used as a list):
+    /// `FCALL`, or `EVALSHA` while the function is off.
+    ///
+    /// A function's library outlives its calls, so it may keep what a call passed (decide.lua
+    /// keeps the rules): it is first called with `args(false)`, which may leave that out, and
+    /// answers the status `RESEND` when it needs it, to be called again with `args(true)`. A
+    /// script keeps nothing: it always gets `args(true)`.
     pub async fn call<C: ConnectionLike>(
         &self,
         con: &mut C,
         keys: &[&str],
-        args: &Cmd,
+        args: impl Fn(bool) -> Cmd,
     ) -> Result<Value> {
         if self.on() {
-            match self.fcall(con, keys, args).await {
+            match self.fcall_or_resend(con, keys, &args).await {
                 Err(e) if unusable(&e) => {
                     if self.load(con).await.is_ok() {
-                        match self.fcall(con, keys, args).await {
+                        match self.fcall_or_resend(con, keys, &args).await {
                             Err(e) if unusable(&e) => self.turn_off(),
                             done => return Ok(done?),
                         }
@@ -101,12 +106,24 @@ impl Function {
         for k in keys {
             inv.key(*k);
         }
-        for a in args.args_iter() {
+        for a in args(true).args_iter() {
             if let Arg::Simple(a) = a {
                 inv.arg(a);
             }
         }
         Ok(inv.invoke_async(con).await?)
+    }
+
+    async fn fcall_or_resend<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        keys: &[&str],
+        args: &impl Fn(bool) -> Cmd,
+    ) -> redis::RedisResult<Value> {
+        match self.fcall(con, keys, &args(false)).await? {
+            Value::SimpleString(s) if s == "RESEND" => self.fcall(con, keys, &args(true)).await,
+            done => Ok(done),
+        }
     }
 
     async fn fcall<C: ConnectionLike>(
