@@ -190,10 +190,9 @@ impl Scripts {
             script.prepare_invoke().load_async(con).await?;
         }
         self.decide.load_script(con).await?;
-        // Calls go by the script until the function loads (an ACL without function|load).
-        if let Err(e) = self.decide.load(con).await {
-            tracing::debug!(error = %e, "decide.lua stays a script: its function did not load");
-        }
+        // Calls go by the script while the function does not load (an ACL without
+        // function|load): a warning, once, says so.
+        let _ = self.decide.load(con).await;
         Ok(())
     }
 }

@@ -590,13 +590,9 @@ fn synchronous_decisions_agree_where_decide_cannot_be_a_function() {
     assert!(command_calls(&redis, "evalsha") > 0);
 }
 
-#[test]
-fn decide_loads_its_function_again_when_redis_has_lost_it() {
-    let redis = RedisServer::start();
-    let (rt, mut con) = redis.async_con();
-    let scripts = Scripts::default();
-    // 10 an hour: the three calls below share one bucket of 10.
-    let rules = vec![InboundRule {
+/// One rule of 10 an hour on `k`.
+fn hourly_rule() -> Vec<InboundRule> {
+    vec![InboundRule {
         name: "r".into(),
         key: vec!["k".into()],
         rule: make(Algorithm::Gcra, &[(10, 3_600_000_000)], 0, None),
@@ -604,25 +600,80 @@ fn decide_loads_its_function_again_when_redis_has_lost_it() {
         shadow: false,
         default_identity: None,
         lease: None,
-    }];
-    let request = |key: &'static str| DecideRequest {
-        checks: vec![DecideCheck {
-            rule: 0,
-            field: 0,
-            key,
-            ask: Ask::Decide,
-        }],
-        cost: 1,
-    };
-    let mut decide = |n: usize| {
-        let requests: Vec<_> = (0..n)
-            .map(|_| request("pacer:in:{fwd}:r:gcra:k=a"))
-            .collect();
-        let (_, verdicts) = rt
-            .block_on(scripts.decide(&mut con, &rules, 0, &requests))
-            .expect("decide");
-        verdicts.iter().filter(|v| v.accepted).count()
-    };
+    }]
+}
+
+/// Decides `n` requests of one identity under `hourly_rule` in one call: how many were allowed.
+fn decide_hourly(
+    scripts: &Scripts,
+    rt: &tokio::runtime::Runtime,
+    con: &mut redis::aio::MultiplexedConnection,
+    n: usize,
+) -> usize {
+    let requests: Vec<_> = (0..n)
+        .map(|_| DecideRequest {
+            checks: vec![DecideCheck {
+                rule: 0,
+                field: 0,
+                key: "pacer:in:{fwd}:r:gcra:k=a",
+                ask: Ask::Decide,
+            }],
+            cost: 1,
+        })
+        .collect();
+    let (_, verdicts) = rt
+        .block_on(scripts.decide(con, &hourly_rule(), 0, &requests))
+        .expect("decide");
+    verdicts.iter().filter(|v| v.accepted).count()
+}
+
+#[test]
+fn decide_runs_as_a_script_for_a_user_who_may_not_call_functions() {
+    let redis = RedisServer::start();
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER",
+            "nofn",
+            "on",
+            ">pw",
+            "~*",
+            "+@all",
+            "-fcall",
+            "-function",
+        ])
+        .query(&mut redis.con())
+        .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let url = format!("redis://nofn:pw@127.0.0.1:{}", redis.port);
+    let mut con = rt
+        .block_on(
+            redis::Client::open(url)
+                .unwrap()
+                .get_multiplexed_async_connection(),
+        )
+        .unwrap();
+    let scripts = Scripts::default();
+    rt.block_on(scripts.load(&mut con))
+        .expect("the scripts load without the function");
+    // The bucket's 10 go to the first 10 of 12 requests in three calls, each by EVALSHA: the
+    // function loads but its FCALL is refused (NOPERM), twice in the first call (before and
+    // after loading it again), then not tried within 10 s.
+    let allowed: usize = (0..3)
+        .map(|_| decide_hourly(&scripts, &rt, &mut con, 4))
+        .sum();
+    assert_eq!(allowed, 10);
+    assert_eq!(command_calls(&redis, "evalsha"), 3);
+    assert_eq!(command_calls(&redis, "fcall"), 0);
+}
+
+#[test]
+fn decide_loads_its_function_again_when_redis_has_lost_it() {
+    let redis = RedisServer::start();
+    let (rt, mut con) = redis.async_con();
+    let scripts = Scripts::default();
     let libraries = || -> String {
         let list: redis::Value = redis::cmd("FUNCTION")
             .arg("LIST")
@@ -634,16 +685,16 @@ fn decide_loads_its_function_again_when_redis_has_lost_it() {
     // the bucket's 10 are spent across the three calls, each by FCALL. The library keeps the
     // rules it was sent: the first two calls find it without them (not found; then loaded,
     // asked for the rules and sent them: three FCALLs each), the third passes none (one).
-    assert_eq!(decide(4), 4);
+    assert_eq!(decide_hourly(&scripts, &rt, &mut con, 4), 4);
     assert!(libraries().contains("pacer_decide_"), "{}", libraries());
     let _: () = redis::cmd("FUNCTION")
         .arg("FLUSH")
         .query(&mut redis.con())
         .unwrap();
     assert!(!libraries().contains("pacer_decide_"));
-    assert_eq!(decide(4), 4);
+    assert_eq!(decide_hourly(&scripts, &rt, &mut con, 4), 4);
     assert!(libraries().contains("pacer_decide_"), "{}", libraries());
-    assert_eq!(decide(4), 2);
+    assert_eq!(decide_hourly(&scripts, &rt, &mut con, 4), 2);
     assert_eq!(command_calls(&redis, "evalsha"), 0);
     assert_eq!(command_calls(&redis, "fcall"), 7);
 }

@@ -21,6 +21,7 @@
 use crate::error::Result;
 use redis::aio::ConnectionLike;
 use redis::{Arg, Cmd, RedisError, Script, Value};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -35,6 +36,8 @@ pub struct Function {
     library: String,
     /// Calls go by the script until then.
     off_until: Mutex<Option<Instant>>,
+    /// Whether turning off has been logged as a warning.
+    warned: AtomicBool,
 }
 
 impl Function {
@@ -51,6 +54,7 @@ impl Function {
             name,
             library,
             off_until: Mutex::new(None),
+            warned: AtomicBool::new(false),
         }
     }
 
@@ -64,7 +68,7 @@ impl Function {
             .query_async::<Value>(con)
             .await;
         if let Err(e) = loaded {
-            self.turn_off();
+            self.turn_off(&e);
             return Err(e.into());
         }
         Ok(())
@@ -94,7 +98,7 @@ impl Function {
                 Err(e) if unusable(&e) => {
                     if self.load(con).await.is_ok() {
                         match self.fcall_or_resend(con, keys, &args).await {
-                            Err(e) if unusable(&e) => self.turn_off(),
+                            Err(e) if unusable(&e) => self.turn_off(&e),
                             done => return Ok(done?),
                         }
                     }
@@ -157,8 +161,17 @@ impl Function {
         }
     }
 
-    fn turn_off(&self) {
+    fn turn_off(&self, why: &RedisError) {
         *self.off_until.lock().expect("not poisoned") = Some(Instant::now() + OFF_FOR);
+        // Said once as a warning (it costs Redis CPU, and an ACL may be missing a grant), then
+        // at debug: a Redis that never lets the function run would repeat it every OFF_FOR.
+        if !self.warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(function = %self.name, error = %why,
+                "runs as a script (EVALSHA) instead of a Redis Function, retried every 10 s; \
+                 an ACL user needs +fcall and +function|load");
+        } else {
+            tracing::debug!(function = %self.name, error = %why, "runs as a script for now");
+        }
     }
 
     /// The library's name (tests look for it in `FUNCTION LIST`).
