@@ -192,3 +192,29 @@ local function rules_by_digest(at)
   end
   return rules, nrules, after
 end
+
+-- Each leased identity's last fetch turn booked (µs), kept like the rules: only a Redis
+-- Function keeps them; as a script every turn is booked from now. A hint, never a limit: a
+-- lost turn makes a worker fetch sooner, nothing more.
+local turns, turns_count = {}, 0
+
+-- Books a fetch turn on `key` for a worker whose fetch at the limit came back short (or was
+-- refused): `gap` µs after the last turn booked, or after now if that has passed. Workers that
+-- share an identity at its limit so fetch one at a time, a gap apart, each finding what the
+-- bucket gathered in the gap, where each polling on its own would make the calls grow with
+-- their number. Round the turns go in the order they were booked, so each gets its share.
+local function book_turn(key, gap)
+  local last = turns[key]
+  if not last then
+    if turns_count >= 10000 then
+      -- Identities once at their limit: start again rather than grow.
+      turns, turns_count = {}, 0
+    end
+    turns_count = turns_count + 1
+  end
+  if not last or last < now then
+    last = now
+  end
+  turns[key] = last + gap
+  return last + gap
+end

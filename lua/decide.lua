@@ -26,12 +26,16 @@
 --               0   decide it;
 --               -1  the caller spent a leased token on it: neither checked nor charged here;
 --               k>0 decide it, then, if the request is accepted, lease up to k more tokens
---                   (charged now, spent by the caller; gcra and fixed_window only)
+--                   (charged now, spent by the caller; gcra and fixed_window only); then one
+--                   more number, the gap between fetch turns (µs, see admission.lua's
+--                   book_turn) for a fetch that comes back short or refused
 -- Returns { now_us, then per request: accepted (1/0), retry_us (0 if accepted), binding check
 --           (its index among the request's checks; 0: none), binding limit (0: min_spacing),
---           then per check six numbers: passed (1/0), remaining (-1: no limit), limit (0:
+--           then per check seven numbers: passed (1/0), remaining (-1: no limit), limit (0:
 --           min_spacing), reset_us, granted tokens, lease_us (how long they may be spent: a
---           fixed window's time to its end; 0: no bound here, the caller's lease ttl) }
+--           fixed window's time to its end; 0: no bound here, the caller's lease ttl), turn_us
+--           (a lease asked for came back short, or leaves less room than it asked, or was
+--           refused: Redis's time of this worker's next fetch turn on it; else 0) }
 -- or, when the rules did not follow and are not kept here, the status reply RESEND: call again
 -- with them.
 -- Checking comes before charging, as in admit.lua: a rejected request uses up nothing (but
@@ -47,7 +51,7 @@ end
 local n = num(at, 'requests')
 at = at + 1
 local cost, first = {}, {}
-local check_rule, check_field, ask = {}, {}, {}
+local check_rule, check_field, ask, gap = {}, {}, {}, {}
 local x = 0
 for q = 1, n do
   cost[q] = num(at, 'cost')
@@ -63,8 +67,12 @@ for q = 1, n do
     ask[x] = num(at + 2, 'ask')
     local rule = rules[check_rule[x]]
     check_field[x] = rule.fields[index(at + 1, #rule.fields, false, 'field')]
-    if ask[x] > 0 and rule.alg == 'sliding_log' then
-      bad('lease of a sliding log')
+    if ask[x] > 0 then
+      if rule.alg == 'sliding_log' then
+        bad('lease of a sliding log')
+      end
+      gap[x] = num(at + 3, 'gap')
+      at = at + 1
     end
     at = at + 3
   end
@@ -126,7 +134,7 @@ for q = 1, n do
   -- Numbers go back as integer replies (whole, and below 2^53): no text to format.
   out[o + 1], out[o + 2], out[o + 3], out[o + 4] = accepted and 1 or 0, best, binding, best_lim
   for y = from, to do
-    local granted, span, left, lim, reset = 0, 0, -1, 0, 0
+    local granted, span, left, lim, reset, turn = 0, 0, -1, 0, 0, 0
     if ask[y] >= 0 then
       local rule = rules[check_rule[y]]
       local st = state(y)
@@ -144,10 +152,16 @@ for q = 1, n do
       if left == math.huge then
         left = -1
       end
+      -- At the limit: the lease came back short, or the next as large would, or the request
+      -- was refused here.
+      local short = accepted and (granted < ask[y] or left >= 0 and left < ask[y])
+      if ask[y] > 0 and (short or not accepted and not passed[y]) then
+        turn = book_turn(KEYS[y], gap[y])
+      end
     end
     o = #out
     out[o + 1], out[o + 2], out[o + 3] = passed[y] and 1 or 0, left, lim
-    out[o + 4], out[o + 5], out[o + 6] = reset, granted, span
+    out[o + 4], out[o + 5], out[o + 6], out[o + 7] = reset, granted, span, turn
   end
 end
 

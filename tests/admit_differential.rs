@@ -548,9 +548,14 @@ fn run_sync_case(
             })
             .collect();
         let per_read = if *whole_logs { LOG_ENTRIES_PER_READ } else { 0 };
-        let (now_us, got) = rt
+        let (now_us, mut got) = rt
             .block_on(scripts.decide(con, &rules, per_read, &calls))
             .expect("decide");
+        // Fetch turns are a pacing hint the function keeps, which the engine does not model
+        // (`decide_books_fetch_turns_a_gap_apart` tests them).
+        for c in got.iter_mut().flat_map(|v| v.checks.iter_mut()) {
+            c.turn_in_us = 0;
+        }
         for (i, (checks, req)) in model.iter().zip(batch).enumerate() {
             let want = engine.decide(now_us, checks, req.cost);
             prop_assert_eq!(&got[i], &want, "batch {} request {} at {}", n, i, now_us);
@@ -588,6 +593,55 @@ fn synchronous_decisions_agree_where_decide_cannot_be_a_function() {
     let redis = RedisServer::start_with(&["--rename-command", "FCALL", ""]);
     on_redis_with(&redis, 40, sync_case(), run_sync_case);
     assert!(command_calls(&redis, "evalsha") > 0);
+}
+
+#[test]
+fn decide_books_fetch_turns_a_gap_apart() {
+    // Three workers' fetches at the limit of a leased gcra rule (100/s, burst 10, ttl 40 ms,
+    // batches of up to 10: turns 30 ms apart), each asking more than is left: each gets the
+    // turn after the one before, so together they fetch once a gap, whatever their number.
+    let redis = RedisServer::start();
+    let (rt, mut con) = redis.async_con();
+    let scripts = Scripts::default();
+    let mut rules = hourly_rule();
+    rules[0].rule = make(Algorithm::Gcra, &[(100, 1_000_000)], 0, Some(10));
+    let lease = pacer::config::Lease {
+        ttl: Duration::from_millis(40),
+        max: 10,
+        bucket: Some((10, Duration::from_millis(100))),
+    };
+    let gap = lease.turn_gap().as_micros() as i64;
+    assert_eq!(gap, 30_000);
+    rules[0].lease = Some(lease);
+    let fetch = |con: &mut redis::aio::MultiplexedConnection, ask: i64| {
+        let request = DecideRequest {
+            checks: vec![DecideCheck {
+                rule: 0,
+                field: 0,
+                key: "pacer:in:{fwd}:r:gcra:k=a",
+                ask: Ask::Lease(ask),
+            }],
+            cost: 1,
+        };
+        let (now_us, verdicts) = rt
+            .block_on(scripts.decide(con, &rules, 0, &[request]))
+            .expect("decide");
+        (now_us, verdicts[0].checks[0])
+    };
+    // The first takes the whole bucket (1 + 9 leased) and, leaving nothing, books a turn.
+    let (t1, first) = fetch(&mut con, 10);
+    assert_eq!(first.granted, 9);
+    assert!((gap - 1_000..=gap).contains(&first.turn_in_us), "{first:?}");
+    // The next two are refused (nothing left) and queue up behind it.
+    let (t2, second) = fetch(&mut con, 10);
+    let (t3, third) = fetch(&mut con, 10);
+    assert!(!second.passed && !third.passed);
+    assert_eq!(t2 + second.turn_in_us, t1 + first.turn_in_us + gap);
+    assert_eq!(t3 + third.turn_in_us, t1 + first.turn_in_us + 2 * gap);
+    // Once the bucket is full again, a fetch that leaves as much room as it asked books none.
+    std::thread::sleep(Duration::from_millis(150));
+    let (_, later) = fetch(&mut con, 3);
+    assert_eq!((later.granted, later.turn_in_us), (3, 0), "{later:?}");
 }
 
 /// One rule of 10 an hour on `k`.

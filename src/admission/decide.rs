@@ -29,6 +29,11 @@ pub struct CheckOutcome {
     /// How long they may be spent, µs: a fixed window's time to its end; 0 for no bound but
     /// the caller's lease ttl.
     pub lease_us: i64,
+    /// A lease asked for came back short or was refused: µs from the decision until the
+    /// caller's next fetch turn on this identity, which `lua/decide.lua` books (0: none). A
+    /// pacing hint the script keeps where it runs as a Redis Function, not a limit: the
+    /// engine here books none.
+    pub turn_in_us: i64,
 }
 
 /// A synchronous decision (`lua/decide.lua`; [`Engine::decide`] in memory).
@@ -92,6 +97,7 @@ impl Engine {
                     room: None,
                     granted: 0,
                     lease_us: 0,
+                    turn_in_us: 0,
                 });
                 continue;
             }
@@ -115,6 +121,7 @@ impl Engine {
                 room: Some(state.room(now_us, rule)),
                 granted,
                 lease_us,
+                turn_in_us: 0,
             });
         }
         SyncVerdict {

@@ -4,7 +4,7 @@
 
 use super::batch::Batcher;
 use super::lease::{Leases, Take};
-use crate::admission::{Algorithm, Ask, SyncVerdict, SPACING};
+use crate::admission::{Algorithm, Ask, CheckOutcome, SyncVerdict, SPACING};
 use crate::config::{FailPolicy, InboundConfig};
 use crate::connection::RedisConn;
 use crate::event::inbound::{resolve, Identity};
@@ -251,11 +251,17 @@ impl Decider {
                 } else {
                     lease.ttl
                 };
-                let r = slot.refill((asked, outcome.granted, req.cost), sent, sent + span, lease);
+                let r = slot.refill(
+                    (asked, outcome.granted, req.cost),
+                    sent,
+                    sent + span,
+                    turn(outcome),
+                    lease,
+                );
                 telemetry::lease_fetched(rule, outcome.granted, r.wasted);
             } else if verdict.binding.is_some_and(|(b, _)| b == x) {
                 let retry = Duration::from_micros(verdict.retry_us.max(0) as u64);
-                slot.refused((asked, req.cost), sent, retry, lease);
+                slot.refused((asked, req.cost), sent, retry, turn(outcome), lease);
             }
         }
         if !verdict.accepted {
@@ -376,4 +382,11 @@ impl Decider {
             unchecked: false,
         }
     }
+}
+
+/// The fetch turn Redis booked a leased check, as a wait from when the call was sent (the
+/// reply's µs are from Redis's `now`, which the call saw after it was sent: the turn comes a
+/// round trip early at most).
+fn turn(outcome: &CheckOutcome) -> Option<Duration> {
+    (outcome.turn_in_us > 0).then(|| Duration::from_micros(outcome.turn_in_us as u64))
 }

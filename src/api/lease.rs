@@ -16,14 +16,21 @@
 //!   worker whose last fetch was granted less than it asked (the identity is at its limit)
 //!   waits once it is spent. An identity over its limit then costs a few Redis calls per
 //!   bucket's worth of tokens, not one per request.
-//! - **The wait at the limit fits the bucket.** A fetch brings what the identity's bucket
-//!   gathered since the last fetch by any worker, and a gcra bucket gathers no more than its
-//!   burst. So a worker at the limit waits, between fetches, a random point in the second half
-//!   of the lease's span or of the time the bucket takes to gather what a fetch may take,
-//!   whichever is shorter (`State::short_wait`): alone, it passes the full rate even on a small
-//!   burst; with k workers an identity costs about 1.3·k calls per such span. The random draw
-//!   keeps the workers' fetches from locking into one order, where the one whose turn came right
-//!   after another's would get little.
+//! - **At the limit, workers take turns.** A fetch brings what the identity's bucket gathered
+//!   since the last fetch by any worker, and a gcra bucket gathers no more than its burst. When
+//!   a fetch comes back short, or leaves less room than it asked, or is refused, Redis books the
+//!   worker a fetch turn (`lua/admission.lua`, `book_turn`): three quarters of the bucket's fill
+//!   time (`Lease::turn_gap`) after the last turn booked on that identity. The workers sharing
+//!   an identity at its limit so fetch one at a time, in the order they booked: the identity
+//!   costs one call per gap however many workers share it (it cost about 1.3 per gap per
+//!   worker when each polled on its own), each fetch finds what gathered in a gap, and each
+//!   worker gets its share. A batch granted in full that still had to wait for its turn grows.
+//! - **Where no turn is booked** (`decide.lua` running as a script, which keeps nothing between
+//!   calls), a worker whose fetch came back short waits, between fetches, a random point in the
+//!   second half of the lease's span or of the time the bucket takes to gather what a fetch may
+//!   take, whichever is shorter (`State::short_wait`): alone, it passes the full rate even on a
+//!   small burst. The random draw keeps the workers' fetches from locking into one order, where
+//!   the one whose turn came right after another's would get little.
 
 use crate::config::Lease;
 use std::collections::HashMap;
@@ -47,9 +54,13 @@ struct State {
     size: i64,
     /// Refused locally until then.
     blocked_until: Option<Instant>,
-    /// The last fetch was granted less than it asked: the identity is at its limit, so when
-    /// this lease runs out its worker waits until then rather than fetch again.
+    /// The last fetch was granted less than it asked, or Redis booked its worker a fetch turn:
+    /// the identity is at its limit, so when this lease runs out its worker waits until then
+    /// rather than fetch again.
     short_until: Option<Instant>,
+    /// The last fetch was granted all it asked and yet had to wait for a turn: a larger batch
+    /// would have found tokens.
+    full_at_turn: bool,
 }
 
 /// What taking tokens from a lease found.
@@ -83,13 +94,7 @@ impl State {
     /// gathered since its own last fetch, where the others' interrupt it less), so it waited
     /// less still, and in a simulation three workers' shares in 3 s drifted as far as 23/25/52%.
     fn short_wait(&self, could: i64, span: Duration, lease: &Lease) -> Duration {
-        let scale = match lease.bucket {
-            Some((tokens, fill)) => {
-                let cap = could.clamp(1, tokens.max(1));
-                span.min(fill.mul_f64(cap as f64 / tokens.max(1) as f64))
-            }
-            None => span,
-        };
+        let scale = lease.wait_scale(could, span);
         scale / 2 + scale.mul_f64(fastrand::f64() / 2.0)
     }
 }
@@ -104,6 +109,7 @@ impl Slot {
                 size: 1,
                 blocked_until: None,
                 short_until: None,
+                full_at_turn: false,
             }),
             fetch: tokio::sync::Mutex::new(()),
         }
@@ -140,8 +146,9 @@ impl Slot {
     /// How many tokens the next fetch asks for, adapted to how the last lease went.
     pub fn next_size(&self, lease: &Lease, now: Instant) -> i64 {
         let mut s = self.state.lock().expect("lease state");
-        let quick = now.saturating_duration_since(s.fetched) < lease.ttl / 2;
-        if s.tokens == 0 && now < s.until && quick {
+        // Used up within half its ttl, or before its turn came though granted in full.
+        let quick = now < s.until && now.saturating_duration_since(s.fetched) < lease.ttl / 2;
+        if s.tokens == 0 && (quick || s.full_at_turn) {
             s.size = (s.size * 2).min(lease.max);
         } else if s.tokens > 0 && now >= s.until {
             s.size = (s.size / 2).max(1);
@@ -152,38 +159,48 @@ impl Slot {
     /// Stores a fetched lease: `granted` of the `asked` tokens, spendable until `until`, leased
     /// with a request of `cost` (charged too). The tokens left in the lease it replaces are
     /// wasted (their lease ended, or they were too few).
+    ///
+    /// A lease at the limit, once spent, waits until `turn` after `fetched` when Redis booked
+    /// this worker a fetch turn (`lua/admission.lua`, `book_turn`: the lease came back short,
+    /// or left less room than it asked), else, if it came back short, a random `short_wait`.
     pub fn refill(
         &self,
         (asked, granted, cost): (i64, i64, i64),
         fetched: Instant,
         until: Instant,
+        turn: Option<Duration>,
         lease: &Lease,
     ) -> Refilled {
         let mut s = self.state.lock().expect("lease state");
         let wasted = s.tokens;
         s.tokens = granted;
-        s.short_until = (granted < asked).then(|| {
-            let span = until.saturating_duration_since(fetched);
-            fetched + s.short_wait(asked + cost, span, lease)
-        });
+        s.full_at_turn = turn.is_some() && granted >= asked;
+        s.short_until = match turn {
+            Some(turn) => Some(fetched + turn),
+            None => (granted < asked).then(|| {
+                let span = until.saturating_duration_since(fetched);
+                fetched + s.short_wait(asked + cost, span, lease)
+            }),
+        };
         s.fetched = fetched;
         s.until = until;
         Refilled { wasted }
     }
 
     /// Redis refused a request of `cost` asking `asked` tokens more, sent at `sent`, and said
-    /// when it would pass: the identity is refused locally until then, or as long as a fetch at
-    /// the limit would wait if that is longer (an identity over its limit would otherwise send
-    /// a call per gcra interval).
+    /// when it would pass: the identity is refused locally until then, or until the fetch turn
+    /// Redis booked (else as long as a fetch at the limit would wait) if that is longer (an
+    /// identity over its limit would otherwise send a call per gcra interval).
     pub fn refused(
         &self,
         (asked, cost): (i64, i64),
         sent: Instant,
         retry: Duration,
+        turn: Option<Duration>,
         lease: &Lease,
     ) {
         let mut s = self.state.lock().expect("lease state");
-        let wait = s.short_wait(asked + cost, lease.ttl, lease);
+        let wait = turn.unwrap_or_else(|| s.short_wait(asked + cost, lease.ttl, lease));
         s.blocked_until = Some(sent + retry.max(wait));
     }
 
@@ -255,7 +272,13 @@ mod tests {
         let t0 = Instant::now();
         let s = Slot::new(t0);
         assert_eq!(s.take(1, t0), Take::Empty);
-        s.refill((3, 3, 1), t0, t0 + Duration::from_millis(100), &lease());
+        s.refill(
+            (3, 3, 1),
+            t0,
+            t0 + Duration::from_millis(100),
+            None,
+            &lease(),
+        );
         assert_eq!(s.take(2, t0), Take::Spent(1));
         assert_eq!(s.take(2, t0), Take::Empty, "one left, two asked");
         assert_eq!(s.take(1, t0), Take::Spent(0));
@@ -273,7 +296,7 @@ mod tests {
         for _ in 0..8 {
             let n = s.next_size(&l, now);
             sizes.push(n);
-            s.refill((n, n, 1), now, now + l.ttl, &l);
+            s.refill((n, n, 1), now, now + l.ttl, None, &l);
             while let Take::Spent(_) = s.take(1, now) {}
             now += Duration::from_millis(10);
         }
@@ -282,7 +305,7 @@ mod tests {
         let mut wasted = 0;
         for _ in 0..3 {
             let n = s.next_size(&l, now);
-            wasted += s.refill((n, n, 1), now, now + l.ttl, &l).wasted;
+            wasted += s.refill((n, n, 1), now, now + l.ttl, None, &l).wasted;
             for _ in 0..n / 2 {
                 s.take(1, now);
             }
@@ -301,7 +324,7 @@ mod tests {
         let t0 = Instant::now();
         let s = Slot::new(t0);
         let end = t0 + Duration::from_millis(10);
-        s.refill((8, 2, 1), t0, end, &lease());
+        s.refill((8, 2, 1), t0, end, None, &lease());
         assert_eq!(s.take(1, t0), Take::Spent(1));
         assert_eq!(s.take(1, t0), Take::Spent(0));
         let Take::Blocked(wait) = s.take(1, t0) else {
@@ -313,7 +336,13 @@ mod tests {
         );
         assert_eq!(s.take(1, t0 + wait), Take::Empty, "then it fetches again");
         // A full grant fetches again as soon as it is spent.
-        s.refill((2, 2, 1), end, end + Duration::from_millis(10), &lease());
+        s.refill(
+            (2, 2, 1),
+            end,
+            end + Duration::from_millis(10),
+            None,
+            &lease(),
+        );
         assert_eq!(s.take(2, end), Take::Spent(0));
         assert_eq!(s.take(1, end), Take::Empty);
     }
@@ -321,9 +350,11 @@ mod tests {
     /// `workers` slots on one simulated gcra bucket (5 tokens per ms, holding `burst`), each
     /// under more demand than the limit, for 3 s in steps of 50 µs, as `decider` drives them:
     /// a request that finds no usable lease asks Redis, which passes it and leases up to what
-    /// it asked of what the bucket holds, or refuses it when the bucket is empty. Returns the
-    /// tokens each slot passed and the calls made.
-    fn share_a_bucket(workers: usize, burst: f64) -> (Vec<f64>, u32) {
+    /// it asked of what the bucket holds, or refuses it when the bucket is empty. With `turns`,
+    /// Redis books each short or refused fetch a turn as `lua/admission.lua`'s `book_turn`
+    /// does (a function's library keeps them); without, it books none (a script keeps
+    /// nothing). Returns the tokens each slot passed and the calls made.
+    fn share_a_bucket(workers: usize, burst: f64, turns: bool) -> (Vec<f64>, u32) {
         let l = Lease {
             ttl: Duration::from_millis(10),
             max: 50,
@@ -332,6 +363,13 @@ mod tests {
         let t0 = Instant::now();
         let slots: Vec<Slot> = (0..workers).map(|_| Slot::new(t0)).collect();
         let (mut level, mut passed, mut calls) = (burst, vec![0.0; workers], 0);
+        let mut last_turn = t0;
+        let mut book = |now: Instant| {
+            turns.then(|| {
+                last_turn = last_turn.max(now) + l.turn_gap();
+                last_turn - now
+            })
+        };
         for step in 0..60_000u64 {
             let now = t0 + Duration::from_micros(step * 50);
             level = (level + 0.25).min(burst);
@@ -348,13 +386,18 @@ mod tests {
                 let asked = s.next_size(&l, now);
                 if level < 1.0 {
                     let retry = Duration::from_micros(((1.0 - level) * 200.0) as u64);
-                    s.refused((asked, 1), now, retry, &l);
+                    s.refused((asked, 1), now, retry, book(now), &l);
                     continue;
                 }
                 let granted = (asked as f64).min((level - 1.0).floor());
                 level -= 1.0 + granted;
                 passed[w] += 1.0;
-                s.refill((asked, granted as i64, 1), now, now + l.ttl, &l);
+                let turn = if (granted as i64) < asked || level < asked as f64 {
+                    book(now)
+                } else {
+                    None
+                };
+                s.refill((asked, granted as i64, 1), now, now + l.ttl, turn, &l);
             }
         }
         (passed, calls)
@@ -363,23 +406,29 @@ mod tests {
     #[test]
     fn at_the_limit_workers_pass_the_rate_in_fair_shares_with_a_few_calls_per_fill() {
         // 3 s at 5000/s: 15,000 tokens, and the burst at the start.
-        for (workers, burst) in [(1, 50.0), (3, 50.0), (10, 50.0), (1, 5.0), (3, 5.0)] {
-            let (passed, calls) = share_a_bucket(workers, burst);
-            let total: f64 = passed.iter().sum();
-            let what = format!("{workers} workers, burst {burst}: {passed:?}, {calls} calls");
-            assert!(total <= 15_000.0 + burst, "{what}");
-            assert!(total >= 0.95 * 15_000.0, "{what}");
-            for p in &passed {
-                let share = p / total;
-                assert!((share - 1.0 / workers as f64).abs() < 0.1, "{what}");
+        for turns in [false, true] {
+            for (workers, burst) in [(1, 50.0), (3, 50.0), (10, 50.0), (1, 5.0), (3, 5.0)] {
+                let (passed, calls) = share_a_bucket(workers, burst, turns);
+                let total: f64 = passed.iter().sum();
+                let what = format!(
+                    "{workers} workers, burst {burst}, turns {turns}: {passed:?}, {calls} calls"
+                );
+                assert!(total <= 15_000.0 + burst, "{what}");
+                assert!(total >= 0.95 * 15_000.0, "{what}");
+                for p in &passed {
+                    let share = p / total;
+                    assert!((share - 1.0 / workers as f64).abs() < 0.1, "{what}");
+                }
+                // Without turns each worker calls about once per 0.75 of the bucket's fill
+                // time (3 s / (burst x 200 µs) of them), however many requests it refuses
+                // meanwhile; with turns the workers together call that often.
+                let fills = 3_000_000.0 / (burst * 200.0);
+                let callers = if turns { 1.0 } else { workers as f64 };
+                assert!(
+                    f64::from(calls) <= 1.5 * callers * fills + 20.0,
+                    "{what} ({fills} fill times)"
+                );
             }
-            // Each worker calls about once per 0.75 of the bucket's fill time (3 s / (burst x
-            // 200 µs) of them), however many requests it refuses meanwhile.
-            let fills = 3_000_000.0 / (burst * 200.0);
-            assert!(
-                f64::from(calls) <= 1.5 * workers as f64 * fills + 20.0,
-                "{what} ({fills} fill times)"
-            );
         }
     }
 
@@ -400,7 +449,7 @@ mod tests {
         let t0 = Instant::now();
         let leases = Leases::default();
         let live = leases.slot("live", t0);
-        live.refill((5, 5, 1), t0, t0 + Duration::from_secs(60), &lease());
+        live.refill((5, 5, 1), t0, t0 + Duration::from_secs(60), None, &lease());
         for i in 0..SWEEP_AT - 1 {
             leases.slot(&format!("k{i}"), t0);
         }

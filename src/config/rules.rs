@@ -50,6 +50,30 @@ pub struct Lease {
     pub bucket: Option<(i64, Duration)>,
 }
 
+impl Lease {
+    /// How long a worker at the limit may go between fetches of `could` tokens without the
+    /// bucket losing any: the lease's `span`, or for gcra the time its bucket takes to gather
+    /// `could` (or its whole burst, if that is less), whichever is shorter.
+    pub fn wait_scale(&self, could: i64, span: Duration) -> Duration {
+        match self.bucket {
+            Some((tokens, fill)) => {
+                let cap = could.clamp(1, tokens.max(1));
+                span.min(fill.mul_f64(cap as f64 / tokens.max(1) as f64))
+            }
+            None => span,
+        }
+    }
+
+    /// The gap between fetch turns on an identity at its limit (`lua/admission.lua`,
+    /// `book_turn`): three quarters of the wait scale of the largest lease over the ttl, so a
+    /// missed turn loses little of what the bucket gathers. A turn is shared by every worker,
+    /// so it is sized for what the bucket holds, not for one worker's batch (a worker asking
+    /// few tokens would make the turns come often); at the limit the batches grow to `max`.
+    pub fn turn_gap(&self) -> Duration {
+        self.wait_scale(self.max, self.ttl).mul_f64(0.75)
+    }
+}
+
 /// Names that become key names and metric labels.
 pub const NAME_MAX: usize = 64;
 /// The largest count a sliding log may keep per identity (its memory is O(count)).

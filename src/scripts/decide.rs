@@ -68,12 +68,20 @@ impl Scripts {
             for r in requests {
                 args.arg(r.cost).arg(r.checks.len());
                 for c in &r.checks {
-                    let ask = match c.ask {
-                        Ask::Decide => 0,
-                        Ask::Covered => -1,
-                        Ask::Lease(n) => n.max(1),
+                    args.arg(c.rule + 1).arg(c.field + 1);
+                    match c.ask {
+                        Ask::Decide => args.arg(0),
+                        Ask::Covered => args.arg(-1),
+                        Ask::Lease(n) => {
+                            let could = n.max(1);
+                            // A rule without a lease (tests decide such) books turns at once.
+                            let gap = rules[c.rule]
+                                .lease
+                                .as_ref()
+                                .map_or(0, |l| l.turn_gap().as_micros() as i64);
+                            args.arg(could).arg(gap)
+                        }
                     };
-                    args.arg(c.rule + 1).arg(c.field + 1).arg(ask);
                 }
             }
             args
@@ -95,6 +103,7 @@ impl Scripts {
                 let reset_us = v.int()?;
                 let granted = v.int()?;
                 let lease_us = v.int()?;
+                let turn_us = v.int()?;
                 outcomes.push(CheckOutcome {
                     passed,
                     room: (c.ask != Ask::Covered).then_some(Room {
@@ -104,6 +113,7 @@ impl Scripts {
                     }),
                     granted,
                     lease_us,
+                    turn_in_us: if turn_us > 0 { turn_us - now_us } else { 0 },
                 });
             }
             verdicts.push(SyncVerdict {
