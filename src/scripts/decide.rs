@@ -74,7 +74,8 @@ impl Scripts {
                         Ask::Covered => args.arg(-1),
                         Ask::Lease(n) => {
                             let could = n.max(1);
-                            // A rule without a lease (tests decide such) books turns at once.
+                            // A rule without a lease (tests decide such): a gap of 0 books
+                            // a turn at now, which reads as none.
                             let gap = rules[c.rule]
                                 .lease
                                 .as_ref()
