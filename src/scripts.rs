@@ -18,7 +18,7 @@ mod pacing;
 pub use admit::{
     spacing_label, AdmitItem, AdmitReply, AdmitTargets, Admitted, LOG_ENTRIES_PER_READ,
 };
-pub use decide::{DecideCheck, DecideRequest};
+pub use decide::{DecideCheck, DecideRequest, DecideRules};
 pub use function::Function;
 pub use outputs::{EmitCall, EmitItem, Voided};
 pub use pacing::{

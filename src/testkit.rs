@@ -58,6 +58,20 @@ impl Drop for TempDir {
     }
 }
 
+/// How many times the Redis behind `con` has run `command` (lowercase, as `INFO
+/// commandstats` names it: `fcall`, `evalsha`), refused calls not counted.
+pub fn command_calls(con: &mut impl redis::ConnectionLike, command: &str) -> u64 {
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(con)
+        .expect("INFO commandstats");
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|l| l.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
 /// A port nobody listens on right now.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

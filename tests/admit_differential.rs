@@ -17,10 +17,10 @@ use pacer::event::inbound::{forward_fields, rejected_fields, Decision, InboundEv
 use pacer::event::{Entry, Fields};
 use pacer::keys::InboundKeys;
 use pacer::scripts::{
-    spacing_label, AdmitItem, AdmitTargets, Admitted, DecideCheck, DecideRequest, Scripts,
-    LOG_ENTRIES_PER_READ,
+    spacing_label, AdmitItem, AdmitTargets, Admitted, DecideCheck, DecideRequest, DecideRules,
+    Scripts, LOG_ENTRIES_PER_READ,
 };
-use pacer::testkit::RedisServer;
+use pacer::testkit::{command_calls, RedisServer};
 use proptest::prelude::*;
 use std::cell::RefCell;
 use std::time::Duration;
@@ -381,22 +381,8 @@ fn run_case(
     Ok(())
 }
 
-/// Runs `cases` cases of `strategy` through `run` against one real redis-server.
+/// Runs `cases` cases of `strategy` through `run` against `redis`.
 fn on_redis<S: Strategy>(
-    cases: u32,
-    strategy: S,
-    run: impl Fn(
-        &S::Value,
-        &mut redis::aio::MultiplexedConnection,
-        &tokio::runtime::Runtime,
-        &mut redis::Connection,
-    ) -> Result<(), TestCaseError>,
-) {
-    on_redis_with(&RedisServer::start(), cases, strategy, run)
-}
-
-/// The same against `redis`.
-fn on_redis_with<S: Strategy>(
     redis: &RedisServer,
     cases: u32,
     strategy: S,
@@ -420,7 +406,7 @@ fn on_redis_with<S: Strategy>(
 
 #[test]
 fn lua_and_rust_decide_alike_on_redis_time() {
-    on_redis(120, case(), run_case);
+    on_redis(&RedisServer::start(), 120, case(), run_case);
 }
 
 // ------------------------------------------ synchronous decisions: decide.lua against Rust
@@ -482,6 +468,8 @@ fn run_sync_case(
         batches: Vec::new(),
     };
     let rules = inbound_rules(&case);
+    let per_read = if *whole_logs { LOG_ENTRIES_PER_READ } else { 0 };
+    let decide_rules = DecideRules::new(&rules, per_read);
     let mut engine = Engine::new(
         rules
             .iter()
@@ -547,9 +535,8 @@ fn run_sync_case(
                 cost: req.cost,
             })
             .collect();
-        let per_read = if *whole_logs { LOG_ENTRIES_PER_READ } else { 0 };
         let (now_us, mut got) = rt
-            .block_on(scripts.decide(con, &rules, per_read, &calls))
+            .block_on(scripts.decide(con, &decide_rules, &calls))
             .expect("decide");
         // Fetch turns are a pacing hint the function keeps, which the engine does not model
         // (`decide_books_fetch_turns_a_gap_apart` tests them).
@@ -564,26 +551,13 @@ fn run_sync_case(
     Ok(())
 }
 
-/// How many times Redis ran `command`, from `INFO commandstats`.
-fn command_calls(redis: &RedisServer, command: &str) -> u64 {
-    let stats: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut redis.con())
-        .unwrap();
-    stats
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-        .and_then(|l| l.split(',').next()?.parse().ok())
-        .unwrap_or(0)
-}
-
 #[test]
 fn synchronous_decisions_and_leases_agree_in_lua_and_rust() {
     // decide.lua as a Redis Function, the way pacer calls it wherever Redis lets it.
     let redis = RedisServer::start();
-    on_redis_with(&redis, 150, sync_case(), run_sync_case);
-    assert!(command_calls(&redis, "fcall") > 0);
-    assert_eq!(command_calls(&redis, "evalsha"), 0);
+    on_redis(&redis, 150, sync_case(), run_sync_case);
+    assert!(command_calls(&mut redis.con(), "fcall") > 0);
+    assert_eq!(command_calls(&mut redis.con(), "evalsha"), 0);
 }
 
 #[test]
@@ -591,8 +565,8 @@ fn synchronous_decisions_agree_where_decide_cannot_be_a_function() {
     // A Redis that will not run it as a Function (FCALL renamed away, as a locked-down
     // deployment might): every call goes by EVALSHA, with the same answers.
     let redis = RedisServer::start_with(&["--rename-command", "FCALL", ""]);
-    on_redis_with(&redis, 40, sync_case(), run_sync_case);
-    assert!(command_calls(&redis, "evalsha") > 0);
+    on_redis(&redis, 40, sync_case(), run_sync_case);
+    assert!(command_calls(&mut redis.con(), "evalsha") > 0);
 }
 
 #[test]
@@ -613,6 +587,7 @@ fn decide_books_fetch_turns_a_gap_apart() {
     let gap = lease.turn_gap().as_micros() as i64;
     assert_eq!(gap, 30_000);
     rules[0].lease = Some(lease);
+    let rules = DecideRules::new(&rules, 0);
     let fetch = |con: &mut redis::aio::MultiplexedConnection, ask: i64| {
         let request = DecideRequest {
             checks: vec![DecideCheck {
@@ -624,7 +599,7 @@ fn decide_books_fetch_turns_a_gap_apart() {
             cost: 1,
         };
         let (now_us, verdicts) = rt
-            .block_on(scripts.decide(con, &rules, 0, &[request]))
+            .block_on(scripts.decide(con, &rules, &[request]))
             .expect("decide");
         (now_us, verdicts[0].checks[0])
     };
@@ -676,7 +651,7 @@ fn decide_hourly(
         })
         .collect();
     let (_, verdicts) = rt
-        .block_on(scripts.decide(con, &hourly_rule(), 0, &requests))
+        .block_on(scripts.decide(con, &DecideRules::new(&hourly_rule(), 0), &requests))
         .expect("decide");
     verdicts.iter().filter(|v| v.accepted).count()
 }
@@ -684,17 +659,9 @@ fn decide_hourly(
 #[test]
 fn decide_runs_as_a_script_for_a_user_who_may_not_call_functions() {
     let redis = RedisServer::start();
+    redis.add_acl_user("nofn", "pw");
     let _: () = redis::cmd("ACL")
-        .arg(&[
-            "SETUSER",
-            "nofn",
-            "on",
-            ">pw",
-            "~*",
-            "+@all",
-            "-fcall",
-            "-function",
-        ])
+        .arg(&["SETUSER", "nofn", "-fcall"])
         .query(&mut redis.con())
         .unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -719,8 +686,8 @@ fn decide_runs_as_a_script_for_a_user_who_may_not_call_functions() {
         .map(|_| decide_hourly(&scripts, &rt, &mut con, 4))
         .sum();
     assert_eq!(allowed, 10);
-    assert_eq!(command_calls(&redis, "evalsha"), 3);
-    assert_eq!(command_calls(&redis, "fcall"), 0);
+    assert_eq!(command_calls(&mut redis.con(), "evalsha"), 3);
+    assert_eq!(command_calls(&mut redis.con(), "fcall"), 0);
 }
 
 #[test]
@@ -749,8 +716,8 @@ fn decide_loads_its_function_again_when_redis_has_lost_it() {
     assert_eq!(decide_hourly(&scripts, &rt, &mut con, 4), 4);
     assert!(libraries().contains("pacer_decide_"), "{}", libraries());
     assert_eq!(decide_hourly(&scripts, &rt, &mut con, 4), 2);
-    assert_eq!(command_calls(&redis, "evalsha"), 0);
-    assert_eq!(command_calls(&redis, "fcall"), 7);
+    assert_eq!(command_calls(&mut redis.con(), "evalsha"), 0);
+    assert_eq!(command_calls(&mut redis.con(), "fcall"), 7);
 }
 
 // ---------------------------------------------------------------- Rust against brute force

@@ -14,7 +14,8 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use pacer::testkit::{
-    free_port, http_post, metric_at, wait_until, Cluster, Pacer, RedisServer, TempDir,
+    command_calls, free_port, http_post, metric_at, wait_until, Cluster, Pacer, RedisServer,
+    TempDir,
 };
 use serde_json::Value;
 use std::time::{Duration, Instant};
@@ -350,15 +351,6 @@ fn blast(api: &Api, body: &str, threads: usize, run: Duration) -> (Vec<i64>, usi
     (all, sent)
 }
 
-/// How many times Redis ran `command`, from `INFO commandstats`.
-fn command_calls(stats: &str, command: &str) -> u64 {
-    stats
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-        .and_then(|l| l.split(',').next()?.parse().ok())
-        .unwrap_or(0)
-}
-
 #[test]
 fn concurrent_requests_share_redis_calls_and_each_gets_its_own_answer() {
     // Unleased, 5 per second per source: 8 threads, each its own source, 40 requests each.
@@ -387,14 +379,10 @@ fn concurrent_requests_share_redis_calls_and_each_gets_its_own_answer() {
             "s{t}: {n} in {seconds:.2}s"
         );
     }
-    let stats: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut api.redis.con())
-        .unwrap();
     // decide.lua runs as a Redis Function: every call was an FCALL.
-    let calls: u64 = command_calls(&stats, "fcall");
+    let calls = command_calls(&mut api.redis.con(), "fcall");
     assert!(calls > 0 && calls < 320, "{calls} calls for 320 requests");
-    assert_eq!(command_calls(&stats, "evalsha"), 0, "{stats}");
+    assert_eq!(command_calls(&mut api.redis.con(), "evalsha"), 0);
 }
 
 #[test]
@@ -453,11 +441,7 @@ fn a_lease_on_a_small_burst_still_admits_the_full_rate() {
             ok.len()
         );
         assert!(most <= 5 + 1000 + 10 + 2, "{workers}: {most} in a second");
-        let stats: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query(&mut api.redis.con())
-            .unwrap();
-        calls.push(command_calls(&stats, "fcall"));
+        calls.push(command_calls(&mut api.redis.con(), "fcall"));
     }
     // One turn per 3.75 ms (3/4 of the 5 ms the burst takes to gather): 800 in 3 s.
     assert!(
@@ -601,11 +585,7 @@ fn on_a_cluster_each_identity_is_decided_on_its_partitions_master() {
     assert!(per_master.iter().all(|&n| n > 0), "{per_master:?}");
     // Decided by FCALL on every master.
     for &m in &masters {
-        let stats: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query(&mut cluster.con(m))
-            .unwrap();
-        assert!(command_calls(&stats, "fcall") > 0, "{m}: {stats}");
+        assert!(command_calls(&mut cluster.con(m), "fcall") > 0, "{m}");
     }
     let list: redis::Value = redis::cmd("FUNCTION")
         .arg("LIST")

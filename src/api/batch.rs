@@ -6,7 +6,7 @@
 use crate::admission::{Ask, SyncVerdict};
 use crate::config::InboundRule;
 use crate::connection::RedisConn;
-use crate::scripts::{DecideCheck, DecideRequest, Scripts, LOG_ENTRIES_PER_READ};
+use crate::scripts::{DecideCheck, DecideRequest, DecideRules, Scripts, LOG_ENTRIES_PER_READ};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot, Semaphore};
@@ -66,6 +66,7 @@ impl Batcher {
 
 async fn run(mut rx: mpsc::UnboundedReceiver<Job>, rules: Arc<Vec<InboundRule>>, con: RedisConn) {
     let scripts = Arc::new(Scripts::default());
+    let rules = Arc::new(DecideRules::new(&rules, LOG_ENTRIES_PER_READ));
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     loop {
         let Ok(permit) = slots.clone().acquire_owned().await else {
@@ -99,7 +100,7 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Job>, rules: Arc<Vec<InboundRule>>,
     }
 }
 
-async fn call(scripts: &Scripts, con: &mut RedisConn, rules: &[InboundRule], jobs: Vec<Job>) {
+async fn call(scripts: &Scripts, con: &mut RedisConn, rules: &DecideRules, jobs: Vec<Job>) {
     let requests: Vec<DecideRequest<'_>> = jobs
         .iter()
         .map(|j| DecideRequest {
@@ -116,11 +117,7 @@ async fn call(scripts: &Scripts, con: &mut RedisConn, rules: &[InboundRule], job
             cost: j.cost,
         })
         .collect();
-    let reply = crate::telemetry::timed(
-        "decide",
-        scripts.decide(con, rules, LOG_ENTRIES_PER_READ, &requests),
-    )
-    .await;
+    let reply = crate::telemetry::timed("decide", scripts.decide(con, rules, &requests)).await;
     drop(requests);
     match reply {
         Ok((_, verdicts)) => {

@@ -36,29 +36,57 @@ pub struct DecideRequest<'a> {
     pub cost: i64,
 }
 
+/// The rules as `decide.lua` takes them, made once for the calls that share them (a worker's,
+/// for its life): their arguments, the digest its function keeps them by, and each rule's gap
+/// between fetch turns.
+pub struct DecideRules {
+    args: redis::Cmd,
+    digest: String,
+    /// Per rule, µs; 0 for a rule without a lease (tests decide such: a gap of 0 books a turn
+    /// at now, which reads as none).
+    turn_gaps_us: Vec<i64>,
+}
+
+impl DecideRules {
+    /// `rules` read with `log_entries_per_read` (admit.lua's: when a sliding log is read by
+    /// entry).
+    pub fn new(rules: &[InboundRule], log_entries_per_read: i64) -> Self {
+        let mut args = redis::Cmd::new();
+        args.arg(log_entries_per_read);
+        push_rules(&mut args, rules);
+        DecideRules {
+            digest: digest(&args),
+            args,
+            turn_gaps_us: rules
+                .iter()
+                .map(|r| {
+                    r.lease
+                        .as_ref()
+                        .map_or(0, |l| l.turn_gap().as_micros() as i64)
+                })
+                .collect(),
+        }
+    }
+}
+
 impl Scripts {
     /// Decides a batch of requests, in order, in one call (all their keys in one slot);
     /// returns Redis's clock and a verdict per request. See `lua/decide.lua`.
     pub async fn decide<C: ConnectionLike>(
         &self,
         con: &mut C,
-        rules: &[InboundRule],
-        log_entries_per_read: i64,
+        rules: &DecideRules,
         requests: &[DecideRequest<'_>],
     ) -> Result<(i64, Vec<SyncVerdict>)> {
-        let mut rule_args = redis::Cmd::new();
-        rule_args.arg(log_entries_per_read);
-        push_rules(&mut rule_args, rules);
-        let digest = digest(&rule_args);
         let keys: Vec<&str> = requests
             .iter()
             .flat_map(|r| r.checks.iter().map(|c| c.key))
             .collect();
         let args = |full: bool| {
             let mut args = redis::Cmd::new();
-            args.arg(&digest).arg(u8::from(full));
+            args.arg(&rules.digest).arg(u8::from(full));
             if full {
-                for a in rule_args.args_iter() {
+                for a in rules.args.args_iter() {
                     if let Arg::Simple(a) = a {
                         args.arg(a);
                     }
@@ -72,16 +100,7 @@ impl Scripts {
                     match c.ask {
                         Ask::Decide => args.arg(0),
                         Ask::Covered => args.arg(-1),
-                        Ask::Lease(n) => {
-                            let could = n.max(1);
-                            // A rule without a lease (tests decide such): a gap of 0 books
-                            // a turn at now, which reads as none.
-                            let gap = rules[c.rule]
-                                .lease
-                                .as_ref()
-                                .map_or(0, |l| l.turn_gap().as_micros() as i64);
-                            args.arg(could).arg(gap)
-                        }
+                        Ask::Lease(n) => args.arg(n.max(1)).arg(rules.turn_gaps_us[c.rule]),
                     };
                 }
             }
