@@ -49,7 +49,10 @@ impl Envoy {
 
 /// Serves the service on `listener` until `shutdown` is cancelled.
 pub async fn serve(listener: TcpListener, envoy: Envoy, shutdown: CancellationToken) {
-    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    // tonic leaves Nagle's algorithm on unless told: with several calls on one HTTP/2
+    // connection, a small answer written while another is unacknowledged would wait for the
+    // acknowledgement (Envoy's calls are small, many and in flight together).
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let served = tonic::transport::Server::builder()
         .add_service(RateLimitServiceServer::new(envoy))
         .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())

@@ -25,6 +25,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::{json, Map, Value};
@@ -84,6 +85,13 @@ pub async fn serve(listener: TcpListener, router: Router, shutdown: Cancellation
             StatusCode::NOT_FOUND,
             "try /metrics, /healthz, /readyz or POST /v1/admit\n",
         )
+    });
+    // Answers go out as soon as they are written: Nagle's algorithm would hold a small
+    // response back until the client acknowledged the last one.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY not set");
+        }
     });
     if let Err(e) = axum::serve(listener, router)
         .with_graceful_shutdown(shutdown.cancelled_owned())
