@@ -8,10 +8,13 @@
 //! the producer's XADDs and the workers' XREADGROUPs alone, then the same with the schedule
 //! calls. Their difference per event is what the script costs, its arguments included.
 //!
-//! `cargo bench --bench script_cost -- [--calls 50] [--per 128] [--fields 2]`
+//! `cargo bench --bench script_cost -- [--calls 50] [--per 128] [--fields 2] [--listpack N]`
 //!
 //! `--per` events per call (a worker's call on one route holds up to 128), `--fields` fields per
-//! event besides pacer's own. Without valgrind it prints `skipped: valgrind is not installed`.
+//! event besides pacer's own, `--listpack` Redis's `hash-max-listpack-entries` (0: every
+//! decision hash a hash table, as at the rates where Redis's CPU matters). With
+//! `PACER_CALLGRIND_KEEP=<dir>` the counts of the phase with the schedule calls are kept there
+//! for `callgrind_annotate`. Without valgrind it prints `skipped: valgrind is not installed`.
 
 mod common;
 
@@ -182,6 +185,9 @@ fn main() {
     let calls = arg("--calls", 50) as usize;
     let per = arg("--per", 128) as usize;
     let fields = arg("--fields", 2) as usize;
+    let listpack = std::env::args()
+        .any(|a| a == "--listpack")
+        .then(|| arg("--listpack", 128));
     if !present("valgrind") {
         println!("skipped: valgrind is not installed");
         return;
@@ -203,6 +209,17 @@ fn main() {
         .block_on(client.get_multiplexed_async_connection())
         .unwrap();
     let mut sync = client.get_connection().unwrap();
+    if let Some(n) = listpack {
+        // A decision hash holds the records of a 100 ms span: at a few thousand events a
+        // second it is a hash table, here (slow rounds under valgrind) a listpack of about a
+        // call's events, where each HSET scans what the hash holds.
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("hash-max-listpack-entries")
+            .arg(n)
+            .query(&mut sync)
+            .unwrap();
+    }
     pacer::testkit::create_group(&mut sync, "in", GROUP);
     let scripts = Scripts::default();
     // Warm up (the script loaded, the streams and hashes past their first allocations), then
@@ -241,4 +258,11 @@ fn main() {
         "    schedule.lua (the difference)                {:>8.0}",
         with - base
     );
+    // `PACER_CALLGRIND_KEEP=<dir>`: keep the counts of the phase with the schedule calls, per
+    // function, for `callgrind_annotate`.
+    if let Some(keep) = std::env::var_os("PACER_CALLGRIND_KEEP") {
+        let to = std::path::Path::new(&keep).join("schedule.cg.out");
+        std::fs::copy(server.dir.path().join("cg.out.4"), &to).expect("keeping the counts");
+        println!("  counts kept in {}", to.display());
+    }
 }
