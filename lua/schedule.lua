@@ -98,6 +98,7 @@ end
 if i ~= n or at - 1 ~= #ARGV then
   bad('argument count')
 end
+local args_end = at + 2 -- as ev_fields would be for an event after the last
 
 -- Then read: the bucket, the ready stream's newest entry, the decisions on record, the id
 -- claims (reading also checks every key's type, so nothing fails once writing starts).
@@ -130,6 +131,7 @@ local slot_at, slot_text
 local aged = t - oldest * 1000 > math.min(stale, max_age > 0 and max_age or stale)
 for k = 1, h do
   local stream, name, seen, record = g_stream[k], g_name[k], held[k], records[k]
+  local nrec = #record
   for i = first[k], last[k] do
     local code, value
     local entry, x = ev_entry[i], ev_extra[i]
@@ -176,10 +178,12 @@ for k = 1, h do
             -- Events dispatched at once share their slot (now), unless the rate binds.
             slot_at, slot_text = slot, int(slot)
           end
-          local f = ev_fields[i]
+          -- Its fields end where the next event's begin (entry, extra, count), the last's
+          -- at the arguments' end: no second reading of the count.
           redis.call('XADD', KEYS[2], xadd_id, 'pacer_route', route,
             'pacer_source_stream', name, 'pacer_source_id', entry, 'pacer_slot_us',
-            slot_text, 'pacer_wait_ms', '0', unpack(ARGV, f + 1, f + 2 * tonumber(ARGV[f])))
+            slot_text, 'pacer_wait_ms', '0',
+            unpack(ARGV, ev_fields[i] + 1, (ev_fields[i + 1] or args_end) - 3))
           dtat, last_us, tat, changed, wrote = g, t, next_tat, true, true
           if stream > 0 then
             acked[stream] = acked[stream] + 1
@@ -207,8 +211,8 @@ for k = 1, h do
       end
       -- As decided.set(k, entry, made), without a call per event.
       seen[entry] = made
-      record[#record + 1] = entry
-      record[#record + 1] = made
+      record[nrec + 1], record[nrec + 2] = entry, made
+      nrec = nrec + 2
       if claim > 0 and not claimed[claim] then
         -- Taken now: a later event of this call with the same id is its duplicate.
         local owner = entry .. '@' .. name

@@ -39,6 +39,18 @@ fn ready(n: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
     vec![(b"n".to_vec(), n.to_string().into_bytes())]
 }
 
+/// Test event `n` with `n % 4` fields of its own, for calls whose events differ in their count.
+fn ready_varied(n: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
+    (0..n % 4)
+        .map(|f| {
+            (
+                format!("f{f}").into_bytes(),
+                format!("{n}.{f}").into_bytes(),
+            )
+        })
+        .collect()
+}
+
 fn pairs(f: &[(Vec<u8>, Vec<u8>)]) -> Vec<(&[u8], &[u8])> {
     f.iter()
         .map(|(k, v)| (k.as_slice(), v.as_slice()))
@@ -127,7 +139,18 @@ impl Rig {
         max_wait_us: i64,
         ages: (i64, i64),
     ) -> (i64, Vec<Scheduled>) {
-        let fields: Vec<_> = (0..events.len()).map(ready).collect();
+        self.schedule_fields(route, events, max_wait_us, ages, ready)
+    }
+
+    fn schedule_fields(
+        &mut self,
+        route: &pacer::config::Route,
+        events: &[Ev],
+        max_wait_us: i64,
+        ages: (i64, i64),
+        fields_of: fn(usize) -> Vec<(Vec<u8>, Vec<u8>)>,
+    ) -> (i64, Vec<Scheduled>) {
+        let fields: Vec<_> = (0..events.len()).map(fields_of).collect();
         let pairs: Vec<_> = fields.iter().map(|f| pairs(f)).collect();
         let items: Vec<ScheduleItem<'_>> = events
             .iter()
@@ -638,6 +661,46 @@ fn an_entry_is_acknowledged_in_the_step_that_dispatches_it() {
         Dispatched::Done { .. }
     ));
     assert_eq!(pending(&mut con), 0);
+}
+
+/// Each ready entry carries pacer's fields and then exactly its own event's, byte for byte,
+/// whatever the number of fields of the events around it in the call.
+#[test]
+fn each_ready_entry_carries_its_own_events_fields() {
+    let mut rig = Rig::new("1000/ms", 1_000_000);
+    let events: Vec<Ev> = (1..=9).map(|i| ev(&format!("{i}-0"))).collect();
+    let route = rig.route.clone();
+    let (_, out) = rig.schedule_fields(&route, &events, 1_000_000, (i64::MAX / 2, 0), ready_varied);
+    assert!(out
+        .iter()
+        .all(|s| matches!(s, Scheduled::Dispatched { .. })));
+    let mut con = rig.redis.con();
+    let entries: Vec<(String, Vec<Vec<u8>>)> = redis::cmd("XRANGE")
+        .arg(&route.keys.ready)
+        .arg("-")
+        .arg("+")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(entries.len(), 9);
+    for (n, (_, flat)) in entries.iter().enumerate() {
+        let pacer: Vec<&[u8]> = flat[..10].iter().step_by(2).map(|v| v.as_slice()).collect();
+        assert_eq!(
+            pacer,
+            [
+                &b"pacer_route"[..],
+                b"pacer_source_stream",
+                b"pacer_source_id",
+                b"pacer_slot_us",
+                b"pacer_wait_ms"
+            ]
+        );
+        assert_eq!(flat[5], format!("{}-0", n + 1).into_bytes());
+        let own: Vec<(Vec<u8>, Vec<u8>)> = flat[10..]
+            .chunks(2)
+            .map(|p| (p[0].clone(), p[1].clone()))
+            .collect();
+        assert_eq!(own, ready_varied(n), "event {}", n + 1);
+    }
 }
 
 /// Bad arguments fail the call before anything is written: no ready entry, no decision, no
