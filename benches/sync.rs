@@ -1,6 +1,7 @@
 //! The synchronous admission API under load, with and without leasing, over HTTP and gRPC, and
 //! redis-cell on the same redis-server as the anchor (`cargo bench --bench sync -- [--seconds
-//! 5] [--conns 8] [--offered 2000]`).
+//! 5] [--conns 8] [--offered 2000] [--threads 1]`, `--threads` each worker's `worker.threads`,
+//! 0 for one per core).
 //!
 //! Three pacer workers share one redis-server; each is driven by `--conns` keep-alive clients
 //! (HTTP/1.1 connections, or tasks on one HTTP/2 gRPC channel) asking for 2 hot identities of a
@@ -61,10 +62,13 @@ fn start_workers(redis: &RedisServer, n: usize, rule: &str) -> Workers {
     let dir = TempDir::new("bench-sync");
     let mut pacers = Vec::new();
     let mut ports = Vec::new();
+    // Three workers and the load generator on this machine's two cores: a thread each by
+    // default, as three hosts' workers would have their own cores (`worker.threads`).
+    let threads = arg("--threads", 1);
     for w in 0..n {
         let (m, h, g) = (free_port(), free_port(), free_port());
         let yaml = format!(
-            "redis: {{url: \"{}\"}}\nmetrics: {{listen: 127.0.0.1:{m}}}\ninbound:\n  streams: [in]\n  forward_stream: fwd\n  api: {{listen: 127.0.0.1:{h}, grpc_listen: 127.0.0.1:{g}}}\n  rules:\n    - {rule}\n",
+            "redis: {{url: \"{}\"}}\nmetrics: {{listen: 127.0.0.1:{m}}}\nworker: {{threads: {threads}}}\ninbound:\n  streams: [in]\n  forward_stream: fwd\n  api: {{listen: 127.0.0.1:{h}, grpc_listen: 127.0.0.1:{g}}}\n  rules:\n    - {rule}\n",
             redis.url()
         );
         let cfg = dir.write(&format!("w{w}.yaml"), &yaml);

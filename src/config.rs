@@ -50,6 +50,8 @@ pub struct WorkerConfig {
     pub claim_idle: Duration,
     pub max_deliveries: u64,
     pub drain: Duration,
+    /// The runtime's worker threads; 0: one per core this process may use.
+    pub threads: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -204,6 +206,7 @@ fn read_worker(p: &mut Problems, v: Option<Value>) -> WorkerConfig {
         "claim_idle",
         "max_deliveries",
         "drain",
+        "threads",
     ];
     p.unknown_keys("worker", &raw.unknown, &known);
     let group = p.string("worker.group", &raw.group, Some("pacer"));
@@ -240,6 +243,7 @@ fn read_worker(p: &mut Problems, v: Option<Value>) -> WorkerConfig {
         claim_idle,
         max_deliveries: p.integer("worker.max_deliveries", &raw.max_deliveries, 5, 1, 1_000),
         drain: p.duration("worker.drain", &raw.drain, Duration::from_secs(5)),
+        threads: p.integer("worker.threads", &raw.threads, 0, 0, 1_024) as usize,
     }
 }
 

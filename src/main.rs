@@ -95,6 +95,18 @@ enum Command {
     },
 }
 
+/// The runtime: `threads` worker threads, or by default one per core this process may use
+/// (which honours a container's CPU quota, and `TOKIO_WORKER_THREADS`).
+fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    if threads == 0 {
+        return tokio::runtime::Runtime::new();
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let (path, metrics_flag) = match &cli.command {
@@ -132,7 +144,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     telemetry::init_tracing(cli.log_format);
-    let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    let runtime = runtime(cfg.worker.threads).expect("a tokio runtime");
     match runtime.block_on(async_main(cli.command, cfg)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

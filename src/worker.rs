@@ -110,7 +110,8 @@ impl Worker {
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
         let ctx = self.ctx;
         let rules = ctx.cfg.inbound.as_ref().map_or(0, |i| i.rules.len());
-        info!(consumer = %ctx.consumer, routes = ctx.cfg.outbound.routes.len(), inbound_rules = rules, redis = %ctx.con.target(), "worker starting");
+        let threads = tokio::runtime::Handle::current().metrics().num_workers();
+        info!(consumer = %ctx.consumer, routes = ctx.cfg.outbound.routes.len(), inbound_rules = rules, threads, redis = %ctx.con.target(), "worker starting");
         if !prepare::prepare(&ctx, &shutdown).await? {
             return Ok(());
         }

@@ -113,6 +113,41 @@ fn queue_gauge(port: u16, route: &str) -> Option<f64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
+/// `worker.threads` sets the runtime's worker threads, as tokio itself counts them; without it
+/// the runtime takes its default (here from TOKIO_WORKER_THREADS, as on any machine).
+#[test]
+fn worker_threads_sets_the_runtimes_threads() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("threads");
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    r: {rate: 10/s}\n";
+    for (threads, env, expect) in [
+        ("  threads: 1", None, 1),
+        ("  threads: 3", None, 3),
+        ("  threads: 0", Some("2"), 2),
+    ] {
+        let port = free_port();
+        let worker = format!("{WORKER}\n{threads}");
+        let cfg = config(
+            &dir,
+            &format!("t{expect}.yaml"),
+            &redis,
+            port,
+            &worker,
+            body,
+        );
+        let env: Vec<(&str, &str)> = env
+            .map(|n| ("TOKIO_WORKER_THREADS", n))
+            .into_iter()
+            .collect();
+        let pacer = start_wrapped(&[], &env, &cfg, port);
+        assert!(
+            pacer.log_text().contains(&format!("threads={expect} ")),
+            "{threads}: {}",
+            pacer.log_text()
+        );
+    }
+}
+
 #[test]
 fn the_queue_gauge_goes_back_to_zero_once_the_route_is_idle() {
     let redis = RedisServer::start();

@@ -68,6 +68,7 @@ pub struct RawWorker {
     pub claim_idle: Leaf,
     pub max_deliveries: Leaf,
     pub drain: Leaf,
+    pub threads: Leaf,
     #[serde(flatten)]
     pub unknown: Mapping,
 }
