@@ -34,13 +34,16 @@ fn route_configs(rate: &str, burst: u32) -> (pacer::config::Route, pacer::config
     (routes["r"].clone(), routes["q"].clone())
 }
 
+/// A test event's own fields: (name, value) pairs.
+type Own = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// The fields of test event `n`: one of its own (pacer's are the scripts').
-fn ready(n: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
+fn ready(n: usize) -> Own {
     vec![(b"n".to_vec(), n.to_string().into_bytes())]
 }
 
 /// Test event `n` with `n % 4` fields of its own, for calls whose events differ in their count.
-fn ready_varied(n: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
+fn ready_varied(n: usize) -> Own {
     (0..n % 4)
         .map(|f| {
             (
@@ -148,7 +151,7 @@ impl Rig {
         events: &[Ev],
         max_wait_us: i64,
         ages: (i64, i64),
-        fields_of: fn(usize) -> Vec<(Vec<u8>, Vec<u8>)>,
+        fields_of: fn(usize) -> Own,
     ) -> (i64, Vec<Scheduled>) {
         let fields: Vec<_> = (0..events.len()).map(fields_of).collect();
         let pairs: Vec<_> = fields.iter().map(|f| pairs(f)).collect();
@@ -695,7 +698,7 @@ fn each_ready_entry_carries_its_own_events_fields() {
             ]
         );
         assert_eq!(flat[5], format!("{}-0", n + 1).into_bytes());
-        let own: Vec<(Vec<u8>, Vec<u8>)> = flat[10..]
+        let own: Own = flat[10..]
             .chunks(2)
             .map(|p| (p[0].clone(), p[1].clone()))
             .collect();
