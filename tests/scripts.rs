@@ -132,20 +132,11 @@ impl Rig {
         ages: (i64, i64),
     ) -> (i64, Vec<Scheduled>) {
         let route = self.route.clone();
-        self.schedule_on(&route, events, max_wait_us, ages)
+        self.schedule_on(&route, events, max_wait_us, ages, ready)
     }
 
+    /// Schedules `events` on `route`, event n carrying the fields `fields_of(n)`.
     fn schedule_on(
-        &mut self,
-        route: &pacer::config::Route,
-        events: &[Ev],
-        max_wait_us: i64,
-        ages: (i64, i64),
-    ) -> (i64, Vec<Scheduled>) {
-        self.schedule_fields(route, events, max_wait_us, ages, ready)
-    }
-
-    fn schedule_fields(
         &mut self,
         route: &pacer::config::Route,
         events: &[Ev],
@@ -297,8 +288,14 @@ fn one_call_dispatches_several_routes_each_by_its_own_bucket() {
     let (r, q) = (rig.route.clone(), rig.other.clone());
     let ages = (i64::MAX / 2, 0);
     // On each route the first event goes at once and the others sleep an interval (100 ms) apart.
-    let (now, on_r) = rig.schedule_on(&r, &[ev("1-0"), ev("2-0")], 5_000_000, ages);
-    let (now_q, on_q) = rig.schedule_on(&q, &[ev("3-0"), ev("4-0"), ev("5-0")], 5_000_000, ages);
+    let (now, on_r) = rig.schedule_on(&r, &[ev("1-0"), ev("2-0")], 5_000_000, ages, ready);
+    let (now_q, on_q) = rig.schedule_on(
+        &q,
+        &[ev("3-0"), ev("4-0"), ev("5-0")],
+        5_000_000,
+        ages,
+        ready,
+    );
     assert!(matches!(on_r[0], Scheduled::Dispatched { .. }), "{on_r:?}");
     assert!(matches!(on_q[0], Scheduled::Dispatched { .. }), "{on_q:?}");
     let (r2, q4, q5) = (slot_of(&on_r[1]), slot_of(&on_q[1]), slot_of(&on_q[2]));
@@ -673,7 +670,7 @@ fn each_ready_entry_carries_its_own_events_fields() {
     let mut rig = Rig::new("1000/ms", 1_000_000);
     let events: Vec<Ev> = (1..=9).map(|i| ev(&format!("{i}-0"))).collect();
     let route = rig.route.clone();
-    let (_, out) = rig.schedule_fields(&route, &events, 1_000_000, (i64::MAX / 2, 0), ready_varied);
+    let (_, out) = rig.schedule_on(&route, &events, 1_000_000, (i64::MAX / 2, 0), ready_varied);
     assert!(out
         .iter()
         .all(|s| matches!(s, Scheduled::Dispatched { .. })));
