@@ -213,14 +213,16 @@ pub fn api_latency(api: crate::api::Api, started: Instant) {
     histogram!(API_SECONDS, "api" => api.as_str()).record(started.elapsed().as_secs_f64());
 }
 
-/// A synchronous request that reached Redis (the rest were answered from leases).
+/// A call to Redis for the synchronous API: a request decided there, or a lease fetched
+/// ahead (the other requests were answered from leases).
 pub fn api_redis_call(api: crate::api::Api) {
     counter!(API_REDIS_CALLS_TOTAL, "api" => api.as_str()).increment(1);
 }
 
-/// A lease fetched for a rule: the tokens granted, and those the lease it replaced wasted.
-pub fn lease_fetched(rule: &str, granted: i64, wasted: i64) {
-    counter!(LEASE_FETCHES_TOTAL, "rule" => rule.to_string()).increment(1);
+/// A lease fetched for a rule, ahead of need or by a request that found none: the tokens it
+/// brought, and those the leases it replaced wasted.
+pub fn lease_fetched(rule: &str, ahead: bool, granted: i64, wasted: i64) {
+    counter!(LEASE_FETCHES_TOTAL, "rule" => rule.to_string(), "ahead" => if ahead { "true" } else { "false" }).increment(1);
     counter!(LEASE_TOKENS_TOTAL, "rule" => rule.to_string(), "fate" => "leased")
         .increment(granted.max(0) as u64);
     counter!(LEASE_TOKENS_TOTAL, "rule" => rule.to_string(), "fate" => "wasted")
@@ -305,7 +307,10 @@ pub fn register(cfg: &crate::config::Config) {
                 }
             }
             for rule in inbound.rules.iter().filter(|r| r.lease.is_some()) {
-                counter!(LEASE_FETCHES_TOTAL, "rule" => rule.name.clone()).absolute(0);
+                for ahead in ["true", "false"] {
+                    counter!(LEASE_FETCHES_TOTAL, "rule" => rule.name.clone(), "ahead" => ahead)
+                        .absolute(0);
+                }
                 for fate in ["leased", "wasted"] {
                     counter!(LEASE_TOKENS_TOTAL, "rule" => rule.name.clone(), "fate" => fate)
                         .absolute(0);

@@ -408,13 +408,50 @@ fn leases_answer_most_decisions_locally_within_the_stated_bound() {
     let fetches: f64 = api
         .ports
         .iter()
-        .map(|(m, _, _)| metric_at(*m, "pacer_lease_fetches_total{rule=\"per-key\"}"))
+        .map(|(m, _, _)| metric_at(*m, "pacer_lease_fetches_total{rule=\"per-key\","))
         .sum();
     assert!(fetches >= 1.0);
     assert!(
         redis_calls < sent as f64 / 4.0,
         "{redis_calls} of {sent} decisions reached Redis"
     );
+}
+
+#[test]
+fn an_identity_under_its_limit_finds_its_next_lease_fetched_ahead() {
+    // One client asking without pause, far below the limit: each lease, once down to a
+    // quarter of its batch, has the next one fetched in the background, so almost no request
+    // waits on Redis for tokens (before, the request that found a lease empty did).
+    let api = start_api(
+        1,
+        "    - {name: per-key, key: [k], algorithm: gcra, limits: [100000/s], lease: true}\n",
+    );
+    let (ok, sent) = blast(
+        &api,
+        r#"{"fields": {"k": "steady"}}"#,
+        1,
+        Duration::from_secs(2),
+    );
+    assert_eq!(ok.len(), sent, "all under the limit");
+    let m = api.ports[0].0;
+    let ahead = metric_at(
+        m,
+        "pacer_lease_fetches_total{rule=\"per-key\",ahead=\"true\"}",
+    );
+    let on_demand = metric_at(
+        m,
+        "pacer_lease_fetches_total{rule=\"per-key\",ahead=\"false\"}",
+    );
+    let calls = metric_at(m, "pacer_api_redis_calls_total{api=\"http\"}");
+    assert!(ahead >= 20.0, "{ahead} fetches ahead for {sent} requests");
+    assert!(
+        on_demand <= ahead / 10.0,
+        "{on_demand} fetches on demand, {ahead} ahead, for {sent} requests"
+    );
+    eprintln!("{sent} requests: {ahead} fetches ahead, {on_demand} on demand");
+    // Every call was a fetch, and each leased many tokens.
+    assert_eq!(calls, ahead + on_demand);
+    assert!(calls < sent as f64 / 5.0, "{calls} calls for {sent}");
 }
 
 #[test]
@@ -515,7 +552,7 @@ fn a_fixed_window_lease_never_spends_past_its_window_and_fetches_once_at_a_time(
     let fetches: f64 = api
         .ports
         .iter()
-        .map(|(m, _, _)| metric_at(*m, "pacer_lease_fetches_total{rule=\"hourly\"}"))
+        .map(|(m, _, _)| metric_at(*m, "pacer_lease_fetches_total{rule=\"hourly\","))
         .sum();
     assert!(
         fetches >= 1.0 && fetches < sent as f64 / 4.0,
