@@ -99,10 +99,8 @@ struct State {
     full_at_turn: bool,
     /// A fetch ahead is in flight.
     ahead: bool,
-    /// The last fetch left the identity room for two more as large: a fetch ahead takes
-    /// nothing another worker will soon need. (Where it did not, fetching ahead on a small
-    /// burst emptied the bucket early: in the sync benchmark, 3 workers at 3/5 of a gcra
-    /// limit with a burst of 50 had a fifth of their requests refused.)
+    /// The last fetch left the identity room for two more as large: a fetch ahead, which
+    /// takes tokens before they are needed, takes none another worker will soon need.
     roomy: bool,
     /// Tokens of leases that ended unspent, not yet counted as wasted.
     wasted: i64,
@@ -181,10 +179,10 @@ impl State {
         }
     }
 
-    /// What a fetch, made at `fetched` and spendable until `until`, says about the limit: a lease at the limit, once
-    /// spent, waits until `turn` after `fetched` when Redis booked this worker a fetch turn
-    /// (`lua/admission.lua`, `book_turn`: the lease came back short, or left less room than it
-    /// asked), else, if it came back short, a random `short_wait`.
+    /// What a fetch, made at `fetched` and spendable until `until`, says about the limit: a
+    /// lease at the limit, once spent, waits until `turn` after `fetched` when Redis booked
+    /// this worker a fetch turn (`lua/admission.lua`, `book_turn`: the lease came back short,
+    /// or left less room than it asked), else, if it came back short, a random `short_wait`.
     fn at_limit(
         &mut self,
         f: Fetch,
