@@ -419,8 +419,8 @@ fn leases_answer_most_decisions_locally_within_the_stated_bound() {
 
 #[test]
 fn an_identity_under_its_limit_finds_its_next_lease_fetched_ahead() {
-    // One client asking without pause, far below the limit: each lease, once down to a
-    // quarter of its batch, has the next one fetched in the background, so almost no request
+    // One client asking without pause, far below the limit: each lease, once down to its
+    // last eighth, has the next one fetched in the background, so almost no request
     // waits on Redis for tokens (before, the request that found a lease empty did).
     let api = start_api(
         1,
