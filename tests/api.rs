@@ -18,6 +18,8 @@ use pacer::testkit::{
     TempDir,
 };
 use serde_json::Value;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 struct Api {
@@ -453,6 +455,137 @@ fn an_identity_under_its_limit_finds_its_next_lease_fetched_ahead() {
     // Every call was a fetch, and each leased many tokens.
     assert_eq!(calls, ahead + on_demand);
     assert!(calls < sent as f64 / 5.0, "{calls} calls for {sent}");
+}
+
+/// One request's times (µs since the start: sent, answered) and status.
+type Timed = (i64, i64, u16);
+
+/// Asks for `body` at `port` until `stop`, without pause unless `gentle` (then every 2 ms),
+/// timing each answer (status 0: none).
+fn ask_until(
+    port: u16,
+    body: &'static str,
+    t0: Instant,
+    stop: Duration,
+    gentle: Arc<AtomicBool>,
+) -> Vec<Timed> {
+    let mut asked = Vec::new();
+    while t0.elapsed() < stop {
+        let sent = t0.elapsed().as_micros() as i64;
+        let status = http_post(port, "/v1/admit", body).map_or(0, |r| r.0);
+        asked.push((sent, t0.elapsed().as_micros() as i64, status));
+        if status == 0 || gentle.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    asked
+}
+
+#[test]
+fn leased_identities_ride_out_a_frozen_and_a_restarted_redis_spending_no_token_past_its_ttl() {
+    // One client asking without pause, far below the limit, so leases are fetched ahead; then
+    // Redis frozen 2 s (SIGSTOP: calls in flight hang, a fetch ahead among them), then killed
+    // and started again 2 s later with nothing in it. Through both the worker answers every
+    // request, 200 from what it holds and then 503, within its Redis timeout; it allows
+    // nothing once the leases it held have ended (a token lives 10 ms, the rule's ttl, from
+    // when its fetch was sent; a fetch answered late brings tokens already ended: the client
+    // asks only every 2 ms while Redis is away, so that what the worker held outlasts the
+    // ttl); and once Redis answers again it leases again, ahead of need too (nothing left
+    // wedged: no fetch lock held, no fetch ahead marked in flight).
+    let mut api = start_api(
+        1,
+        "    - {name: per-key, key: [k], algorithm: gcra, limits: [100000/s], lease: true}\n",
+    );
+    let (m, h, _) = api.ports[0];
+    let ttl_us = 10_000;
+    let t0 = Instant::now();
+    let gentle = Arc::new(AtomicBool::new(false));
+    let asking = gentle.clone();
+    let client = std::thread::spawn(move || {
+        let body = r#"{"fields": {"k": "steady"}}"#;
+        ask_until(h, body, t0, Duration::from_secs(12), asking)
+    });
+    let at = || t0.elapsed().as_micros() as i64;
+    let ahead = || {
+        metric_at(
+            m,
+            "pacer_lease_fetches_total{rule=\"per-key\",ahead=\"true\"}",
+        )
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    gentle.store(true, Ordering::Relaxed);
+    api.redis.pause();
+    let frozen = at();
+    std::thread::sleep(Duration::from_secs(2));
+    let thawed = at();
+    api.redis.resume();
+    gentle.store(false, Ordering::Relaxed);
+    std::thread::sleep(Duration::from_secs(2));
+    gentle.store(true, Ordering::Relaxed);
+    api.redis.kill();
+    let killed = at();
+    std::thread::sleep(Duration::from_secs(2));
+    let restarting = at();
+    api.redis.restart();
+    gentle.store(false, Ordering::Relaxed);
+    let ahead_before = ahead();
+    let back = at();
+    let asked = client.join().unwrap();
+    let ahead_after = ahead();
+
+    let during = |from: i64, to: i64| -> Vec<&Timed> {
+        asked.iter().filter(|r| r.0 >= from && r.1 <= to).collect()
+    };
+    let count = |rs: &[&Timed], status: u16| rs.iter().filter(|r| r.2 == status).count();
+    // Before anything happened, all allowed.
+    let first = during(0, frozen);
+    assert!(
+        first.len() > 100,
+        "{} requests before the freeze",
+        first.len()
+    );
+    assert_eq!(count(&first, 200), first.len(), "under the limit");
+    // No token spent past its lease's end: nothing allowed that was asked after the leases
+    // held at the freeze (or the kill) had ended and answered before Redis was back.
+    for (from, to, what) in [(frozen, thawed, "frozen"), (killed, restarting, "killed")] {
+        let out = during(from + ttl_us, to);
+        assert_eq!(
+            count(&out, 200),
+            0,
+            "allowed while Redis was {what}: {out:?}"
+        );
+        assert!(
+            count(&out, 503) >= 1,
+            "no 503 while Redis was {what}: {out:?}"
+        );
+        // Every request answered, and within the Redis timeout (1 s) and some slack.
+        let slowest = out.iter().map(|r| r.1 - r.0).max().unwrap_or(0);
+        assert!(
+            slowest < 3_000_000,
+            "{slowest} µs for an answer while {what}"
+        );
+        assert_eq!(count(&out, 0), 0, "unanswered while {what}");
+    }
+    // Back: allowed again, from leases fetched again and ahead again.
+    let after = during(back, i64::MAX);
+    let allowed_after = count(&after, 200);
+    assert!(
+        allowed_after * 2 > after.len() && after.len() > 100,
+        "{allowed_after} of {} allowed once Redis was back",
+        after.len()
+    );
+    assert!(
+        ahead_after >= ahead_before + 10.0,
+        "fetches ahead: {ahead_before} when Redis came back, {ahead_after} at the end"
+    );
+    let thawed_ok = count(&during(thawed, killed), 200);
+    eprintln!(
+        "{} requests; frozen {} ms, {thawed_ok} allowed between the thaw and the kill, {allowed_after} of {} after the restart; fetches ahead {ahead_before} -> {ahead_after}",
+        asked.len(),
+        (thawed - frozen) / 1000,
+        after.len()
+    );
+    assert!(thawed_ok > 100, "{thawed_ok} allowed after the thaw");
 }
 
 #[test]
