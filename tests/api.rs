@@ -515,6 +515,8 @@ fn leased_identities_ride_out_a_frozen_and_a_restarted_redis_spending_no_token_p
     std::thread::sleep(Duration::from_secs(2));
     gentle.store(true, Ordering::Relaxed);
     api.redis.pause();
+    // A signal lands a moment after it is sent: count the freeze from when it surely has.
+    std::thread::sleep(Duration::from_millis(1));
     let frozen = at();
     std::thread::sleep(Duration::from_secs(2));
     let thawed = at();
