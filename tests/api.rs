@@ -419,15 +419,18 @@ fn leases_answer_most_decisions_locally_within_the_stated_bound() {
     );
 }
 
+/// A leased rule far above what one test client asks: its leases are fetched ahead.
+const STEADY_RULE: &str =
+    "    - {name: per-key, key: [k], algorithm: gcra, limits: [100000/s], lease: true}\n";
+/// Its fetches made ahead of need, as `/metrics` counts them.
+const FETCHED_AHEAD: &str = "pacer_lease_fetches_total{rule=\"per-key\",ahead=\"true\"}";
+
 #[test]
 fn an_identity_under_its_limit_finds_its_next_lease_fetched_ahead() {
     // One client asking without pause, far below the limit: each lease, once down to its
     // last eighth, has the next one fetched in the background, so almost no request
     // waits on Redis for tokens (before, the request that found a lease empty did).
-    let api = start_api(
-        1,
-        "    - {name: per-key, key: [k], algorithm: gcra, limits: [100000/s], lease: true}\n",
-    );
+    let api = start_api(1, STEADY_RULE);
     let (ok, sent) = blast(
         &api,
         r#"{"fields": {"k": "steady"}}"#,
@@ -436,10 +439,7 @@ fn an_identity_under_its_limit_finds_its_next_lease_fetched_ahead() {
     );
     assert_eq!(ok.len(), sent, "all under the limit");
     let m = api.ports[0].0;
-    let ahead = metric_at(
-        m,
-        "pacer_lease_fetches_total{rule=\"per-key\",ahead=\"true\"}",
-    );
+    let ahead = metric_at(m, FETCHED_AHEAD);
     let on_demand = metric_at(
         m,
         "pacer_lease_fetches_total{rule=\"per-key\",ahead=\"false\"}",
@@ -492,10 +492,7 @@ fn leased_identities_ride_out_a_frozen_and_a_restarted_redis_spending_no_token_p
     // asks only every 2 ms while Redis is away, so that what the worker held outlasts the
     // ttl); and once Redis answers again it leases again, ahead of need too (nothing left
     // wedged: no fetch lock held, no fetch ahead marked in flight).
-    let mut api = start_api(
-        1,
-        "    - {name: per-key, key: [k], algorithm: gcra, limits: [100000/s], lease: true}\n",
-    );
+    let mut api = start_api(1, STEADY_RULE);
     let (m, h, _) = api.ports[0];
     let ttl_us = 10_000;
     let t0 = Instant::now();
@@ -506,12 +503,7 @@ fn leased_identities_ride_out_a_frozen_and_a_restarted_redis_spending_no_token_p
         ask_until(h, body, t0, Duration::from_secs(12), asking)
     });
     let at = || t0.elapsed().as_micros() as i64;
-    let ahead = || {
-        metric_at(
-            m,
-            "pacer_lease_fetches_total{rule=\"per-key\",ahead=\"true\"}",
-        )
-    };
+    let ahead = || metric_at(m, FETCHED_AHEAD);
     std::thread::sleep(Duration::from_secs(2));
     gentle.store(true, Ordering::Relaxed);
     api.redis.pause();
