@@ -192,7 +192,12 @@ impl Scripts {
         self.decide.load_script(con).await?;
         // Calls go by the script while the function does not load (an ACL without
         // function|load): a warning, once, says so.
-        let _ = self.decide.load(con).await;
+        if self.decide.load(con).await.is_ok() {
+            let deleted = self.decide.delete_other_versions(con).await;
+            if !deleted.is_empty() {
+                tracing::info!(libraries = ?deleted, "deleted other pacer versions' Redis Function libraries (a worker still running one loads it again)");
+            }
+        }
         Ok(())
     }
 }

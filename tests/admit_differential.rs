@@ -18,7 +18,7 @@ use pacer::event::{Entry, Fields};
 use pacer::keys::InboundKeys;
 use pacer::scripts::{
     spacing_label, AdmitItem, AdmitTargets, Admitted, DecideCheck, DecideRequest, DecideRules,
-    Scripts, LOG_ENTRIES_PER_READ,
+    Function, Scripts, LOG_ENTRIES_PER_READ,
 };
 use pacer::testkit::{command_calls, RedisServer};
 use proptest::prelude::*;
@@ -718,6 +718,70 @@ fn decide_loads_its_function_again_when_redis_has_lost_it() {
     assert_eq!(decide_hourly(&scripts, &rt, &mut con, 4), 2);
     assert_eq!(command_calls(&mut redis.con(), "evalsha"), 0);
     assert_eq!(command_calls(&mut redis.con(), "fcall"), 7);
+}
+
+#[test]
+fn loading_the_scripts_deletes_other_pacer_versions_libraries_and_no_one_elses() {
+    let redis = RedisServer::start();
+    let (rt, mut con) = redis.async_con();
+    // The libraries' names, one line each.
+    let names = || -> String {
+        let list: Vec<Vec<redis::Value>> = redis::cmd("FUNCTION")
+            .arg("LIST")
+            .query(&mut redis.con())
+            .unwrap();
+        let mut names: Vec<String> = list
+            .iter()
+            .map(|library| redis::from_redis_value(library[1].clone()).unwrap())
+            .collect();
+        names.sort();
+        names.join("\n")
+    };
+    // An older pacer's decide (another body, so another hash in its name), still called by a
+    // worker of that version; and libraries that only look alike, or are a user's.
+    let older = Function::new("decide", "", "return 7");
+    let call_older = |con: &mut redis::aio::MultiplexedConnection| -> redis::Value {
+        rt.block_on(older.call(con, &[], |_| redis::Cmd::new()))
+            .expect("the older version's call")
+    };
+    assert_eq!(call_older(&mut con), redis::Value::Int(7));
+    for other in [
+        "pacer_decide_mine",
+        "pacer_decide_0123456789abcdefff",
+        "pacer_admit_0123456789abcdef",
+        "mylib",
+    ] {
+        let _: () = redis::cmd("FUNCTION")
+            .arg("LOAD")
+            .arg(format!(
+                "#!lua name={other}\nredis.register_function('{other}', function() return 1 end)"
+            ))
+            .query(&mut redis.con())
+            .unwrap();
+    }
+    assert!(names().contains(older.name()), "{}", names());
+    // A worker of this version starts: the older decide's library goes, nothing else does.
+    let scripts = Scripts::default();
+    rt.block_on(scripts.load(&mut con)).unwrap();
+    let after = names();
+    assert!(!after.contains(older.name()), "{after}");
+    for kept in [
+        "pacer_decide_mine",
+        "pacer_decide_0123456789abcdefff",
+        "pacer_admit_0123456789abcdef",
+        "mylib",
+    ] {
+        assert!(after.contains(kept), "{kept}: {after}");
+    }
+    assert_eq!(after.lines().count(), 5, "{after}");
+    // This version's own library stays, loaded again or not.
+    assert_eq!(decide_hourly(&scripts, &rt, &mut con, 4), 4);
+    rt.block_on(scripts.load(&mut con)).unwrap();
+    assert_eq!(names().lines().count(), 5, "{}", names());
+    assert_eq!(command_calls(&mut redis.con(), "evalsha"), 0);
+    // The older worker, still running, loads its library again and its call is answered.
+    assert_eq!(call_older(&mut con), redis::Value::Int(7));
+    assert!(names().contains(older.name()), "{}", names());
 }
 
 // ---------------------------------------------------------------- Rust against brute force

@@ -25,6 +25,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+/// The script hash's hex digits in a library's name: enough that two versions never share one.
+const HASH_CHARS: usize = 16;
+
 /// How long calls go by `EVALSHA` after the function could not be called or loaded.
 const OFF_FOR: Duration = Duration::from_secs(10);
 
@@ -45,7 +48,7 @@ impl Function {
     /// concatenation, the function's body is `body`.
     pub fn new(what: &str, helpers: &str, body: &str) -> Self {
         let script = Script::new(&format!("{helpers}{body}"));
-        let name = format!("pacer_{what}_{}", &script.get_hash()[..16]);
+        let name = format!("pacer_{what}_{}", &script.get_hash()[..HASH_CHARS]);
         let library = format!(
             "#!lua name={name}\nlocal KEYS, ARGV\n{helpers}\nredis.register_function('{name}', function(keys, args)\nKEYS, ARGV = keys, args\n{body}\nend)\n"
         );
@@ -72,6 +75,47 @@ impl Function {
             return Err(e.into());
         }
         Ok(())
+    }
+
+    /// Deletes the libraries other versions of pacer loaded for this function (`pacer_{what}_`
+    /// and another script hash) and returns their names. Each version loads its own library and
+    /// Redis keeps every one until it is deleted, so without this a long-lived Redis would hold
+    /// one more after each upgrade, for good. A worker of a version still running (a rolling
+    /// upgrade) finds its library gone at its next call, loads it again and calls once more, as
+    /// after a Redis restart: one round trip, once per worker started. Best effort: a user who
+    /// may not list or delete functions, or a cluster master that never had the library, leaves
+    /// some in place, which costs memory and nothing else.
+    pub async fn delete_other_versions<C: ConnectionLike>(&self, con: &mut C) -> Vec<String> {
+        let prefix = &self.name[..self.name.len() - HASH_CHARS];
+        let listed = redis::cmd("FUNCTION")
+            .arg("LIST")
+            .arg("LIBRARYNAME")
+            .arg(format!("{prefix}*"))
+            .query_async::<Value>(con)
+            .await;
+        let Ok(listed) = listed else {
+            return Vec::new();
+        };
+        let mut deleted = Vec::new();
+        for name in library_names(&listed) {
+            let hash = name.strip_prefix(prefix).unwrap_or_default();
+            let another = hash.len() == HASH_CHARS && hash.bytes().all(|b| b.is_ascii_hexdigit());
+            if !another || name == self.name {
+                continue;
+            }
+            let gone = redis::cmd("FUNCTION")
+                .arg("DELETE")
+                .arg(&name)
+                .query_async::<Value>(con)
+                .await;
+            match gone {
+                Ok(_) => deleted.push(name),
+                Err(e) => {
+                    tracing::debug!(library = %name, error = %e, "another version's library stays")
+                }
+            }
+        }
+        deleted
     }
 
     /// Loads the script into Redis's script cache: what calls fall back on.
@@ -178,6 +222,33 @@ impl Function {
     pub fn name(&self) -> &str {
         &self.name
     }
+}
+
+/// The `library_name`s in a `FUNCTION LIST` reply: one entry per library, each a map (RESP3)
+/// or a flat list of field and value (RESP2).
+fn library_names(listed: &Value) -> Vec<String> {
+    let Value::Array(libraries) = listed else {
+        return Vec::new();
+    };
+    let text = |v: &Value| match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    };
+    libraries
+        .iter()
+        .filter_map(|library| {
+            let pairs: Vec<(&Value, &Value)> = match library {
+                Value::Map(m) => m.iter().map(|(k, v)| (k, v)).collect(),
+                Value::Array(a) => a.chunks_exact(2).map(|p| (&p[0], &p[1])).collect(),
+                _ => return None,
+            };
+            pairs
+                .into_iter()
+                .find(|(k, _)| text(k).as_deref() == Some("library_name"))
+                .and_then(|(_, v)| text(v))
+        })
+        .collect()
 }
 
 /// Whether an `FCALL` failed because the function cannot be called here (rather than because of
