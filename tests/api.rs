@@ -700,6 +700,17 @@ fn a_fixed_window_lease_never_spends_past_its_window_and_fetches_once_at_a_time(
 fn on_a_cluster_each_identity_is_decided_on_its_partitions_master() {
     let cluster = Cluster::start(3, 0);
     clear_of_the_hour();
+    // An older pacer's library on every master: the workers starting delete it everywhere.
+    const OLDER: &str = "pacer_decide_00000000000000aa";
+    for &m in &cluster.masters() {
+        let _: () = redis::cmd("FUNCTION")
+            .arg("LOAD")
+            .arg(format!(
+                "#!lua name={OLDER}\nredis.register_function('{OLDER}', function() return 1 end)"
+            ))
+            .query(&mut cluster.con(m))
+            .unwrap();
+    }
     let dir = TempDir::new("api-cluster");
     let mut ports = Vec::new();
     let mut pacers = Vec::new();
@@ -757,6 +768,15 @@ fn on_a_cluster_each_identity_is_decided_on_its_partitions_master() {
         .query(&mut cluster.con(masters[0]))
         .unwrap();
     assert!(format!("{list:?}").contains("pacer_decide_"), "{list:?}");
+    for &m in &masters {
+        let list: redis::Value = redis::cmd("FUNCTION")
+            .arg("LIST")
+            .arg("LIBRARYNAME")
+            .arg(OLDER)
+            .query(&mut cluster.con(m))
+            .unwrap();
+        assert_eq!(list, redis::Value::Array(vec![]), "{m}");
+    }
     drop(pacers);
 }
 
