@@ -803,6 +803,22 @@ fn redis_unreachable_is_503_when_failing_closed_and_huge_or_hostile_bodies_get_c
     );
     let (status, _, _) = post(h, r#"{"fields": {"source": "\u0000\u00ff{}%"}}"#);
     assert_eq!(status, 200);
+    // A name given twice: JSON parsers keep one or the other, so the identity would depend on
+    // the parser. Refused, as the stream flow dead-letters a key field given twice.
+    refused(
+        h,
+        r#"{"fields": {"source": "a", "source": "b"}}"#,
+        400,
+        "the field source is given twice",
+    );
+    refused(
+        h,
+        r#"{"fields": {"source": "a"}, "cost": 1, "cost": 5}"#,
+        400,
+        "cost: given twice",
+    );
+    let (status, _, body) = post(h, r#"{"fields": {"source": "a", "f": "1", "f": "2"}}"#);
+    assert_eq!(status, 200, "a field no rule reads may repeat: {body}");
     let big = format!("{{\"fields\": {{\"source\": \"{}\"}}}}", "y".repeat(70_000));
     refused(h, &big, 413, "at most 65536 bytes");
     // Redis gone: fail_closed (the default) answers 503 and gRPC UNAVAILABLE, promptly.

@@ -28,6 +28,7 @@ use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
+use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
 use std::time::Instant;
@@ -133,54 +134,74 @@ fn error(status: StatusCode, message: &str) -> Response {
     (status, axum::Json(json!({ "error": message }))).into_response()
 }
 
+/// A JSON object's members in order, a name given twice kept twice: `serde_json::Value` keeps
+/// only the last, which would decide `{"source": "a", "source": "b"}` against `b` without a
+/// word. The stream flow dead-letters a key field given twice (`malformed`); here the decider
+/// answers 400 for it, and a top-level name given twice is refused below.
+struct Members<V>(Vec<(String, V)>);
+
+impl<'de, V: serde::Deserialize<'de>> serde::Deserialize<'de> for Members<V> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit<V>(std::marker::PhantomData<V>);
+        impl<'de, V: serde::Deserialize<'de>> serde::de::Visitor<'de> for Visit<V> {
+            type Value = Members<V>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut members = Vec::new();
+                while let Some(member) = map.next_entry()? {
+                    members.push(member);
+                }
+                Ok(Members(members))
+            }
+        }
+        d.deserialize_map(Visit(std::marker::PhantomData))
+    }
+}
+
 /// Reads a request body; every problem is named.
 pub fn parse(body: &[u8]) -> Result<Request, String> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| format!("not JSON: {e}"))?;
-    let Value::Object(obj) = v else {
-        return Err("expected a JSON object like {\"fields\": {\"source\": \"acme\"}}".into());
+    let Ok(Members(members)) = serde_json::from_slice::<Members<Box<RawValue>>>(body) else {
+        // Read again for the clearer of the two errors.
+        return Err(match serde_json::from_slice::<Value>(body) {
+            Err(e) => format!("not JSON: {e}"),
+            Ok(_) => "expected a JSON object like {\"fields\": {\"source\": \"acme\"}}".into(),
+        });
     };
     let mut problems = Vec::new();
-    for k in obj.keys() {
-        if !matches!(k.as_str(), "fields" | "cost" | "rules") {
-            problems.push(format!("unknown key {k:?} (expected fields, cost, rules)"));
-        }
-    }
     let mut req = Request {
         cost: 1,
         ..Request::default()
     };
-    match obj.get("fields") {
-        Some(Value::Object(fields)) => read_fields(fields, &mut req, &mut problems),
-        Some(_) => problems.push("fields: expected an object of field names to values".into()),
-        None => problems
-            .push("fields: required (the identity fields, like {\"source\": \"acme\"})".into()),
-    }
-    match obj.get("cost") {
-        None | Some(Value::Null) => {}
-        Some(Value::Number(n)) if n.as_i64().is_some_and(|c| (1..=1_000_000_000).contains(&c)) => {
-            req.cost = n.as_i64().unwrap_or(1)
+    let mut fields = false;
+    for (i, (k, raw)) in members.iter().enumerate() {
+        if members[..i].iter().any(|(seen, _)| seen == k) {
+            problems.push(format!("{k}: given twice"));
+            continue;
         }
-        Some(other) => problems.push(format!(
-            "cost: expected a whole number from 1 to 1000000000, got {other}"
-        )),
-    }
-    match obj.get("rules") {
-        None | Some(Value::Null) => {}
-        Some(Value::Array(items)) if !items.is_empty() => {
-            let mut names = Vec::new();
-            for (i, item) in items.iter().enumerate() {
-                match item {
-                    Value::String(s) => names.push(s.clone()),
-                    other => {
-                        problems.push(format!("rules[{i}]: expected a rule name, got {other}"))
+        // The text was read as JSON once: it reads again.
+        let value = || serde_json::from_str::<Value>(raw.get()).unwrap_or(Value::Null);
+        match k.as_str() {
+            "fields" => {
+                fields = true;
+                match serde_json::from_str::<Members<Value>>(raw.get()) {
+                    Ok(Members(f)) => read_fields(f, &mut req, &mut problems),
+                    Err(_) => {
+                        problems.push("fields: expected an object of field names to values".into())
                     }
                 }
             }
-            req.rules = Some(names);
+            "cost" => read_cost(value(), &mut req, &mut problems),
+            "rules" => read_rules(value(), &mut req, &mut problems),
+            _ => problems.push(format!("unknown key {k:?} (expected fields, cost, rules)")),
         }
-        Some(other) => problems.push(format!(
-            "rules: expected a non-empty list of rule names, got {other}"
-        )),
+    }
+    if !fields {
+        problems.push("fields: required (the identity fields, like {\"source\": \"acme\"})".into());
     }
     if problems.is_empty() {
         Ok(req)
@@ -189,10 +210,12 @@ pub fn parse(body: &[u8]) -> Result<Request, String> {
     }
 }
 
-fn read_fields(fields: &Map<String, Value>, req: &mut Request, problems: &mut Vec<String>) {
+/// The identity fields, in order, a name given twice kept twice (the decider refuses a key
+/// field given twice, as the stream flow dead-letters it).
+fn read_fields(fields: Vec<(String, Value)>, req: &mut Request, problems: &mut Vec<String>) {
     for (name, value) in fields {
         let text = match value {
-            Value::String(s) => s.clone(),
+            Value::String(s) => s,
             Value::Number(n) => n.to_string(),
             other => {
                 problems.push(format!(
@@ -201,7 +224,40 @@ fn read_fields(fields: &Map<String, Value>, req: &mut Request, problems: &mut Ve
                 continue;
             }
         };
-        req.fields.push((name.clone(), text));
+        req.fields.push((name, text));
+    }
+}
+
+fn read_cost(cost: Value, req: &mut Request, problems: &mut Vec<String>) {
+    match cost {
+        Value::Null => {}
+        Value::Number(n) if n.as_i64().is_some_and(|c| (1..=1_000_000_000).contains(&c)) => {
+            req.cost = n.as_i64().unwrap_or(1)
+        }
+        other => problems.push(format!(
+            "cost: expected a whole number from 1 to 1000000000, got {other}"
+        )),
+    }
+}
+
+fn read_rules(rules: Value, req: &mut Request, problems: &mut Vec<String>) {
+    match rules {
+        Value::Null => {}
+        Value::Array(items) if !items.is_empty() => {
+            let mut names = Vec::new();
+            for (i, item) in items.into_iter().enumerate() {
+                match item {
+                    Value::String(s) => names.push(s),
+                    other => {
+                        problems.push(format!("rules[{i}]: expected a rule name, got {other}"))
+                    }
+                }
+            }
+            req.rules = Some(names);
+        }
+        other => problems.push(format!(
+            "rules: expected a non-empty list of rule names, got {other}"
+        )),
     }
 }
 
@@ -286,6 +342,28 @@ mod tests {
         assert_eq!(r.cost, 3);
         assert_eq!(r.fields.len(), 2);
         assert!(r.fields.contains(&("n".into(), "7".into())));
+    }
+
+    #[test]
+    fn a_name_given_twice_is_kept_twice_or_refused() {
+        let r = parse(br#"{"fields": {"source": "a", "n": 1, "source": "b"}}"#).unwrap();
+        assert_eq!(
+            r.fields,
+            [("source", "a"), ("n", "1"), ("source", "b")].map(|(k, v)| (k.into(), v.into())),
+            "every member, in order, for the decider to refuse a key field given twice"
+        );
+        let e =
+            parse(br#"{"fields": {}, "rules": ["a"], "fields": {}, "rules": ["b"]}"#).unwrap_err();
+        assert!(
+            e.contains("fields: given twice") && e.contains("rules: given twice"),
+            "{e}"
+        );
+        assert!(parse(br#"{"fields": []}"#)
+            .unwrap_err()
+            .contains("fields: expected an object"));
+        assert!(parse(br#"{"cost": 2}"#)
+            .unwrap_err()
+            .contains("fields: required"));
     }
 
     #[test]
