@@ -404,7 +404,19 @@ impl Slot {
 /// Every lease a worker holds, by limiter key.
 #[derive(Debug, Default)]
 pub struct Leases {
-    slots: Mutex<HashMap<String, Arc<Slot>>>,
+    slots: Mutex<Held>,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    by_key: HashMap<String, Arc<Slot>>,
+    /// Held at which the next sweep comes: twice what the last one kept (at least SWEEP_AT).
+    /// Sweeping at a fixed count made every new identity sweep them all once more than that
+    /// many were live (a gateway's long tail of addresses on a rule whose leases last long,
+    /// or a gRPC call of thousands of descriptors): quadratic. Doubling makes each sweep paid
+    /// for by the identities added since the last one.
+    sweep_at: usize,
+    sweeps: u64,
 }
 
 /// Slots kept before idle ones are swept.
@@ -414,20 +426,28 @@ impl Leases {
     /// The lease of `key`, created empty on first use. Idle leases are dropped when many are
     /// held, so a worker's memory follows its live identities, not every one it has seen.
     pub fn slot(&self, key: &str, now: Instant) -> Arc<Slot> {
-        let mut slots = self.slots.lock().expect("leases");
-        if let Some(s) = slots.get(key) {
+        let mut held = self.slots.lock().expect("leases");
+        if let Some(s) = held.by_key.get(key) {
             return s.clone();
         }
-        if slots.len() >= SWEEP_AT {
-            slots.retain(|_, s| Arc::strong_count(s) > 1 || !s.idle(now));
+        if held.by_key.len() >= held.sweep_at.max(SWEEP_AT) {
+            held.by_key
+                .retain(|_, s| Arc::strong_count(s) > 1 || !s.idle(now));
+            held.sweep_at = 2 * held.by_key.len();
+            held.sweeps += 1;
         }
         let s = Arc::new(Slot::new(now));
-        slots.insert(key.to_string(), s.clone());
+        held.by_key.insert(key.to_string(), s.clone());
         s
     }
 
     pub fn len(&self) -> usize {
-        self.slots.lock().expect("leases").len()
+        self.slots.lock().expect("leases").by_key.len()
+    }
+
+    /// How many sweeps there have been.
+    pub fn sweeps(&self) -> u64 {
+        self.slots.lock().expect("leases").sweeps
     }
 
     pub fn is_empty(&self) -> bool {
@@ -737,5 +757,25 @@ mod tests {
         leases.slot("one more", t0 + Duration::from_millis(1));
         assert_eq!(leases.len(), 2, "the live lease and the new one");
         drop(live);
+    }
+
+    #[test]
+    fn many_live_leases_are_swept_rarely() {
+        let t0 = Instant::now();
+        let leases = Leases::default();
+        // 40,000 identities in use at once (each held, as a request in flight holds it):
+        // sweeps at 4,096, 8,192, 16,384 and 32,768, not one per identity past 4,096.
+        let held: Vec<_> = (0..40_000)
+            .map(|i| leases.slot(&format!("k{i}"), t0))
+            .collect();
+        assert_eq!(leases.sweeps(), 4);
+        assert_eq!(leases.len(), 40_000);
+        drop(held);
+        // Once idle they go at the next sweep (at 65,536), and the one after waits for 4,096.
+        let later = t0 + Duration::from_millis(1);
+        for i in 0..25_537 {
+            leases.slot(&format!("n{i}"), later);
+        }
+        assert_eq!((leases.sweeps(), leases.len()), (5, 1));
     }
 }
