@@ -243,6 +243,67 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
     assert!(e.message().contains("domain"), "{}", e.message());
+    // Descriptors in hand together go to Redis together: eight identities in one request
+    // make one call (two or three if the batcher, on another thread, takes the first ones
+    // before the rest are in), where deciding them one after the other made eight.
+    let before = command_calls(&mut api.redis.con(), "fcall");
+    let eight: Vec<_> = (0..8)
+        .map(|i| descriptor(&[("route", &format!("/r{i}"))]))
+        .collect();
+    let r = rt.block_on(should_rate_limit(g, "edge", eight)).unwrap();
+    assert!(r.statuses.iter().all(|s| s.limit_remaining == 4), "{r:?}");
+    let calls = command_calls(&mut api.redis.con(), "fcall") - before;
+    assert!((1..=3).contains(&calls), "{calls} calls for 8 descriptors");
+    // A descriptor that cannot be decided refuses the request and charges none of the others.
+    let e = rt
+        .block_on(should_rate_limit(
+            g,
+            "edge",
+            vec![
+                descriptor(&[("user", "u5")]),
+                descriptor(&[("user", "u6"), ("pacer_rule", "nope")]),
+            ],
+        ))
+        .unwrap_err();
+    assert!(
+        e.message().starts_with("descriptors[1]: "),
+        "{}",
+        e.message()
+    );
+    let r = rt
+        .block_on(should_rate_limit(
+            g,
+            "edge",
+            vec![descriptor(&[("user", "u5")])],
+        ))
+        .unwrap();
+    assert_eq!(
+        r.statuses[0].limit_remaining, 1,
+        "u5 was not charged before: {r:?}"
+    );
+    // Hostile descriptors: a hits_addend past i64 (cast, it would wrap to "no addend" and be
+    // charged 1), or one above what a request may cost, and a key given twice.
+    let mut huge = user();
+    huge.hits_addend = Some(envoy_types::pb::google::protobuf::UInt64Value { value: u64::MAX });
+    let e = rt
+        .block_on(should_rate_limit(g, "edge", vec![huge]))
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(
+        e.message()
+            .contains("cost must be a whole number from 1 to 1000000000"),
+        "{}",
+        e.message()
+    );
+    let twice = descriptor(&[("user", "u3"), ("user", "u4")]);
+    let e = rt
+        .block_on(should_rate_limit(g, "edge", vec![twice]))
+        .unwrap_err();
+    assert!(
+        e.message().contains("the field user is given twice"),
+        "{}",
+        e.message()
+    );
     let bad = descriptor(&[("user", "u3"), ("pacer_rule", "nope")]);
     let e = rt
         .block_on(should_rate_limit(g, "edge", vec![bad]))

@@ -82,6 +82,14 @@ pub enum Refusal {
     Unavailable(String),
 }
 
+/// The most one request may cost: HTTP's `cost`, gRPC's `hits_addend`. Above it a cost is
+/// refused rather than clamped or wrapped, as a hostile one must not be charged as something
+/// else.
+pub const MAX_COST: i64 = 1_000_000_000;
+
+/// Most requests `decide_all` decides at once.
+const TOGETHER: usize = 64;
+
 /// Decides synchronous requests on the inbound rules; shared by the HTTP and gRPC faces.
 pub struct Decider {
     cfg: InboundConfig,
@@ -104,9 +112,9 @@ impl Decider {
 
     /// The request's identities, or why it cannot be decided.
     fn identities(&self, req: &Request) -> Result<(usize, Vec<Identity>), Refusal> {
-        if req.cost < 1 {
+        if !(1..=MAX_COST).contains(&req.cost) {
             return Err(Refusal::Bad(format!(
-                "cost must be at least 1, got {}",
+                "cost must be a whole number from 1 to {MAX_COST}, got {}",
                 req.cost
             )));
         }
@@ -163,6 +171,51 @@ impl Decider {
     /// call refills the leases it needs).
     pub async fn decide(&self, api: Api, req: &Request) -> Result<Answer, Refusal> {
         let (partition, ids) = self.identities(req)?;
+        self.decide_resolved(api, req, partition, ids).await
+    }
+
+    /// Decides several requests at once (Envoy's descriptors), each on its own: none is decided
+    /// unless every one can be (the first that cannot is returned, with its index), and those
+    /// that reach Redis are in hand together, so they go in one batch rather than one round
+    /// trip each. Requests on one identity are decided in their order (the batch keeps it, a
+    /// lease's fetch lock queues them).
+    pub async fn decide_all(
+        &self,
+        api: Api,
+        reqs: &[Request],
+    ) -> Result<Vec<Answer>, (usize, Refusal)> {
+        let resolved = reqs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| self.identities(r).map_err(|e| (i, e)))
+            .collect::<Result<Vec<_>, _>>()?;
+        // In rounds of at most TOGETHER: one task polling more futures than tokio's cooperative
+        // budget (128 operations a poll) has every lock past the budget answer "not yet" and
+        // wake it again: 100,000 descriptors at once took 21 s, in rounds of 64 2.4 s.
+        let mut answers = Vec::with_capacity(reqs.len());
+        let mut todo = reqs.iter().zip(resolved).enumerate().peekable();
+        while todo.peek().is_some() {
+            let round = todo
+                .by_ref()
+                .take(TOGETHER)
+                .map(|(i, (r, (partition, ids)))| async move {
+                    let answer = self.decide_resolved(api, r, partition, ids).await;
+                    answer.map_err(|e| (i, e))
+                });
+            for answer in futures_util::future::join_all(round).await {
+                answers.push(answer?);
+            }
+        }
+        Ok(answers)
+    }
+
+    async fn decide_resolved(
+        &self,
+        api: Api,
+        req: &Request,
+        partition: usize,
+        ids: Vec<Identity>,
+    ) -> Result<Answer, Refusal> {
         let rules = &self.cfg.rules;
         let mut asks = vec![Ask::Decide; ids.len()];
         let leased: Vec<Option<&crate::config::Lease>> =

@@ -6,9 +6,11 @@
 //! request to pacer: its entries are the identity fields (`key` a field name, `value` its
 //! value); the rules applied are those whose key fields the descriptor all carries (or that
 //! have a `default_identity`), or just the rule an entry `pacer_rule: <name>` names. Its cost is
-//! the descriptor's `hits_addend`, else the request's, else 1. Descriptors are decided in order,
-//! each on its own (an allowed one is charged even when another is over its limit, as in
-//! envoyproxy/ratelimit). A descriptor no rule applies to is `OK` with no limit.
+//! the descriptor's `hits_addend`, else the request's, else 1. Descriptors are decided together
+//! (`Decider::decide_all`: one Redis call for those that need one), each on its own (an allowed
+//! one is charged even when another is over its limit, as in envoyproxy/ratelimit); one that
+//! cannot be decided refuses the request and charges none. A descriptor no rule applies to is
+//! `OK` with no limit.
 //!
 //! Each status carries the limit with least room (or that refused): `current_limit` (its name
 //! `<rule>.<limit>`, and its count per the largest unit that fits in its window),
@@ -119,15 +121,15 @@ impl RateLimitService for Envoy {
             )));
         }
         let started = Instant::now();
-        let mut statuses = Vec::with_capacity(req.descriptors.len());
-        let mut over = false;
-        for (i, d) in req.descriptors.iter().enumerate() {
+        let mut requests = Vec::with_capacity(req.descriptors.len());
+        for d in &req.descriptors {
             let mut one = Request {
-                cost: d
-                    .hits_addend
-                    .map(|h| h.value as i64)
-                    .filter(|&h| h > 0)
-                    .unwrap_or(i64::from(req.hits_addend.max(1))),
+                // Past i64 (`as` would wrap it negative and so to the default of 1) it is
+                // refused like any cost above MAX_COST.
+                cost: match d.hits_addend.map(|h| h.value).filter(|&h| h > 0) {
+                    Some(h) => i64::try_from(h).unwrap_or(i64::MAX),
+                    None => i64::from(req.hits_addend.max(1)),
+                },
                 only_matching: true,
                 ..Request::default()
             };
@@ -138,17 +140,19 @@ impl RateLimitService for Envoy {
                     one.fields.push((e.key.clone(), e.value.clone()));
                 }
             }
-            match self.decider.decide(Api::Grpc, &one).await {
-                Ok(a) => {
-                    over |= !a.allowed;
-                    statuses.push(status(&a));
-                }
-                Err(Refusal::Bad(e)) => {
-                    return Err(Status::invalid_argument(format!("descriptors[{i}]: {e}")))
-                }
-                Err(e @ Refusal::Unavailable(_)) => return Err(Status::unavailable(e.to_string())),
-            }
+            requests.push(one);
         }
+        let answers = match self.decider.decide_all(Api::Grpc, &requests).await {
+            Ok(a) => a,
+            Err((i, Refusal::Bad(e))) => {
+                return Err(Status::invalid_argument(format!("descriptors[{i}]: {e}")))
+            }
+            Err((_, e @ Refusal::Unavailable(_))) => {
+                return Err(Status::unavailable(e.to_string()))
+            }
+        };
+        let over = answers.iter().any(|a| !a.allowed);
+        let statuses = answers.iter().map(status).collect();
         telemetry::api_latency(Api::Grpc, started);
         Ok(Response::new(RateLimitResponse {
             overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,

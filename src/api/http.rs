@@ -17,7 +17,7 @@
 //! `{"error": ...}` for a request that cannot be decided as written, 503 when Redis cannot be
 //! reached under `fail_policy: fail_closed`.
 
-use super::decider::{Answer, Api, Decider, Refusal, Reported, Request};
+use super::decider::{Answer, Api, Decider, Refusal, Reported, Request, MAX_COST};
 use crate::health::Health;
 use crate::telemetry;
 use axum::body::Bytes;
@@ -231,11 +231,11 @@ fn read_fields(fields: Vec<(String, Value)>, req: &mut Request, problems: &mut V
 fn read_cost(cost: Value, req: &mut Request, problems: &mut Vec<String>) {
     match cost {
         Value::Null => {}
-        Value::Number(n) if n.as_i64().is_some_and(|c| (1..=1_000_000_000).contains(&c)) => {
+        Value::Number(n) if n.as_i64().is_some_and(|c| (1..=MAX_COST).contains(&c)) => {
             req.cost = n.as_i64().unwrap_or(1)
         }
         other => problems.push(format!(
-            "cost: expected a whole number from 1 to 1000000000, got {other}"
+            "cost: expected a whole number from 1 to {MAX_COST}, got {other}"
         )),
     }
 }
