@@ -11,3 +11,33 @@ pub mod http;
 pub mod lease;
 
 pub use decider::{Answer, Api, Decider, Refusal, Request};
+
+use std::io::ErrorKind;
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+
+/// The listener's next connection, with Nagle's algorithm off (answers go out as soon as they
+/// are written, not when the client acknowledged the last one). On an error that is not the
+/// connection's own (out of file descriptors, say) it waits a second for some to close rather
+/// than spin.
+pub(crate) async fn accept(listener: &TcpListener) -> TcpStream {
+    loop {
+        match listener.accept().await {
+            Ok((tcp, _)) => {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!(error = %e, "TCP_NODELAY not set");
+                }
+                return tcp;
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset
+                ) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a connection");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}

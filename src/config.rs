@@ -17,7 +17,9 @@ pub use self::redis::{
     TlsConfig,
 };
 pub use flow::{Flow, MAX_EVENT_FIELDS, MAX_EVENT_FIELDS_DEFAULT};
-pub use inbound::{ApiConfig, FailPolicy, InboundConfig, InboundRule, Lease, SLIDING_LOG_MAX};
+pub use inbound::{
+    ApiConfig, FailPolicy, InboundConfig, InboundRule, Lease, READ_TIMEOUT, SLIDING_LOG_MAX,
+};
 pub use outbound::{OutboundConfig, Route, ROUTE_NAME_MAX};
 pub use problems::{ConfigError, Problem, DURATION_MAX};
 

@@ -4,7 +4,7 @@
 //! address) and Envoy's gRPC service on `inbound.api.grpc_listen`.
 
 use crate::api::{envoy, http, Decider};
-use crate::config::Config;
+use crate::config::{Config, READ_TIMEOUT};
 use crate::connection::RedisConn;
 use crate::health::Health;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -31,6 +31,7 @@ pub async fn start(
     stop: CancellationToken,
 ) -> Result<Vec<JoinHandle<()>>, String> {
     let mut main = http::operations(metrics, health);
+    let mut main_timeout = READ_TIMEOUT;
     let mut tasks = Vec::new();
     let api = cfg
         .inbound
@@ -42,21 +43,29 @@ pub async fn start(
         match api.listen {
             Some(addr) if addr == cfg.metrics.listen => {
                 main = main.merge(http::admission(decider.clone()));
+                main_timeout = api.read_timeout;
             }
             Some(addr) => {
                 let listener = bind(addr, "POST /v1/admit (inbound.api.listen)").await?;
                 let router = http::admission(decider.clone());
-                tasks.push(tokio::spawn(http::serve(listener, router, stop.clone())));
+                let served = http::serve(listener, router, api.read_timeout, stop.clone());
+                tasks.push(tokio::spawn(served));
             }
             None => {}
         }
         if let Some(addr) = api.grpc_listen {
             let listener = bind(addr, "Envoy's rate-limit gRPC service").await?;
             let service = envoy::Envoy::new(decider, &api.domain);
-            tasks.push(tokio::spawn(envoy::serve(listener, service, stop.clone())));
+            let served = envoy::serve(listener, service, api.read_timeout, stop.clone());
+            tasks.push(tokio::spawn(served));
         }
     }
     let listener = bind(cfg.metrics.listen, "/metrics, /healthz and /readyz").await?;
-    tasks.push(tokio::spawn(http::serve(listener, main, stop)));
+    tasks.push(tokio::spawn(http::serve(
+        listener,
+        main,
+        main_timeout,
+        stop,
+    )));
     Ok(tasks)
 }

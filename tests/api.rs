@@ -902,3 +902,106 @@ fn redis_unreachable_is_503_when_failing_closed_and_huge_or_hostile_bodies_get_c
     assert_eq!(e.code(), tonic::Code::Unavailable);
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
 }
+
+#[test]
+fn clients_that_send_nothing_or_a_byte_at_a_time_are_cut_off_after_read_timeout() {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    let redis = RedisServer::start();
+    let dir = TempDir::new("api-slow");
+    let (m, h, g) = (free_port(), free_port(), free_port());
+    let body = format!(
+        "inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  api:\n    listen: 127.0.0.1:{h}\n    grpc_listen: 127.0.0.1:{g}\n    domain: edge\n    read_timeout: 1s\n  rules:\n    - {{name: per-source, key: [source], limits: [100/s]}}\n"
+    );
+    let _pacer = start(&config(&dir, "w.yaml", &redis, m, "  batch: 64", &body), m);
+    let open_at = |port: u16, first: &[u8]| {
+        let mut c = TcpStream::connect(("127.0.0.1", port)).expect("connects");
+        c.write_all(first).unwrap();
+        c.set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        c
+    };
+    let open = |first: &[u8]| open_at(h, first);
+    let ask = r#"{"fields": {"source": "a"}}"#;
+    let whole = format!(
+        "POST /v1/admit HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{ask}",
+        ask.len()
+    );
+    let t0 = Instant::now();
+    let mut clients = [
+        ("sends nothing", open(b"")),
+        (
+            "half a head",
+            open(b"POST /v1/admit HTTP/1.1\r\nHost: x\r\n"),
+        ),
+        (
+            "half a body",
+            open(b"POST /v1/admit HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"),
+        ),
+        ("idle after a request", open(whole.as_bytes())),
+        // gRPC: closed when silent, or when it does not answer the server's HTTP/2 pings.
+        ("gRPC, sends nothing", open_at(g, b"")),
+        (
+            "gRPC, a preface and nothing",
+            open_at(g, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
+        ),
+    ];
+    // Each is read until the server closes it (bounded: 10 s).
+    let mut heard = vec![(Vec::new(), None); clients.len()];
+    while t0.elapsed() < Duration::from_secs(10) && heard.iter().any(|(_, at)| at.is_none()) {
+        for ((_, c), (got, at)) in clients.iter_mut().zip(heard.iter_mut()) {
+            let mut buf = [0u8; 4096];
+            match c.read(&mut buf) {
+                Ok(0) if at.is_none() => *at = Some(t0.elapsed()),
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(_) => {}
+            }
+        }
+    }
+    for ((what, _), (got, at)) in clients.iter().zip(&heard) {
+        let at = at.unwrap_or_else(|| panic!("{what}: still open after 10 s"));
+        assert!(at >= Duration::from_millis(900), "{what}: closed at {at:?}");
+        let text = String::from_utf8_lossy(got);
+        match *what {
+            "half a body" => assert!(text.starts_with("HTTP/1.1 408"), "{what}: {text}"),
+            "idle after a request" => assert!(text.starts_with("HTTP/1.1 200"), "{what}: {text}"),
+            "gRPC, a preface and nothing" => {
+                assert!(!got.is_empty(), "{what}: the server's SETTINGS")
+            }
+            _ => assert!(text.is_empty(), "{what}: {text}"),
+        }
+    }
+    // A client that keeps within it is served as before, on one keep-alive connection.
+    let mut c = open(whole.as_bytes());
+    for _ in 0..3 {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&got).contains("\"allowed\"") {
+            match c.read(&mut buf) {
+                Ok(0) => panic!("closed: {}", String::from_utf8_lossy(&got)),
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(_) => assert!(t0.elapsed() < Duration::from_secs(20), "no answer"),
+            }
+        }
+        assert!(got.starts_with(b"HTTP/1.1 200"));
+        std::thread::sleep(Duration::from_millis(500));
+        c.write_all(whole.as_bytes()).unwrap();
+    }
+    // A gRPC client answers the pings: idle three times as long, its channel still decides.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut client = RateLimitServiceClient::connect(format!("http://127.0.0.1:{g}"))
+            .await
+            .expect("gRPC connects");
+        for _ in 0..2 {
+            let asked = RateLimitRequest {
+                domain: "edge".into(),
+                descriptors: vec![descriptor(&[("source", "g")])],
+                hits_addend: 0,
+            };
+            let r = client.should_rate_limit(asked).await.expect("answered");
+            assert_eq!(r.into_inner().overall_code, Code::Ok as i32);
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        }
+    });
+}

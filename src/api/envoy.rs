@@ -27,8 +27,8 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
 use std::sync::Arc;
-use std::time::Instant;
-use tokio::net::TcpListener;
+use std::time::{Duration, Instant};
+use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request as GrpcRequest, Response, Status};
 
@@ -49,19 +49,58 @@ impl Envoy {
     }
 }
 
-/// Serves the service on `listener` until `shutdown` is cancelled.
-pub async fn serve(listener: TcpListener, envoy: Envoy, shutdown: CancellationToken) {
-    // tonic leaves Nagle's algorithm on unless told: with several calls on one HTTP/2
-    // connection, a small answer written while another is unacknowledged would wait for the
-    // acknowledgement (Envoy's calls are small, many and in flight together).
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+/// Serves the service on `listener` until `shutdown` is cancelled. A client has `read_timeout`
+/// to open its connection (send a byte: a connection that sends nothing is dropped) and to
+/// answer the server's HTTP/2 pings, sent after as long without a frame from it; Envoy
+/// answers them, so its long-lived connections stay, and one that went silent is closed. Else
+/// each would hold a file descriptor for good.
+pub async fn serve(
+    listener: TcpListener,
+    envoy: Envoy,
+    read_timeout: Duration,
+    shutdown: CancellationToken,
+) {
     let served = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(read_timeout))
+        .http2_keepalive_timeout(Some(read_timeout))
         .add_service(RateLimitServiceServer::new(envoy))
-        .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
+        .serve_with_incoming_shutdown(
+            spoken(listener, read_timeout, shutdown.clone()),
+            shutdown.cancelled_owned(),
+        )
         .await;
     if let Err(e) = served {
         tracing::warn!(error = %e, "gRPC server stopped");
     }
+}
+
+/// The connections accepted on `listener` that sent a byte within `read_timeout`, as they do
+/// (each waits on its own, so a silent one holds up no other), until `shutdown`. Nagle's
+/// algorithm is off on each (`super::accept`): with several calls on one HTTP/2 connection, a
+/// small answer would otherwise wait for the acknowledgement of the last.
+fn spoken(
+    listener: TcpListener,
+    read_timeout: Duration,
+    shutdown: CancellationToken,
+) -> impl futures_util::Stream<Item = std::io::Result<TcpStream>> {
+    let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        loop {
+            let tcp = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                tcp = super::accept(&listener) => tcp,
+            };
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let mut byte = [0u8; 1];
+                let peeked = tokio::time::timeout(read_timeout, tcp.peek(&mut byte)).await;
+                if matches!(peeked, Ok(Ok(n)) if n > 0) {
+                    let _ = tx.send(Ok(tcp)).await;
+                }
+            });
+        }
+    });
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
 /// The largest unit that fits in `window_us`, and the count per that unit (at least 1).

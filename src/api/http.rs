@@ -25,13 +25,14 @@ use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -79,26 +80,73 @@ pub fn admission(decider: Arc<Decider>) -> Router {
         .with_state(decider)
 }
 
-/// Serves `router` on `listener` until `shutdown` is cancelled.
-pub async fn serve(listener: TcpListener, router: Router, shutdown: CancellationToken) {
-    let router = router.fallback(|| async {
-        (
-            StatusCode::NOT_FOUND,
-            "try /metrics, /healthz, /readyz or POST /v1/admit\n",
-        )
-    });
-    // Answers go out as soon as they are written: Nagle's algorithm would hold a small
-    // response back until the client acknowledged the last one.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "TCP_NODELAY not set");
-        }
-    });
-    if let Err(e) = axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
-    {
-        tracing::warn!(error = %e, "HTTP server stopped");
+/// Serves `router` on `listener` until `shutdown` is cancelled, then lets the requests in
+/// flight finish. HTTP/1.1, on hyper's connections with a timer: a client has `read_timeout`
+/// to send a request's head, counted from when the server starts waiting for one (a new
+/// connection's first, or the next on a keep-alive connection, which is so closed once idle
+/// that long), and as long to have a request read and answered. A client that opens
+/// connections and sends nothing, or a byte at a time, would otherwise hold each one (and a
+/// file descriptor) for good: `axum::serve` gives hyper no timer, so hyper's own header
+/// timeout never runs.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    read_timeout: Duration,
+    shutdown: CancellationToken,
+) {
+    let router = router
+        .fallback(|| async {
+            (
+                StatusCode::NOT_FOUND,
+                "try /metrics, /healthz, /readyz or POST /v1/admit\n",
+            )
+        })
+        .layer(axum::middleware::from_fn(move |req, next| {
+            within(read_timeout, req, next)
+        }));
+    let service = TowerToHyperService::new(router);
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1
+        .timer(TokioTimer::new())
+        .header_read_timeout(read_timeout);
+    // Each connection's task holds a sender: when all are gone, every connection has closed.
+    let (open, mut all_closed) = tokio::sync::mpsc::channel::<()>(1);
+    loop {
+        let tcp = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            tcp = super::accept(&listener) => tcp,
+        };
+        let conn = http1.serve_connection(TokioIo::new(tcp), service.clone());
+        let (shutdown, open) = (shutdown.clone(), open.clone());
+        tokio::spawn(async move {
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = shutdown.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                }
+            }
+            drop(open);
+        });
+    }
+    drop(open);
+    let _ = all_closed.recv().await;
+}
+
+/// Answers 408 to a request not read and answered within `limit`: a body sent a byte at a
+/// time (hyper's header timeout ends with the head).
+async fn within(
+    limit: Duration,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match tokio::time::timeout(limit, next.run(req)).await {
+        Ok(resp) => resp,
+        Err(_) => error(
+            StatusCode::REQUEST_TIMEOUT,
+            &format!("the request was not read and answered within {limit:?}"),
+        ),
     }
 }
 

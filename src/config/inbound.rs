@@ -12,6 +12,7 @@ use crate::keys::{self, InboundKeys};
 use serde_yaml::Value;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::time::Duration;
 
 /// What happens to an event when its admission cannot be decided (Redis errors or timeouts,
 /// `limiter_attempts` times in a row).
@@ -63,7 +64,14 @@ pub struct ApiConfig {
     pub grpc_listen: Option<SocketAddr>,
     /// The Envoy rate-limit domain answered; a request for another domain is refused.
     pub domain: String,
+    /// How long an HTTP client may take to send a request's head (from when one is awaited:
+    /// an idle keep-alive connection is closed after it) and to have a request read and
+    /// answered (`src/api/http.rs`).
+    pub read_timeout: Duration,
 }
+
+/// `inbound.api.read_timeout` by default, and the metrics listener's when it serves no API.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn read_api(p: &mut Problems, v: Option<Value>) -> Option<ApiConfig> {
     if matches!(v, None | Some(Value::Null)) {
@@ -73,7 +81,7 @@ fn read_api(p: &mut Problems, v: Option<Value>) -> Option<ApiConfig> {
     p.unknown_keys(
         "inbound.api",
         &raw.unknown,
-        &["listen", "grpc_listen", "domain"],
+        &["listen", "grpc_listen", "domain", "read_timeout"],
     );
     const WHAT: &str = "an address like 127.0.0.1:8080";
     let mut address = |path: &str, v: &Option<Value>| match v {
@@ -98,10 +106,15 @@ fn read_api(p: &mut Problems, v: Option<Value>) -> Option<ApiConfig> {
     if domain.is_empty() {
         p.push("inbound.api.domain", "must not be empty");
     }
+    let read_timeout = p.duration("inbound.api.read_timeout", &raw.read_timeout, READ_TIMEOUT);
+    if read_timeout.is_zero() {
+        p.push("inbound.api.read_timeout", "must be above 0");
+    }
     Some(ApiConfig {
         listen,
         grpc_listen,
         domain,
+        read_timeout,
     })
 }
 

@@ -167,6 +167,7 @@ pub struct RawApi {
     pub listen: Leaf,
     pub grpc_listen: Leaf,
     pub domain: Leaf,
+    pub read_timeout: Leaf,
     #[serde(flatten)]
     pub unknown: Mapping,
 }
