@@ -5,7 +5,7 @@
 use super::batch::Batcher;
 use super::lease::{Fetch, Leases, Slot, Take};
 use crate::admission::{Algorithm, Ask, CheckOutcome, SyncVerdict, SPACING};
-use crate::config::{FailPolicy, InboundConfig, Lease};
+use crate::config::{FailPolicy, InboundConfig, Lease, READ_TIMEOUT};
 use crate::connection::RedisConn;
 use crate::event::inbound::{resolve, Identity};
 use crate::scripts::spacing_label;
@@ -108,6 +108,14 @@ impl Decider {
 
     pub fn config(&self) -> &InboundConfig {
         &self.cfg
+    }
+
+    /// How long a client has to send a request (`inbound.api.read_timeout`).
+    pub fn read_timeout(&self) -> Duration {
+        self.cfg
+            .api
+            .as_ref()
+            .map_or(READ_TIMEOUT, |a| a.read_timeout)
     }
 
     /// The request's identities, or why it cannot be decided.

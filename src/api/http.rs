@@ -21,7 +21,7 @@ use super::decider::{Answer, Api, Decider, Refusal, Reported, Request, MAX_COST}
 use crate::health::Health;
 use crate::telemetry;
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{FromRequest, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -84,7 +84,7 @@ pub fn admission(decider: Arc<Decider>) -> Router {
 /// flight finish. HTTP/1.1, on hyper's connections with a timer: a client has `read_timeout`
 /// to send a request's head, counted from when the server starts waiting for one (a new
 /// connection's first, or the next on a keep-alive connection, which is so closed once idle
-/// that long), and as long to have a request read and answered. A client that opens
+/// that long); `POST /v1/admit` then gives its body as long (`admit`). A client that opens
 /// connections and sends nothing, or a byte at a time, would otherwise hold each one (and a
 /// file descriptor) for good: `axum::serve` gives hyper no timer, so hyper's own header
 /// timeout never runs.
@@ -94,16 +94,12 @@ pub async fn serve(
     read_timeout: Duration,
     shutdown: CancellationToken,
 ) {
-    let router = router
-        .fallback(|| async {
-            (
-                StatusCode::NOT_FOUND,
-                "try /metrics, /healthz, /readyz or POST /v1/admit\n",
-            )
-        })
-        .layer(axum::middleware::from_fn(move |req, next| {
-            within(read_timeout, req, next)
-        }));
+    let router = router.fallback(|| async {
+        (
+            StatusCode::NOT_FOUND,
+            "try /metrics, /healthz, /readyz or POST /v1/admit\n",
+        )
+    });
     let service = TowerToHyperService::new(router);
     let mut http1 = hyper::server::conn::http1::Builder::new();
     http1
@@ -134,33 +130,23 @@ pub async fn serve(
     let _ = all_closed.recv().await;
 }
 
-/// Answers 408 to a request not read and answered within `limit`: a body sent a byte at a
-/// time (hyper's header timeout ends with the head).
-async fn within(
-    limit: Duration,
-    req: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
-    match tokio::time::timeout(limit, next.run(req)).await {
-        Ok(resp) => resp,
-        Err(_) => error(
-            StatusCode::REQUEST_TIMEOUT,
-            &format!("the request was not read and answered within {limit:?}"),
-        ),
-    }
-}
-
-async fn admit(
-    State(decider): State<Arc<Decider>>,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> Response {
-    // A body that could not be read (over BODY_MAX, cut short) is answered in JSON like the rest.
-    let body = match body {
-        Ok(b) => b,
-        Err(e) => {
+async fn admit(State(decider): State<Arc<Decider>>, req: axum::extract::Request) -> Response {
+    // A body not in within the read timeout (sent a byte at a time: hyper's header timeout
+    // ends with the head) is answered 408; one that could not be read (over BODY_MAX, cut
+    // short), in JSON like the rest. The timer starts only if the body is not already in.
+    let limit = decider.read_timeout();
+    let body = match tokio::time::timeout(limit, Bytes::from_request(req, &())).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => {
             return error(
                 e.status(),
                 &format!("{} (at most {BODY_MAX} bytes)", e.body_text()),
+            )
+        }
+        Err(_) => {
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                &format!("the request's body was not in within {limit:?}"),
             )
         }
     };
