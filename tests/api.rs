@@ -184,6 +184,21 @@ fn http_answers_with_the_room_left_the_ietf_headers_and_retry_after() {
     );
 }
 
+/// Asks for `descriptors` and checks the call is refused as INVALID_ARGUMENT saying `says`.
+fn refused_grpc(
+    rt: &tokio::runtime::Runtime,
+    port: u16,
+    domain: &str,
+    descriptors: Vec<RateLimitDescriptor>,
+    says: &str,
+) {
+    let e = rt
+        .block_on(should_rate_limit(port, domain, descriptors))
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{}", e.message());
+    assert!(e.message().contains(says), "{}", e.message());
+}
+
 #[test]
 fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
     let api = start_api(
@@ -238,11 +253,7 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
         r.statuses[0].current_limit.as_ref().unwrap().name,
         "per-route.5/min"
     );
-    let e = rt
-        .block_on(should_rate_limit(g, "other", vec![user()]))
-        .unwrap_err();
-    assert_eq!(e.code(), tonic::Code::InvalidArgument);
-    assert!(e.message().contains("domain"), "{}", e.message());
+    refused_grpc(&rt, g, "other", vec![user()], "domain");
     // Descriptors in hand together go to Redis together: eight identities in one request
     // make one call (two or three if the batcher, on another thread, takes the first ones
     // before the rest are in), where deciding them one after the other made eight.
@@ -255,21 +266,11 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
     let calls = command_calls(&mut api.redis.con(), "fcall") - before;
     assert!((1..=3).contains(&calls), "{calls} calls for 8 descriptors");
     // A descriptor that cannot be decided refuses the request and charges none of the others.
-    let e = rt
-        .block_on(should_rate_limit(
-            g,
-            "edge",
-            vec![
-                descriptor(&[("user", "u5")]),
-                descriptor(&[("user", "u6"), ("pacer_rule", "nope")]),
-            ],
-        ))
-        .unwrap_err();
-    assert!(
-        e.message().starts_with("descriptors[1]: "),
-        "{}",
-        e.message()
-    );
+    let one_bad = vec![
+        descriptor(&[("user", "u5")]),
+        descriptor(&[("user", "u6"), ("pacer_rule", "nope")]),
+    ];
+    refused_grpc(&rt, g, "edge", one_bad, "descriptors[1]: no rule named");
     let r = rt
         .block_on(should_rate_limit(
             g,
@@ -285,34 +286,17 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
     // charged 1), or one above what a request may cost, and a key given twice.
     let mut huge = user();
     huge.hits_addend = Some(envoy_types::pb::google::protobuf::UInt64Value { value: u64::MAX });
-    let e = rt
-        .block_on(should_rate_limit(g, "edge", vec![huge]))
-        .unwrap_err();
-    assert_eq!(e.code(), tonic::Code::InvalidArgument);
-    assert!(
-        e.message()
-            .contains("cost must be a whole number from 1 to 1000000000"),
-        "{}",
-        e.message()
+    refused_grpc(
+        &rt,
+        g,
+        "edge",
+        vec![huge],
+        "cost must be a whole number from 1 to 1000000000",
     );
     let twice = descriptor(&[("user", "u3"), ("user", "u4")]);
-    let e = rt
-        .block_on(should_rate_limit(g, "edge", vec![twice]))
-        .unwrap_err();
-    assert!(
-        e.message().contains("the field user is given twice"),
-        "{}",
-        e.message()
-    );
+    refused_grpc(&rt, g, "edge", vec![twice], "the field user is given twice");
     let bad = descriptor(&[("user", "u3"), ("pacer_rule", "nope")]);
-    let e = rt
-        .block_on(should_rate_limit(g, "edge", vec![bad]))
-        .unwrap_err();
-    assert!(
-        e.message().contains("descriptors[0]: no rule named"),
-        "{}",
-        e.message()
-    );
+    refused_grpc(&rt, g, "edge", vec![bad], "descriptors[0]: no rule named");
 }
 
 #[test]
