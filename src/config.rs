@@ -18,7 +18,8 @@ pub use self::redis::{
 };
 pub use flow::{Flow, MAX_EVENT_FIELDS, MAX_EVENT_FIELDS_DEFAULT};
 pub use inbound::{
-    ApiConfig, FailPolicy, InboundConfig, InboundRule, Lease, READ_TIMEOUT, SLIDING_LOG_MAX,
+    ApiConfig, FailPolicy, InboundConfig, InboundRule, Lease, MAX_CONNECTIONS, READ_TIMEOUT,
+    SLIDING_LOG_MAX,
 };
 pub use outbound::{OutboundConfig, Route, ROUTE_NAME_MAX};
 pub use problems::{ConfigError, Problem, DURATION_MAX};

@@ -3,8 +3,8 @@
 //! /v1/admit` on `inbound.api.listen` (on the metrics listener itself when the two are one
 //! address) and Envoy's gRPC service on `inbound.api.grpc_listen`.
 
-use crate::api::{envoy, http, Decider};
-use crate::config::{Config, READ_TIMEOUT};
+use crate::api::{envoy, http, Decider, Listener};
+use crate::config::{Config, MAX_CONNECTIONS, READ_TIMEOUT};
 use crate::connection::RedisConn;
 use crate::health::Health;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -14,13 +14,14 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-async fn bind(addr: SocketAddr, what: &str) -> Result<TcpListener, String> {
+/// Binds `addr` for `what`, to hold at most `max` connections open.
+async fn bind(addr: SocketAddr, what: &'static str, max: usize) -> Result<Listener, String> {
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|e| format!("binding {what} {addr}: {e}"))?;
     let at = listener.local_addr().map_or(addr, |a| a);
-    tracing::info!(listen = %at, "serving {what}");
-    Ok(listener)
+    tracing::info!(listen = %at, max_connections = max, "serving {what}");
+    Ok(Listener::new(listener, max, what))
 }
 
 /// Binds every listener the config asks for and serves each until `stop` is cancelled.
@@ -31,7 +32,7 @@ pub async fn start(
     stop: CancellationToken,
 ) -> Result<Vec<JoinHandle<()>>, String> {
     let mut main = http::operations(metrics, health);
-    let mut main_timeout = READ_TIMEOUT;
+    let (mut main_timeout, mut main_max) = (READ_TIMEOUT, MAX_CONNECTIONS);
     let mut tasks = Vec::new();
     let api = cfg
         .inbound
@@ -43,10 +44,11 @@ pub async fn start(
         match api.listen {
             Some(addr) if addr == cfg.metrics.listen => {
                 main = main.merge(http::admission(decider.clone()));
-                main_timeout = api.read_timeout;
+                (main_timeout, main_max) = (api.read_timeout, api.max_connections);
             }
             Some(addr) => {
-                let listener = bind(addr, "POST /v1/admit (inbound.api.listen)").await?;
+                let what = "POST /v1/admit (inbound.api.listen)";
+                let listener = bind(addr, what, api.max_connections).await?;
                 let router = http::admission(decider.clone());
                 let served = http::serve(listener, router, api.read_timeout, stop.clone());
                 tasks.push(tokio::spawn(served));
@@ -54,13 +56,15 @@ pub async fn start(
             None => {}
         }
         if let Some(addr) = api.grpc_listen {
-            let listener = bind(addr, "Envoy's rate-limit gRPC service").await?;
+            let what = "Envoy's rate-limit gRPC service";
+            let listener = bind(addr, what, api.max_connections).await?;
             let service = envoy::Envoy::new(decider, &api.domain);
             let served = envoy::serve(listener, service, api.read_timeout, stop.clone());
             tasks.push(tokio::spawn(served));
         }
     }
-    let listener = bind(cfg.metrics.listen, "/metrics, /healthz and /readyz").await?;
+    let what = "/metrics, /healthz and /readyz";
+    let listener = bind(cfg.metrics.listen, what, main_max).await?;
     tasks.push(tokio::spawn(http::serve(
         listener,
         main,

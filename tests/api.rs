@@ -14,8 +14,8 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use pacer::testkit::{
-    command_calls, free_port, http_post, metric_at, wait_until, Cluster, Pacer, RedisServer,
-    TempDir,
+    command_calls, free_port, http_get, http_post, metric_at, wait_until, Cluster, Pacer,
+    RedisServer, TempDir,
 };
 use serde_json::Value;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -297,6 +297,29 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
     refused_grpc(&rt, g, "edge", vec![twice], "the field user is given twice");
     let bad = descriptor(&[("user", "u3"), ("pacer_rule", "nope")]);
     refused_grpc(&rt, g, "edge", vec![bad], "descriptors[0]: no rule named");
+    // Bounded: more descriptors than Envoy ever sends, or a message past 64 KiB (as over
+    // HTTP), is refused before anything is decided.
+    let many = vec![descriptor(&[("user", "u9")]); 1025];
+    refused_grpc(&rt, g, "edge", many, "1025 descriptors: at most 1024");
+    let wide = descriptor(&[("user", &"x".repeat(70_000))]);
+    let e = rt
+        .block_on(should_rate_limit(g, "edge", vec![wide]))
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::OutOfRange, "{}", e.message());
+    let r = rt
+        .block_on(should_rate_limit(
+            g,
+            "edge",
+            vec![descriptor(&[("user", "u9")]); 1024],
+        ))
+        .unwrap();
+    let allowed = r
+        .statuses
+        .iter()
+        .filter(|s| s.code == Code::Ok as i32)
+        .count();
+    // Its burst of 2 (a third if the call took half a second): the refused calls charged none.
+    assert!((2..=3).contains(&allowed), "{allowed} allowed of u9");
 }
 
 #[test]
@@ -988,4 +1011,70 @@ fn clients_that_send_nothing_or_a_byte_at_a_time_are_cut_off_after_read_timeout(
             tokio::time::sleep(Duration::from_secs(3)).await;
         }
     });
+}
+
+#[test]
+fn each_api_listener_holds_at_most_max_connections_open_and_metrics_stay_served() {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    let redis = RedisServer::start();
+    let dir = TempDir::new("api-full");
+    let (m, h, g) = (free_port(), free_port(), free_port());
+    let body = format!(
+        "inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  api:\n    listen: 127.0.0.1:{h}\n    grpc_listen: 127.0.0.1:{g}\n    domain: edge\n    read_timeout: 20s\n    max_connections: 2\n  rules:\n    - {{name: per-source, key: [source], limits: [100/s]}}\n"
+    );
+    let pacer = start(&config(&dir, "w.yaml", &redis, m, "  batch: 64", &body), m);
+    let idle = |port: u16| TcpStream::connect(("127.0.0.1", port)).expect("connects");
+    let ask = r#"{"fields": {"source": "a"}}"#;
+    let whole = format!(
+        "POST /v1/admit HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{ask}",
+        ask.len()
+    );
+    // Reads `c` for up to `wait`: what came back.
+    let answer = |c: &mut TcpStream, wait: Duration| {
+        c.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let t0 = Instant::now();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while t0.elapsed() < wait && !String::from_utf8_lossy(&got).contains("\"allowed\"") {
+            match c.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(_) => {}
+            }
+        }
+        String::from_utf8_lossy(&got).to_string()
+    };
+    // HTTP: two silent connections fill it; a third is answered only once one of them goes.
+    let (first, _second) = (idle(h), idle(h));
+    std::thread::sleep(Duration::from_millis(200));
+    let mut third = idle(h);
+    third.write_all(whole.as_bytes()).unwrap();
+    let got = answer(&mut third, Duration::from_millis(1000));
+    assert!(got.is_empty(), "answered past max_connections: {got}");
+    assert!(
+        matches!(http_get(m, "/metrics"), Some((200, _))),
+        "the metrics listener has its own connections"
+    );
+    drop(first);
+    let got = answer(&mut third, Duration::from_secs(5));
+    assert!(got.starts_with("HTTP/1.1 200"), "once one closed: {got:?}");
+    // gRPC likewise: a call waits while two silent connections fill it, then is decided.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (first, _second) = (idle(g), idle(g));
+    std::thread::sleep(Duration::from_millis(200));
+    let call = || should_rate_limit(g, "edge", vec![descriptor(&[("source", "g")])]);
+    let within = |wait: Duration| rt.block_on(async { tokio::time::timeout(wait, call()).await });
+    let waited = within(Duration::from_millis(1000));
+    assert!(waited.is_err(), "decided past max_connections: {waited:?}");
+    drop(first);
+    let r = within(Duration::from_secs(5))
+        .expect("decided once one closed")
+        .expect("answered");
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    assert!(
+        pacer.log_text().contains("max_connections open"),
+        "the full listener is told in the log:\n{}",
+        pacer.log_text()
+    );
 }

@@ -87,6 +87,14 @@ pub enum Refusal {
 /// else.
 pub const MAX_COST: i64 = 1_000_000_000;
 
+/// The largest request read, an HTTP body or a gRPC message: far above what names a few
+/// identities, far below what would keep a worker busy.
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+
+/// Most requests one call may ask for at once (Envoy's descriptors): Envoy sends one per rate
+/// limit action of the route, a handful; 100,000 kept a worker busy 2.4 s.
+pub const MAX_REQUESTS: usize = 1024;
+
 /// Most requests `decide_all` decides at once.
 const TOGETHER: usize = 64;
 

@@ -10,13 +10,14 @@
 //! (`Decider::decide_all`: one Redis call for those that need one), each on its own (an allowed
 //! one is charged even when another is over its limit, as in envoyproxy/ratelimit); one that
 //! cannot be decided refuses the request and charges none. A descriptor no rule applies to is
-//! `OK` with no limit.
+//! `OK` with no limit. A request is at most `MAX_REQUEST_BYTES` and `MAX_REQUESTS` descriptors.
 //!
 //! Each status carries the limit with least room (or that refused): `current_limit` (its name
 //! `<rule>.<limit>`, and its count per the largest unit that fits in its window),
 //! `limit_remaining`, and `duration_until_reset`.
 
-use super::decider::{Answer, Api, Decider, Refusal, Request};
+use super::decider::{Answer, Api, Decider, Refusal, Request, MAX_REQUESTS, MAX_REQUEST_BYTES};
+use super::{Held, Listener};
 use crate::telemetry;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     rate_limit::Unit, Code, DescriptorStatus, RateLimit,
@@ -28,7 +29,6 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request as GrpcRequest, Response, Status};
 
@@ -54,8 +54,8 @@ impl Envoy {
 /// answer the server's HTTP/2 pings, sent after as long without a frame from it; Envoy
 /// answers them, so its long-lived connections stay, and one that went silent is closed. Else
 /// each would hold a file descriptor for good.
-pub async fn serve(
-    listener: TcpListener,
+pub(crate) async fn serve(
+    listener: Listener,
     envoy: Envoy,
     read_timeout: Duration,
     shutdown: CancellationToken,
@@ -63,7 +63,9 @@ pub async fn serve(
     let served = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(read_timeout))
         .http2_keepalive_timeout(Some(read_timeout))
-        .add_service(RateLimitServiceServer::new(envoy))
+        .add_service(
+            RateLimitServiceServer::new(envoy).max_decoding_message_size(MAX_REQUEST_BYTES),
+        )
         .serve_with_incoming_shutdown(
             spoken(listener, read_timeout, shutdown.clone()),
             shutdown.cancelled_owned(),
@@ -79,23 +81,23 @@ pub async fn serve(
 /// algorithm is off on each (`super::accept`): with several calls on one HTTP/2 connection, a
 /// small answer would otherwise wait for the acknowledgement of the last.
 fn spoken(
-    listener: TcpListener,
+    mut listener: Listener,
     read_timeout: Duration,
     shutdown: CancellationToken,
-) -> impl futures_util::Stream<Item = std::io::Result<TcpStream>> {
+) -> impl futures_util::Stream<Item = std::io::Result<Held>> {
     let (tx, mut rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
         loop {
-            let tcp = tokio::select! {
+            let held = tokio::select! {
                 _ = shutdown.cancelled() => return,
-                tcp = super::accept(&listener) => tcp,
+                held = listener.accept() => held,
             };
             let tx = tx.clone();
             tokio::spawn(async move {
                 let mut byte = [0u8; 1];
-                let peeked = tokio::time::timeout(read_timeout, tcp.peek(&mut byte)).await;
+                let peeked = tokio::time::timeout(read_timeout, held.tcp().peek(&mut byte)).await;
                 if matches!(peeked, Ok(Ok(n)) if n > 0) {
-                    let _ = tx.send(Ok(tcp)).await;
+                    let _ = tx.send(Ok(held)).await;
                 }
             });
         }
@@ -157,6 +159,12 @@ impl RateLimitService for Envoy {
             return Err(Status::invalid_argument(format!(
                 "domain {:?} is not pacer's ({:?})",
                 req.domain, self.domain
+            )));
+        }
+        if req.descriptors.len() > MAX_REQUESTS {
+            return Err(Status::invalid_argument(format!(
+                "{} descriptors: at most {MAX_REQUESTS} in one request",
+                req.descriptors.len()
             )));
         }
         let started = Instant::now();

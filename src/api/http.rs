@@ -17,7 +17,10 @@
 //! `{"error": ...}` for a request that cannot be decided as written, 503 when Redis cannot be
 //! reached under `fail_policy: fail_closed`.
 
-use super::decider::{Answer, Api, Decider, Refusal, Reported, Request, MAX_COST};
+use super::decider::{
+    Answer, Api, Decider, Refusal, Reported, Request, MAX_COST, MAX_REQUEST_BYTES,
+};
+use super::Listener;
 use crate::health::Health;
 use crate::telemetry;
 use axum::body::Bytes;
@@ -33,11 +36,7 @@ use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-
-/// The largest request body read.
-const BODY_MAX: usize = 64 * 1024;
 
 /// `/metrics`, `/healthz` and `/readyz`.
 pub fn operations(metrics: PrometheusHandle, health: Arc<Health>) -> Router {
@@ -76,7 +75,7 @@ pub fn operations(metrics: PrometheusHandle, health: Arc<Health>) -> Router {
 pub fn admission(decider: Arc<Decider>) -> Router {
     Router::new()
         .route("/v1/admit", post(admit))
-        .layer(axum::extract::DefaultBodyLimit::max(BODY_MAX))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BYTES))
         .with_state(decider)
 }
 
@@ -88,8 +87,8 @@ pub fn admission(decider: Arc<Decider>) -> Router {
 /// connections and sends nothing, or a byte at a time, would otherwise hold each one (and a
 /// file descriptor) for good: `axum::serve` gives hyper no timer, so hyper's own header
 /// timeout never runs.
-pub async fn serve(
-    listener: TcpListener,
+pub(crate) async fn serve(
+    mut listener: Listener,
     router: Router,
     read_timeout: Duration,
     shutdown: CancellationToken,
@@ -108,11 +107,11 @@ pub async fn serve(
     // Each connection's task holds a sender: when all are gone, every connection has closed.
     let (open, mut all_closed) = tokio::sync::mpsc::channel::<()>(1);
     loop {
-        let tcp = tokio::select! {
+        let held = tokio::select! {
             _ = shutdown.cancelled() => break,
-            tcp = super::accept(&listener) => tcp,
+            held = listener.accept() => held,
         };
-        let conn = http1.serve_connection(TokioIo::new(tcp), service.clone());
+        let conn = http1.serve_connection(TokioIo::new(held), service.clone());
         let (shutdown, open) = (shutdown.clone(), open.clone());
         tokio::spawn(async move {
             let mut conn = std::pin::pin!(conn);
@@ -132,7 +131,7 @@ pub async fn serve(
 
 async fn admit(State(decider): State<Arc<Decider>>, req: axum::extract::Request) -> Response {
     // A body not in within the read timeout (sent a byte at a time: hyper's header timeout
-    // ends with the head) is answered 408; one that could not be read (over BODY_MAX, cut
+    // ends with the head) is answered 408; one that could not be read (over MAX_REQUEST_BYTES, cut
     // short), in JSON like the rest. The timer starts only if the body is not already in.
     let limit = decider.read_timeout();
     let body = match tokio::time::timeout(limit, Bytes::from_request(req, &())).await {
@@ -140,7 +139,7 @@ async fn admit(State(decider): State<Arc<Decider>>, req: axum::extract::Request)
         Ok(Err(e)) => {
             return error(
                 e.status(),
-                &format!("{} (at most {BODY_MAX} bytes)", e.body_text()),
+                &format!("{} (at most {MAX_REQUEST_BYTES} bytes)", e.body_text()),
             )
         }
         Err(_) => {

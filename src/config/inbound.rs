@@ -68,10 +68,17 @@ pub struct ApiConfig {
     /// an idle keep-alive connection is closed after it) and to have a request read and
     /// answered (`src/api/http.rs`).
     pub read_timeout: Duration,
+    /// The most connections each of its listeners holds open (`src/api.rs`, `Listener`).
+    pub max_connections: usize,
 }
 
 /// `inbound.api.read_timeout` by default, and the metrics listener's when it serves no API.
 pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `inbound.api.max_connections` by default, and the metrics listener's when it serves no API:
+/// with the HTTP and gRPC listeners full, well within a `LimitNOFILE` of 65536 (deploy/systemd)
+/// beside the worker's Redis connections.
+pub const MAX_CONNECTIONS: usize = 10_000;
 
 fn read_api(p: &mut Problems, v: Option<Value>) -> Option<ApiConfig> {
     if matches!(v, None | Some(Value::Null)) {
@@ -81,7 +88,13 @@ fn read_api(p: &mut Problems, v: Option<Value>) -> Option<ApiConfig> {
     p.unknown_keys(
         "inbound.api",
         &raw.unknown,
-        &["listen", "grpc_listen", "domain", "read_timeout"],
+        &[
+            "listen",
+            "grpc_listen",
+            "domain",
+            "read_timeout",
+            "max_connections",
+        ],
     );
     const WHAT: &str = "an address like 127.0.0.1:8080";
     let mut address = |path: &str, v: &Option<Value>| match v {
@@ -110,11 +123,19 @@ fn read_api(p: &mut Problems, v: Option<Value>) -> Option<ApiConfig> {
     if read_timeout.is_zero() {
         p.push("inbound.api.read_timeout", "must be above 0");
     }
+    let max_connections = p.integer(
+        "inbound.api.max_connections",
+        &raw.max_connections,
+        MAX_CONNECTIONS as u64,
+        1,
+        1_000_000,
+    ) as usize;
     Some(ApiConfig {
         listen,
         grpc_listen,
         domain,
         read_timeout,
+        max_connections,
     })
 }
 

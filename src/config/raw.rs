@@ -168,6 +168,7 @@ pub struct RawApi {
     pub grpc_listen: Leaf,
     pub domain: Leaf,
     pub read_timeout: Leaf,
+    pub max_connections: Leaf,
     #[serde(flatten)]
     pub unknown: Mapping,
 }
