@@ -165,7 +165,22 @@ end
 -- digest is of the arguments read_rules would read and the entries per read: rules with the
 -- same digest are the same rules. A worker whose rules are not here (a new config, Redis
 -- restarted, another master) is told so and sends them.
-local rules_kept, rules_kept_count = {}, 0
+--
+-- Kept in two generations, bounded by the rules they hold: a call finds its rules in either
+-- (moving them from the old to the new), and once the new holds RULES_KEPT rules it becomes
+-- the old, the one before it dropped. So the configs in use stay kept however many there are
+-- up to that, and those no longer used go; clearing everything at a bound instead made one
+-- config past it send its rules again on nearly every call, in turn with the others.
+local RULES_KEPT = 1024
+local rules_new, rules_old, rules_new_count = {}, {}, 0
+
+local function keep_rules(digest, kept)
+  if rules_new_count >= RULES_KEPT then
+    rules_old, rules_new, rules_new_count = rules_new, {}, 0
+  end
+  rules_new[digest] = kept
+  rules_new_count = rules_new_count + math.max(kept[2], 1)
+end
 
 -- Reads ARGV[at] (the rules' digest), ARGV[at + 1] (1: the entries per read and the rules
 -- follow, as read_rules reads them; 0: they do not); returns the rules, their number and the
@@ -173,22 +188,23 @@ local rules_kept, rules_kept_count = {}, 0
 local function rules_by_digest(at)
   local digest, follow = ARGV[at], ARGV[at + 1]
   if follow == '0' then
-    local kept = rules_kept[digest]
-    if kept then
-      return kept[1], kept[2], at + 2
+    local kept = rules_new[digest]
+    if not kept then
+      kept = rules_old[digest]
+      if not kept then
+        return
+      end
+      rules_old[digest] = nil
+      keep_rules(digest, kept)
     end
-    return
+    return kept[1], kept[2], at + 2
   elseif follow ~= '1' then
     bad('rules follow (ARGV[' .. (at + 1) .. '])')
   end
   local rules, nrules, after = read_rules(at + 3, num(at + 2, 'entries per read'))
-  if rules_kept_count >= 64 then
-    -- Many configs, or one digest scheme's leftovers: start again rather than grow.
-    rules_kept, rules_kept_count = {}, 0
-  end
-  if not rules_kept[digest] then
-    rules_kept[digest] = { rules, nrules }
-    rules_kept_count = rules_kept_count + 1
+  if not rules_new[digest] then
+    rules_old[digest] = nil
+    keep_rules(digest, { rules, nrules })
   end
   return rules, nrules, after
 end

@@ -721,6 +721,56 @@ fn decide_loads_its_function_again_when_redis_has_lost_it() {
 }
 
 #[test]
+fn decides_library_keeps_the_rules_of_every_config_in_use_and_forgets_the_rest() {
+    let redis = RedisServer::start();
+    let (rt, mut con) = redis.async_con();
+    let scripts = Scripts::default();
+    // Config i: one rule of i + 1 an hour (a digest of its own).
+    let configs: Vec<DecideRules> = (0..2100u64)
+        .map(|i| {
+            let mut rules = hourly_rule();
+            rules[0].rule = make(Algorithm::Gcra, &[(i + 1, 3_600_000_000)], 0, None);
+            DecideRules::new(&rules, 0)
+        })
+        .collect();
+    let mut decide = |config: &DecideRules| {
+        let request = DecideRequest {
+            checks: vec![DecideCheck {
+                rule: 0,
+                field: 0,
+                key: "pacer:in:{fwd}:r:gcra:k=a",
+                ask: Ask::Decide,
+            }],
+            cost: 1,
+        };
+        rt.block_on(scripts.decide(&mut con, config, &[request]))
+            .expect("decide");
+    };
+    let fcalls = || command_calls(&mut redis.con(), "fcall");
+    // A hundred configs' workers in turn on one Redis: each sends its rules once (asked, then
+    // again with them: two calls), then never again. Clearing all at 64 made nearly every
+    // call past the 64th config's first send them again. (The function is loaded first.)
+    decide(&configs[100]);
+    for round in 0..3 {
+        let before = fcalls();
+        for config in &configs[..100] {
+            decide(config);
+        }
+        let per_round = if round == 0 { 200 } else { 100 };
+        assert_eq!(fcalls() - before, per_round, "round {round}");
+    }
+    // Bounded: past 1024 rules kept in the new generation, what is unused goes.
+    for config in &configs[100..] {
+        decide(config);
+    }
+    let before = fcalls();
+    decide(&configs[2099]);
+    assert_eq!(fcalls() - before, 1, "the last config's rules are kept");
+    decide(&configs[0]);
+    assert_eq!(fcalls() - before, 3, "the first config's rules were let go");
+}
+
+#[test]
 fn loading_the_scripts_deletes_other_pacer_versions_libraries_and_no_one_elses() {
     let redis = RedisServer::start();
     let (rt, mut con) = redis.async_con();
