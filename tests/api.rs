@@ -1078,3 +1078,51 @@ fn each_api_listener_holds_at_most_max_connections_open_and_metrics_stay_served(
         pacer.log_text()
     );
 }
+
+#[test]
+fn a_grpc_call_whose_message_never_comes_is_ended_after_read_timeout_and_streams_are_bounded() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("api-stream");
+    let (m, h, g) = (free_port(), free_port(), free_port());
+    let body = format!(
+        "inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  api:\n    listen: 127.0.0.1:{h}\n    grpc_listen: 127.0.0.1:{g}\n    domain: edge\n    read_timeout: 1s\n  rules:\n    - {{name: per-source, key: [source], limits: [100/s]}}\n"
+    );
+    let _pacer = start(&config(&dir, "w.yaml", &redis, m, "  batch: 64", &body), m);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", g))
+            .await
+            .unwrap();
+        let (client, connection) = h2::client::handshake(tcp).await.expect("HTTP/2");
+        tokio::spawn(connection);
+        let mut client = client.ready().await.unwrap();
+        let call = axum::http::Request::post(format!(
+            "http://127.0.0.1:{g}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+        // The stream opens, its message never comes; the client keeps the connection alive
+        // (h2 answers the server's pings).
+        let t0 = Instant::now();
+        let (answer, _body) = client.send_request(call, false).unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(10), answer)
+            .await
+            .expect("answered within 10 s")
+            .expect("a response");
+        let took = t0.elapsed();
+        assert!(took >= Duration::from_millis(900), "ended at {took:?}");
+        let status = answer
+            .headers()
+            .get("grpc-status")
+            .map(|v| v.to_str().unwrap().to_string());
+        assert!(
+            matches!(status.as_deref(), Some(s) if s != "0"),
+            "{:?}",
+            answer.headers()
+        );
+        // The server bounds the calls one connection holds open.
+        assert_eq!(client.current_max_send_streams(), 1024);
+    });
+}

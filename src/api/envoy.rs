@@ -49,11 +49,17 @@ impl Envoy {
     }
 }
 
+/// Calls open at once on one connection: far more than Envoy keeps in flight on one (it opens
+/// another connection past what the server allows), where with no bound (tonic's default) one
+/// connection could hold any number.
+const MAX_STREAMS: u32 = 1024;
+
 /// Serves the service on `listener` until `shutdown` is cancelled. A client has `read_timeout`
-/// to open its connection (send a byte: a connection that sends nothing is dropped) and to
-/// answer the server's HTTP/2 pings, sent after as long without a frame from it; Envoy
-/// answers them, so its long-lived connections stay, and one that went silent is closed. Else
-/// each would hold a file descriptor for good.
+/// to open its connection (send a byte: a connection that sends nothing is dropped), to answer
+/// the server's HTTP/2 pings, sent after as long without a frame from it (Envoy answers them,
+/// so its long-lived connections stay, and one that went silent is closed), and to have a call
+/// read and answered (a call whose message never comes ends `CANCELLED`, as HTTP's 408). Else
+/// each would hold a file descriptor, or a stream, for good.
 pub(crate) async fn serve(
     listener: Listener,
     envoy: Envoy,
@@ -61,6 +67,8 @@ pub(crate) async fn serve(
     shutdown: CancellationToken,
 ) {
     let served = tonic::transport::Server::builder()
+        .timeout(read_timeout)
+        .max_concurrent_streams(Some(MAX_STREAMS))
         .http2_keepalive_interval(Some(read_timeout))
         .http2_keepalive_timeout(Some(read_timeout))
         .add_service(
