@@ -632,6 +632,19 @@ fn hourly_rule() -> Vec<InboundRule> {
     }]
 }
 
+/// One request of the identity `hourly_rule` is decided on.
+fn hourly_request() -> DecideRequest<'static> {
+    DecideRequest {
+        checks: vec![DecideCheck {
+            rule: 0,
+            field: 0,
+            key: "pacer:in:{fwd}:r:gcra:k=a",
+            ask: Ask::Decide,
+        }],
+        cost: 1,
+    }
+}
+
 /// Decides `n` requests of one identity under `hourly_rule` in one call: how many were allowed.
 fn decide_hourly(
     scripts: &Scripts,
@@ -639,17 +652,7 @@ fn decide_hourly(
     con: &mut redis::aio::MultiplexedConnection,
     n: usize,
 ) -> usize {
-    let requests: Vec<_> = (0..n)
-        .map(|_| DecideRequest {
-            checks: vec![DecideCheck {
-                rule: 0,
-                field: 0,
-                key: "pacer:in:{fwd}:r:gcra:k=a",
-                ask: Ask::Decide,
-            }],
-            cost: 1,
-        })
-        .collect();
+    let requests: Vec<_> = (0..n).map(|_| hourly_request()).collect();
     let (_, verdicts) = rt
         .block_on(scripts.decide(con, &DecideRules::new(&hourly_rule(), 0), &requests))
         .expect("decide");
@@ -734,16 +737,7 @@ fn decides_library_keeps_the_rules_of_every_config_in_use_and_forgets_the_rest()
         })
         .collect();
     let mut decide = |config: &DecideRules| {
-        let request = DecideRequest {
-            checks: vec![DecideCheck {
-                rule: 0,
-                field: 0,
-                key: "pacer:in:{fwd}:r:gcra:k=a",
-                ask: Ask::Decide,
-            }],
-            cost: 1,
-        };
-        rt.block_on(scripts.decide(&mut con, config, &[request]))
+        rt.block_on(scripts.decide(&mut con, config, &[hourly_request()]))
             .expect("decide");
     };
     let fcalls = || command_calls(&mut redis.con(), "fcall");

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 struct Api {
     redis: RedisServer,
-    _pacers: Vec<Pacer>,
+    pacers: Vec<Pacer>,
     /// Per pacer: (metrics port, HTTP port, gRPC port).
     ports: Vec<(u16, u16, u16)>,
     _dir: TempDir,
@@ -32,6 +32,14 @@ struct Api {
 
 /// Starts `workers` pacers sharing one Redis, with `rules` (YAML list items) and the API on.
 fn start_api(workers: usize, rules: &str) -> Api {
+    start_api_with(workers, "", rules)
+}
+
+/// One rule of 100/s per `source`, for the tests of the API's connections.
+const PER_SOURCE: &str = "    - {name: per-source, key: [source], limits: [100/s]}\n";
+
+/// As `start_api`, with `api` (YAML lines under `inbound.api`) as well.
+fn start_api_with(workers: usize, api: &str, rules: &str) -> Api {
     let redis = RedisServer::start();
     let dir = TempDir::new("api");
     let mut pacers = Vec::new();
@@ -39,7 +47,7 @@ fn start_api(workers: usize, rules: &str) -> Api {
     for w in 0..workers {
         let (m, h, g) = (free_port(), free_port(), free_port());
         let body = format!(
-            "inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  api:\n    listen: 127.0.0.1:{h}\n    grpc_listen: 127.0.0.1:{g}\n    domain: edge\n  rules:\n{rules}"
+            "inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  api:\n    listen: 127.0.0.1:{h}\n    grpc_listen: 127.0.0.1:{g}\n    domain: edge\n{api}  rules:\n{rules}"
         );
         let cfg = config(&dir, &format!("w{w}.yaml"), &redis, m, "  batch: 64", &body);
         pacers.push(start(&cfg, m));
@@ -47,7 +55,7 @@ fn start_api(workers: usize, rules: &str) -> Api {
     }
     Api {
         redis,
-        _pacers: pacers,
+        pacers,
         ports,
         _dir: dir,
     }
@@ -693,7 +701,7 @@ fn leased_workers_paused_and_killed_under_load_keep_the_bound() {
         2,
         "    - {name: per-key, key: [k], algorithm: gcra, limits: [200/s], lease: {max: 20}}\n",
     );
-    let pids: Vec<u32> = api._pacers.iter().map(Pacer::pid).collect();
+    let pids: Vec<u32> = api.pacers.iter().map(Pacer::pid).collect();
     let signal = |sig: &str, pid: u32| {
         let _ = std::process::Command::new("kill")
             .arg(format!("-{sig}"))
@@ -914,13 +922,8 @@ fn redis_unreachable_is_503_when_failing_closed_and_huge_or_hostile_bodies_get_c
 fn clients_that_send_nothing_or_a_byte_at_a_time_are_cut_off_after_read_timeout() {
     use std::io::{Read, Write};
     use std::net::TcpStream;
-    let redis = RedisServer::start();
-    let dir = TempDir::new("api-slow");
-    let (m, h, g) = (free_port(), free_port(), free_port());
-    let body = format!(
-        "inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  api:\n    listen: 127.0.0.1:{h}\n    grpc_listen: 127.0.0.1:{g}\n    domain: edge\n    read_timeout: 1s\n  rules:\n    - {{name: per-source, key: [source], limits: [100/s]}}\n"
-    );
-    let _pacer = start(&config(&dir, "w.yaml", &redis, m, "  batch: 64", &body), m);
+    let api = start_api_with(1, "    read_timeout: 1s\n", PER_SOURCE);
+    let (_, h, g) = api.ports[0];
     let open_at = |port: u16, first: &[u8]| {
         let mut c = TcpStream::connect(("127.0.0.1", port)).expect("connects");
         c.write_all(first).unwrap();
@@ -1017,13 +1020,12 @@ fn clients_that_send_nothing_or_a_byte_at_a_time_are_cut_off_after_read_timeout(
 fn each_api_listener_holds_at_most_max_connections_open_and_metrics_stay_served() {
     use std::io::{Read, Write};
     use std::net::TcpStream;
-    let redis = RedisServer::start();
-    let dir = TempDir::new("api-full");
-    let (m, h, g) = (free_port(), free_port(), free_port());
-    let body = format!(
-        "inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  api:\n    listen: 127.0.0.1:{h}\n    grpc_listen: 127.0.0.1:{g}\n    domain: edge\n    read_timeout: 20s\n    max_connections: 2\n  rules:\n    - {{name: per-source, key: [source], limits: [100/s]}}\n"
+    let api = start_api_with(
+        1,
+        "    read_timeout: 20s\n    max_connections: 2\n",
+        PER_SOURCE,
     );
-    let pacer = start(&config(&dir, "w.yaml", &redis, m, "  batch: 64", &body), m);
+    let (m, h, g) = api.ports[0];
     let idle = |port: u16| TcpStream::connect(("127.0.0.1", port)).expect("connects");
     let ask = r#"{"fields": {"source": "a"}}"#;
     let whole = format!(
@@ -1073,21 +1075,16 @@ fn each_api_listener_holds_at_most_max_connections_open_and_metrics_stay_served(
         .expect("answered");
     assert_eq!(r.overall_code, Code::Ok as i32);
     assert!(
-        pacer.log_text().contains("max_connections open"),
+        api.pacers[0].log_text().contains("max_connections open"),
         "the full listener is told in the log:\n{}",
-        pacer.log_text()
+        api.pacers[0].log_text()
     );
 }
 
 #[test]
 fn a_grpc_call_whose_message_never_comes_is_ended_after_read_timeout_and_streams_are_bounded() {
-    let redis = RedisServer::start();
-    let dir = TempDir::new("api-stream");
-    let (m, h, g) = (free_port(), free_port(), free_port());
-    let body = format!(
-        "inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  api:\n    listen: 127.0.0.1:{h}\n    grpc_listen: 127.0.0.1:{g}\n    domain: edge\n    read_timeout: 1s\n  rules:\n    - {{name: per-source, key: [source], limits: [100/s]}}\n"
-    );
-    let _pacer = start(&config(&dir, "w.yaml", &redis, m, "  batch: 64", &body), m);
+    let api = start_api_with(1, "    read_timeout: 1s\n", PER_SOURCE);
+    let (_, _, g) = api.ports[0];
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let tcp = tokio::net::TcpStream::connect(("127.0.0.1", g))
