@@ -4,7 +4,7 @@
 use pacer::report::{max_in_window, read_all, OutputEntry};
 use pacer::testkit::{http_get, wait_until, Pacer, RedisServer, TempDir};
 use redis::Commands;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -115,6 +115,36 @@ pub fn pending(redis: &RedisServer, stream: &str, group: &str) -> i64 {
         },
         _ => 0,
     }
+}
+
+/// Entries of `stream` the group has not finished: pending, or not yet delivered (after its
+/// last-delivered-id). Pending alone reads 0 while the workers have not come back to a node
+/// (after a failover) to read what was pushed there meanwhile.
+pub fn unfinished(redis: &RedisServer, stream: &str, group: &str) -> i64 {
+    let groups: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .query(&mut redis.con())
+        .unwrap_or_default();
+    let Some(last) = groups
+        .iter()
+        .find(|g| {
+            redis::from_redis_value::<String>(g["name"].clone())
+                .ok()
+                .as_deref()
+                == Some(group)
+        })
+        .and_then(|g| redis::from_redis_value::<String>(g["last-delivered-id"].clone()).ok())
+    else {
+        return i64::MAX;
+    };
+    let unread: Vec<redis::Value> = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg(format!("({last}"))
+        .arg("+")
+        .query(&mut redis.con())
+        .unwrap();
+    pending(redis, stream, group) + unread.len() as i64
 }
 
 /// Where each input entry ended: source id -> the output streams that hold it.
