@@ -12,6 +12,7 @@ pub mod lease;
 
 pub use decider::{Answer, Api, Decider, Refusal, Request};
 
+use crate::telemetry::ListenerMetrics;
 use std::io::ErrorKind;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -34,22 +35,33 @@ pub(crate) struct Listener {
     max: usize,
     what: &'static str,
     warned: Option<Instant>,
+    metrics: ListenerMetrics,
 }
 
-/// A connection with its place among its listener's open ones, given back when it is dropped.
+/// A connection with its place among its listener's open ones, given back (and counted out
+/// of `pacer_listener_connections`) when it is dropped.
 pub(crate) struct Held {
     tcp: TcpStream,
     _place: OwnedSemaphorePermit,
+    open: metrics::Gauge,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.open.decrement(1.0);
+    }
 }
 
 impl Listener {
-    pub fn new(tcp: TcpListener, max: usize, what: &'static str) -> Self {
+    /// `what` names it in the logs, `label` in the metrics (`listener="<label>"`).
+    pub fn new(tcp: TcpListener, max: usize, what: &'static str, label: &'static str) -> Self {
         Listener {
             tcp,
             open: Arc::new(Semaphore::new(max)),
             max,
             what,
             warned: None,
+            metrics: ListenerMetrics::new(label, max),
         }
     }
 
@@ -58,6 +70,7 @@ impl Listener {
         let place = match self.open.clone().try_acquire_owned() {
             Ok(place) => place,
             Err(_) => {
+                self.metrics.full.increment(1);
                 if self
                     .warned
                     .is_none_or(|at| at.elapsed() >= FULL_WARNING_EVERY)
@@ -77,9 +90,12 @@ impl Listener {
                     .expect("the semaphore is never closed")
             }
         };
+        let tcp = accept(&self.tcp).await;
+        self.metrics.open.increment(1.0);
         Held {
-            tcp: accept(&self.tcp).await,
+            tcp,
             _place: place,
+            open: self.metrics.open.clone(),
         }
     }
 }

@@ -14,14 +14,18 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-/// Binds `addr` for `what`, to hold at most `max` connections open.
-async fn bind(addr: SocketAddr, what: &'static str, max: usize) -> Result<Listener, String> {
+/// Binds `addr` for `what` (`label` in the metrics), to hold at most `max` connections open.
+async fn bind(
+    addr: SocketAddr,
+    (what, label): (&'static str, &'static str),
+    max: usize,
+) -> Result<Listener, String> {
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|e| format!("binding {what} {addr}: {e}"))?;
     let at = listener.local_addr().map_or(addr, |a| a);
     tracing::info!(listen = %at, max_connections = max, "serving {what}");
-    Ok(Listener::new(listener, max, what))
+    Ok(Listener::new(listener, max, what, label))
 }
 
 /// Binds every listener the config asks for and serves each until `stop` is cancelled.
@@ -47,7 +51,7 @@ pub async fn start(
                 (main_timeout, main_max) = (api.read_timeout, api.max_connections);
             }
             Some(addr) => {
-                let what = "POST /v1/admit (inbound.api.listen)";
+                let what = ("POST /v1/admit (inbound.api.listen)", "http");
                 let listener = bind(addr, what, api.max_connections).await?;
                 let router = http::admission(decider.clone());
                 let served = http::serve(listener, router, api.read_timeout, stop.clone());
@@ -56,14 +60,14 @@ pub async fn start(
             None => {}
         }
         if let Some(addr) = api.grpc_listen {
-            let what = "Envoy's rate-limit gRPC service";
+            let what = ("Envoy's rate-limit gRPC service", "grpc");
             let listener = bind(addr, what, api.max_connections).await?;
             let service = envoy::Envoy::new(decider, &api.domain);
             let served = envoy::serve(listener, service, api.read_timeout, stop.clone());
             tasks.push(tokio::spawn(served));
         }
     }
-    let what = "/metrics, /healthz and /readyz";
+    let what = ("/metrics, /healthz and /readyz", "metrics");
     let listener = bind(cfg.metrics.listen, what, main_max).await?;
     tasks.push(tokio::spawn(http::serve(
         listener,

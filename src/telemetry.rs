@@ -30,6 +30,9 @@ pub const API_SECONDS: &str = "pacer_api_decision_seconds";
 pub const API_REDIS_CALLS_TOTAL: &str = "pacer_api_redis_calls_total";
 pub const LEASE_FETCHES_TOTAL: &str = "pacer_lease_fetches_total";
 pub const LEASE_TOKENS_TOTAL: &str = "pacer_lease_tokens_total";
+pub const LISTENER_CONNECTIONS: &str = "pacer_listener_connections";
+pub const LISTENER_CONNECTIONS_MAX: &str = "pacer_listener_connections_max";
+pub const LISTENER_FULL_TOTAL: &str = "pacer_listener_full_total";
 pub use crate::health::READY;
 
 /// How an outbound event ended, the `outcome` label.
@@ -227,6 +230,27 @@ pub fn lease_fetched(rule: &str, ahead: bool, granted: i64, wasted: i64) {
         .increment(granted.max(0) as u64);
     counter!(LEASE_TOKENS_TOTAL, "rule" => rule.to_string(), "fate" => "wasted")
         .increment(wasted.max(0) as u64);
+}
+
+/// One listener's connection metrics (`listener`: `metrics`, `http` or `grpc`): the
+/// connections it holds open, its bound (`max_connections`), and how many times a connection
+/// had to wait for a place because it was full. A full listener leaves new clients waiting in
+/// the kernel's backlog, which they see only as slow connects: these say it on the dashboard.
+#[derive(Clone)]
+pub struct ListenerMetrics {
+    pub open: metrics::Gauge,
+    pub full: metrics::Counter,
+}
+
+impl ListenerMetrics {
+    pub fn new(listener: &'static str, max: usize) -> Self {
+        gauge!(LISTENER_CONNECTIONS_MAX, "listener" => listener).set(max as f64);
+        let open = gauge!(LISTENER_CONNECTIONS, "listener" => listener);
+        open.set(0.0);
+        let full = counter!(LISTENER_FULL_TOTAL, "listener" => listener);
+        full.absolute(0);
+        ListenerMetrics { open, full }
+    }
 }
 
 /// Registers every counter and gauge this config can produce, at zero, so that dashboards and

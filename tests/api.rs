@@ -1058,9 +1058,26 @@ fn each_api_listener_holds_at_most_max_connections_open_and_metrics_stay_served(
         matches!(http_get(m, "/metrics"), Some((200, _))),
         "the metrics listener has its own connections"
     );
+    // The metrics say it: two open of two, and a connection made to wait.
+    let listener = |face: &str| {
+        [
+            "pacer_listener_connections",
+            "pacer_listener_connections_max",
+            "pacer_listener_full_total",
+        ]
+        .map(|name| metric_at(m, &format!("{name}{{listener=\"{face}\"}}")))
+    };
+    assert_eq!(listener("http"), [2.0, 2.0, 1.0]);
     drop(first);
     let got = answer(&mut third, Duration::from_secs(5));
     assert!(got.starts_with("HTTP/1.1 200"), "once one closed: {got:?}");
+    // Closed by their clients, the connections are counted out.
+    drop((third, _second));
+    assert!(
+        wait_until(Duration::from_secs(5), || listener("http")[0] == 0.0),
+        "{:?}",
+        listener("http")
+    );
     // gRPC likewise: a call waits while two silent connections fill it, then is decided.
     let rt = tokio::runtime::Runtime::new().unwrap();
     let (first, _second) = (idle(g), idle(g));
@@ -1069,6 +1086,7 @@ fn each_api_listener_holds_at_most_max_connections_open_and_metrics_stay_served(
     let within = |wait: Duration| rt.block_on(async { tokio::time::timeout(wait, call()).await });
     let waited = within(Duration::from_millis(1000));
     assert!(waited.is_err(), "decided past max_connections: {waited:?}");
+    assert_eq!(listener("grpc"), [2.0, 2.0, 1.0]);
     drop(first);
     let r = within(Duration::from_secs(5))
         .expect("decided once one closed")

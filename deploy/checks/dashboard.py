@@ -85,7 +85,10 @@ def check(path):
                    # inbound.api: synchronous admission and its token leases
                    "pacer_api_decisions_total", "pacer_api_decision_seconds_bucket",
                    "pacer_api_decision_seconds_count", "pacer_api_redis_calls_total",
-                   "pacer_lease_fetches_total", "pacer_lease_tokens_total"]:
+                   "pacer_lease_fetches_total", "pacer_lease_tokens_total",
+                   # every listener's connections against its bound
+                   "pacer_listener_connections", "pacer_listener_connections_max",
+                   "pacer_listener_full_total"]:
         if metric not in text:
             err(f"no panel reads {metric}")
     for needle in ['outcome="rejected"', 'outcome="rerouted"', "histogram_quantile(0.5",
