@@ -783,18 +783,19 @@ fn loading_the_scripts_deletes_other_pacer_versions_libraries_and_no_one_elses()
     };
     // An older pacer's decide (another body, so another hash in its name), still called by a
     // worker of that version; and libraries that only look alike, or are a user's.
+    const LOOKALIKES: [&str; 4] = [
+        "pacer_decide_mine",
+        "pacer_decide_0123456789abcdefff",
+        "pacer_admit_0123456789abcdef",
+        "mylib",
+    ];
     let older = Function::new("decide", "", "return 7");
     let call_older = |con: &mut redis::aio::MultiplexedConnection| -> redis::Value {
         rt.block_on(older.call(con, &[], |_| redis::Cmd::new()))
             .expect("the older version's call")
     };
     assert_eq!(call_older(&mut con), redis::Value::Int(7));
-    for other in [
-        "pacer_decide_mine",
-        "pacer_decide_0123456789abcdefff",
-        "pacer_admit_0123456789abcdef",
-        "mylib",
-    ] {
+    for other in LOOKALIKES {
         let _: () = redis::cmd("FUNCTION")
             .arg("LOAD")
             .arg(format!(
@@ -809,12 +810,7 @@ fn loading_the_scripts_deletes_other_pacer_versions_libraries_and_no_one_elses()
     rt.block_on(scripts.load(&mut con)).unwrap();
     let after = names();
     assert!(!after.contains(older.name()), "{after}");
-    for kept in [
-        "pacer_decide_mine",
-        "pacer_decide_0123456789abcdefff",
-        "pacer_admit_0123456789abcdef",
-        "mylib",
-    ] {
+    for kept in LOOKALIKES {
         assert!(after.contains(kept), "{kept}: {after}");
     }
     assert_eq!(after.lines().count(), 5, "{after}");

@@ -918,6 +918,33 @@ fn redis_unreachable_is_503_when_failing_closed_and_huge_or_hostile_bodies_get_c
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
 }
 
+/// A whole `POST /v1/admit` for source `a`, as raw HTTP/1.1 (for tests that hold sockets).
+fn admit_request() -> String {
+    let ask = r#"{"fields": {"source": "a"}}"#;
+    format!(
+        "POST /v1/admit HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{ask}",
+        ask.len()
+    )
+}
+
+/// Reads `c` for up to `wait`, until an answer to `admit_request` is in or `c` closes: what
+/// came back.
+fn read_answer(c: &mut std::net::TcpStream, wait: Duration) -> String {
+    use std::io::Read;
+    c.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+    let t0 = Instant::now();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while t0.elapsed() < wait && !String::from_utf8_lossy(&got).contains("\"allowed\"") {
+        match c.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(_) => {}
+        }
+    }
+    String::from_utf8_lossy(&got).to_string()
+}
+
 #[test]
 fn clients_that_send_nothing_or_a_byte_at_a_time_are_cut_off_after_read_timeout() {
     use std::io::{Read, Write};
@@ -932,11 +959,7 @@ fn clients_that_send_nothing_or_a_byte_at_a_time_are_cut_off_after_read_timeout(
         c
     };
     let open = |first: &[u8]| open_at(h, first);
-    let ask = r#"{"fields": {"source": "a"}}"#;
-    let whole = format!(
-        "POST /v1/admit HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{ask}",
-        ask.len()
-    );
+    let whole = admit_request();
     let t0 = Instant::now();
     let mut clients = [
         ("sends nothing", open(b"")),
@@ -984,16 +1007,8 @@ fn clients_that_send_nothing_or_a_byte_at_a_time_are_cut_off_after_read_timeout(
     // A client that keeps within it is served as before, on one keep-alive connection.
     let mut c = open(whole.as_bytes());
     for _ in 0..3 {
-        let mut got = Vec::new();
-        let mut buf = [0u8; 4096];
-        while !String::from_utf8_lossy(&got).contains("\"allowed\"") {
-            match c.read(&mut buf) {
-                Ok(0) => panic!("closed: {}", String::from_utf8_lossy(&got)),
-                Ok(n) => got.extend_from_slice(&buf[..n]),
-                Err(_) => assert!(t0.elapsed() < Duration::from_secs(20), "no answer"),
-            }
-        }
-        assert!(got.starts_with(b"HTTP/1.1 200"));
+        let got = read_answer(&mut c, Duration::from_secs(10));
+        assert!(got.starts_with("HTTP/1.1 200"), "{got:?}");
         std::thread::sleep(Duration::from_millis(500));
         c.write_all(whole.as_bytes()).unwrap();
     }
@@ -1018,7 +1033,7 @@ fn clients_that_send_nothing_or_a_byte_at_a_time_are_cut_off_after_read_timeout(
 
 #[test]
 fn each_api_listener_holds_at_most_max_connections_open_and_metrics_stay_served() {
-    use std::io::{Read, Write};
+    use std::io::Write;
     use std::net::TcpStream;
     let api = start_api_with(
         1,
@@ -1027,32 +1042,12 @@ fn each_api_listener_holds_at_most_max_connections_open_and_metrics_stay_served(
     );
     let (m, h, g) = api.ports[0];
     let idle = |port: u16| TcpStream::connect(("127.0.0.1", port)).expect("connects");
-    let ask = r#"{"fields": {"source": "a"}}"#;
-    let whole = format!(
-        "POST /v1/admit HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{ask}",
-        ask.len()
-    );
-    // Reads `c` for up to `wait`: what came back.
-    let answer = |c: &mut TcpStream, wait: Duration| {
-        c.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
-        let t0 = Instant::now();
-        let mut got = Vec::new();
-        let mut buf = [0u8; 4096];
-        while t0.elapsed() < wait && !String::from_utf8_lossy(&got).contains("\"allowed\"") {
-            match c.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => got.extend_from_slice(&buf[..n]),
-                Err(_) => {}
-            }
-        }
-        String::from_utf8_lossy(&got).to_string()
-    };
     // HTTP: two silent connections fill it; a third is answered only once one of them goes.
     let (first, _second) = (idle(h), idle(h));
     std::thread::sleep(Duration::from_millis(200));
     let mut third = idle(h);
-    third.write_all(whole.as_bytes()).unwrap();
-    let got = answer(&mut third, Duration::from_millis(1000));
+    third.write_all(admit_request().as_bytes()).unwrap();
+    let got = read_answer(&mut third, Duration::from_millis(1000));
     assert!(got.is_empty(), "answered past max_connections: {got}");
     assert!(
         matches!(http_get(m, "/metrics"), Some((200, _))),
@@ -1069,7 +1064,7 @@ fn each_api_listener_holds_at_most_max_connections_open_and_metrics_stay_served(
     };
     assert_eq!(listener("http"), [2.0, 2.0, 1.0]);
     drop(first);
-    let got = answer(&mut third, Duration::from_secs(5));
+    let got = read_answer(&mut third, Duration::from_secs(5));
     assert!(got.starts_with("HTTP/1.1 200"), "once one closed: {got:?}");
     // Closed by their clients, the connections are counted out.
     drop((third, _second));

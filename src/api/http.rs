@@ -211,8 +211,9 @@ pub fn parse(body: &[u8]) -> Result<Request, String> {
         ..Request::default()
     };
     let mut fields = false;
-    for (i, (k, raw)) in members.iter().enumerate() {
-        if members[..i].iter().any(|(seen, _)| seen == k) {
+    let mut seen = std::collections::HashSet::new();
+    for (k, raw) in &members {
+        if !seen.insert(k.as_str()) {
             problems.push(format!("{k}: given twice"));
             continue;
         }
@@ -239,8 +240,23 @@ pub fn parse(body: &[u8]) -> Result<Request, String> {
     if problems.is_empty() {
         Ok(req)
     } else {
-        Err(problems.join("; "))
+        Err(named(problems))
     }
+}
+
+/// The most problems an answer names: a 64 KiB body of 9,000 unknown keys was answered with
+/// 356 KB naming each.
+const PROBLEMS_NAMED: usize = 20;
+
+/// The problems, joined: the first `PROBLEMS_NAMED`, then how many more there were.
+fn named(mut problems: Vec<String>) -> String {
+    let more = problems.len().saturating_sub(PROBLEMS_NAMED);
+    problems.truncate(PROBLEMS_NAMED);
+    let mut text = problems.join("; ");
+    if more > 0 {
+        text += &format!("; and {more} more");
+    }
+    text
 }
 
 /// The identity fields, in order, a name given twice kept twice (the decider refuses a key
@@ -397,6 +413,26 @@ mod tests {
         assert!(parse(br#"{"cost": 2}"#)
             .unwrap_err()
             .contains("fields: required"));
+    }
+
+    #[test]
+    fn a_body_of_thousands_of_bad_members_is_answered_with_the_first_twenty() {
+        let body = format!(
+            "{{{}}}",
+            (0..9000)
+                .map(|i| format!("\"k{i}\": 0"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let e = parse(body.as_bytes()).unwrap_err();
+        assert!(e.starts_with("unknown key \"k0\""), "{e}");
+        assert!(
+            e.contains("unknown key \"k19\"") && !e.contains("\"k20\""),
+            "{e}"
+        );
+        // 9,000 unknown keys and the missing fields: 9,001 problems.
+        assert!(e.ends_with("; and 8981 more"), "{e}");
+        assert!(e.len() < 2000, "{} bytes", e.len());
     }
 
     #[test]
