@@ -15,7 +15,13 @@
 //! process has started and is ready, the events are released at once (BullMQ's workers are
 //! told to go; pacer's consumer group, created behind the preload, is moved back to its start),
 //! so neither system's process start is counted. (Until 2026-11-24 pacer's window included its
-//! three workers' start, one after the other: about a fifth of a 20,000-event run.) Within it:
+//! three workers' start, one after the other: about a fifth of a 20,000-event run.) The window
+//! closes at the last event's own time, to the millisecond, by the machine's wall clock: the
+//! millisecond of pacer's last ready entry id (Redis's clock, the same machine's), the
+//! `Date.now()` of BullMQ's last completed job, each plus 1 ms for the part of its millisecond
+//! not seen. (Until 2026-11-25 it closed when the benchmark's polling, every 20 ms, saw the
+//! last event out: 1–21 ms late, a tenth of some of pacer's 0.12 s windows and a hundredth of
+//! BullMQ's.) Within it:
 //! events/s, Redis CPU µs per event (`INFO cpu`, user + sys), Redis commands per event and each
 //! command's calls and µs (`INFO commandstats`, which counts the calls scripts make, and their
 //! time both under them and under the script), and the workers' CPU µs per event. Rounds alternate which system goes first; the summary gives the
@@ -47,7 +53,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// One system's run: per event, over the measured window.
 struct Run {
@@ -85,6 +91,43 @@ fn bullmq_ready() -> Result<(), &'static str> {
         .is_ok_and(|s| s.success());
     assert!(ok, "npm ci in benches/bullmq failed");
     Ok(())
+}
+
+/// The machine's wall clock in milliseconds, the clock Redis's entry ids and node's `Date.now()`
+/// are read on.
+fn wall_ms() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("a clock after 1970")
+        .as_secs_f64()
+        * 1000.0
+}
+
+/// The measured window in seconds: from `opened` to the end of the millisecond `last` (an
+/// event's time, to the millisecond) the last event went out in.
+fn closed(opened: f64, last: f64) -> f64 {
+    let seconds = (last + 1.0 - opened) / 1000.0;
+    assert!(
+        seconds > 0.0,
+        "the last event went out before the window opened"
+    );
+    seconds
+}
+
+/// The millisecond of the newest entry id in `stream`.
+fn newest_ms(con: &mut redis::Connection, stream: &str) -> f64 {
+    let newest: Vec<(String, redis::Value)> = redis::cmd("XREVRANGE")
+        .arg(stream)
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(1)
+        .query(con)
+        .unwrap();
+    newest
+        .first()
+        .and_then(|(id, _)| id.split('-').next()?.parse().ok())
+        .expect("a ready entry")
 }
 
 /// An empty Redis with zeroed statistics.
@@ -147,7 +190,7 @@ fn pacer_run(bin: &Path, redis: &RedisServer, workers: u64, events: u64, routes:
         .unwrap();
     let cpu0 = cpu_seconds(&mut con);
     let worker_cpu0 = process_cpu_seconds(running.iter().map(Pacer::pid));
-    let start = Instant::now();
+    let opened = wall_ms();
     let _: () = redis::cmd("XGROUP")
         .arg(&["SETID", "in", "pacer", "0"])
         .query(&mut con)
@@ -165,7 +208,10 @@ fn pacer_run(bin: &Path, redis: &RedisServer, workers: u64, events: u64, routes:
             .sum()
     };
     assert!(wait_until(Duration::from_secs(600), || ready(&mut con) >= events));
-    let seconds = start.elapsed().as_secs_f64();
+    let last = (0..routes)
+        .map(|r| newest_ms(&mut con, &format!("pacer:{{r{r}}}:ready")))
+        .fold(0.0, f64::max);
+    let seconds = closed(opened, last);
     let cpu = cpu_seconds(&mut con) - cpu0;
     let worker_cpu = process_cpu_seconds(running.iter().map(Pacer::pid)) - worker_cpu0;
     // Left out as the other benchmarks do: the XLEN polling, INFO and the connections' setup;
@@ -175,12 +221,13 @@ fn pacer_run(bin: &Path, redis: &RedisServer, workers: u64, events: u64, routes:
     figures(&mut con, events, seconds, cpu, worker_cpu, &own)
 }
 
-/// A `node worker.js work` process: whether it said `ready`, and the completions it last
-/// reported. Killed on drop.
+/// A `node worker.js work` process: whether it said `ready`, the completions it last reported
+/// and when the last of them completed (`Date.now()`, ms). Killed on drop.
 struct NodeWorker {
     child: Child,
     ready: Arc<AtomicBool>,
     completed: Arc<AtomicU64>,
+    last_ms: Arc<AtomicU64>,
 }
 
 impl Drop for NodeWorker {
@@ -201,13 +248,17 @@ impl NodeWorker {
             .expect("starting node");
         let ready = Arc::new(AtomicBool::new(false));
         let completed = Arc::new(AtomicU64::new(0));
-        let (r, c) = (ready.clone(), completed.clone());
+        let last_ms = Arc::new(AtomicU64::new(0));
+        let (r, c, l) = (ready.clone(), completed.clone(), last_ms.clone());
         let out = child.stdout.take().unwrap();
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
                 if line == "ready" {
                     r.store(true, Ordering::Relaxed);
-                } else if let Some(n) = line.strip_prefix("completed ") {
+                } else if let Some(report) = line.strip_prefix("completed ") {
+                    let (n, at) = report.split_once(' ').unwrap_or((report, "0"));
+                    // The time first: whoever sees the count sees the time that goes with it.
+                    l.store(at.parse().unwrap_or(0), Ordering::Relaxed);
                     c.store(n.parse().unwrap_or(0), Ordering::Relaxed);
                 }
             }
@@ -216,6 +267,7 @@ impl NodeWorker {
             child,
             ready,
             completed,
+            last_ms,
         }
     }
 
@@ -267,7 +319,7 @@ fn bullmq_run(
         .unwrap();
     let cpu0 = cpu_seconds(&mut con);
     let worker_cpu0 = process_cpu_seconds(running.iter().map(|w| w.child.id()));
-    let start = Instant::now();
+    let opened = wall_ms();
     for w in &mut running {
         w.go();
     }
@@ -282,7 +334,11 @@ fn bullmq_run(
         wait_until(Duration::from_secs(600), done),
         "BullMQ did not complete every job"
     );
-    let seconds = start.elapsed().as_secs_f64();
+    let last = running
+        .iter()
+        .map(|w| w.last_ms.load(Ordering::Relaxed) as f64)
+        .fold(0.0, f64::max);
+    let seconds = closed(opened, last);
     let cpu = cpu_seconds(&mut con) - cpu0;
     let worker_cpu = process_cpu_seconds(running.iter().map(|w| w.child.id())) - worker_cpu0;
     // The benchmark sends nothing but INFO during the window.

@@ -11,8 +11,9 @@
 //     counterpart of pacer writing the event to the route's ready stream. Jobs are removed on
 //     completion, so Redis memory stays flat. Prints `ready` once its Workers are connected,
 //     starts them when it reads `go` on stdin (so node's own start stays out of the measured
-//     window), then prints `completed <n>` (this process's total) whenever it changes, which the
-//     benchmark sums: it needs no Redis command of its own to see the end.
+//     window), then prints `completed <n> <ms>` (this process's total, and the `Date.now()` of
+//     its last completion) whenever it changes: the benchmark sums the totals to see the end,
+//     and closes its window at the latest time. It needs no Redis command of its own.
 //
 // package.json pins bullmq and ioredis (BullMQ's own development version of it), and holds
 // msgpackr-extract (an optional native helper of BullMQ's msgpackr) at 3.0.4: the registry the
@@ -44,6 +45,7 @@ async function preload(events) {
 
 async function work(concurrency) {
   let completed = 0;
+  let lastAt = 0;
   let reported = -1;
   const workers = names.map((name) => {
     const w = new Worker(name, async () => {}, {
@@ -54,6 +56,7 @@ async function work(concurrency) {
     });
     w.on('completed', () => {
       completed += 1;
+      lastAt = Date.now();
     });
     w.on('error', (err) => console.error(`worker ${name}: ${err.message}`));
     return w;
@@ -68,7 +71,7 @@ async function work(concurrency) {
   const timer = setInterval(() => {
     if (completed !== reported) {
       reported = completed;
-      process.stdout.write(`completed ${completed}\n`);
+      process.stdout.write(`completed ${completed} ${lastAt}\n`);
     }
   }, 10);
   process.on('SIGTERM', async () => {
