@@ -19,7 +19,7 @@
 //! closes at the last event's own time, to the millisecond, by the machine's wall clock: the
 //! millisecond of pacer's last ready entry id (Redis's clock, the same machine's), the
 //! `Date.now()` of BullMQ's last completed job, each plus 1 ms for the part of its millisecond
-//! not seen. (Until 2026-11-25 it closed when the benchmark's polling, every 20 ms, saw the
+//! not seen. (Until late on 2026-11-24 it closed when the benchmark's polling, every 20 ms, saw the
 //! last event out: 1–21 ms late, a tenth of some of pacer's 0.12 s windows and a hundredth of
 //! BullMQ's.) Within it:
 //! events/s, Redis CPU µs per event (`INFO cpu`, user + sys), Redis commands per event and each
