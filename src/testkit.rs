@@ -504,8 +504,6 @@ pub fn http_post(port: u16, path: &str, body: &str) -> Option<HttpReply> {
     Some((status, headers, body.to_string()))
 }
 
-/// The value of a metric line (`name{labels} value`) whose name and labels contain `needle`,
-/// summed over matching lines.
 /// `metric` of what pacer's `/metrics` on `port` serves now; 0 when it does not answer (a
 /// stopped or starting process).
 pub fn metric_at(port: u16, needle: &str) -> f64 {
@@ -530,6 +528,8 @@ pub fn rss_and_cpu(pid: u32) -> (u64, f64) {
     (rss, (ticks(11) + ticks(12)) / 100.0)
 }
 
+/// The value of a metric line (`name{labels} value`) whose name and labels contain `needle`,
+/// summed over matching lines.
 pub fn metric(text: &str, needle: &str) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#') && l.contains(needle))

@@ -226,6 +226,7 @@ fn bad_input_is_dead_lettered_with_its_reason_and_the_rest_flows() {
     }
     let ids = push(&redis, "in", &events);
     let good = events.len() - expected.len();
+    let expected_dead = expected.len();
 
     assert!(
         wait_until(Duration::from_secs(10), || {
@@ -260,6 +261,18 @@ fn bad_input_is_dead_lettered_with_its_reason_and_the_rest_flows() {
     assert!(junk
         .fields
         .contains(&(b"route".to_vec(), vec![0xff, 0xfe, 0x00])));
+    // Each counted once, by what became of it.
+    let text = http_get(port, "/metrics").expect("metrics served").1;
+    let count = |outcome: &str| metric(&text, &format!("outcome=\"{outcome}\""));
+    assert_eq!(
+        [
+            count("dispatched"),
+            count("dead_lettered"),
+            count("duplicate")
+        ],
+        [good as f64, (expected_dead - 1) as f64, 1.0],
+        "{text}"
+    );
     // No event can make pacer build keys for a route that is not configured.
     assert!(
         keys(&redis).iter().all(|k| !k.contains("ghost")),

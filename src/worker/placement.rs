@@ -14,7 +14,7 @@ use crate::event::{OutboundEvent, Reason, Refused};
 use crate::marker::Marker;
 use crate::pacing;
 use crate::scripts::{EventRef, ScheduleItem, ScheduleReply, Scheduled};
-use crate::telemetry::{self, Outcome};
+use crate::telemetry;
 use std::collections::BTreeMap;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
@@ -261,7 +261,7 @@ fn decided(
                 "event id {:?} was already taken by entry {owner}",
                 p.event.event_id.as_deref().unwrap_or_default()
             );
-            telemetry::outbound_event(&primary(ctx, &p.event).name, Outcome::Duplicate);
+            // Counted once, by `outputs::finish`, when its dead letter is written.
             placed.finished.dead.push((
                 p.event.entry(),
                 Refused {
@@ -360,10 +360,6 @@ fn reject_full(p: Placing, done: &mut Finished) {
         detail,
         retry_after_ms: (wait_us as u64).div_ceil(1000) as i64,
     });
-}
-
-fn primary<'c>(ctx: &'c Context, event: &OutboundEvent) -> &'c Route {
-    ctx.cfg.outbound.route_at(event.route)
 }
 
 /// The group dead-lettered as `route_broken`: its route's call failed with `e`, which retrying
