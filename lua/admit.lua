@@ -146,7 +146,7 @@ end
 if rejected then
   redis.call('XLEN', rejected)
 end
-check_groups(stream_at, nstreams, group)
+local gone = check_groups(stream_at, nstreams, group)
 
 -- Decisions earlier deliveries recorded: those stand, and nothing is charged for them. Read on
 -- every call, not only for redeliveries: a call that timed out on the client may still run
@@ -308,5 +308,5 @@ for _, h in ipairs(hashes) do
     redis.call('PEXPIRE', h, ttl)
   end
 end
-ack_all(stream_at, group, acks)
+ack_all(stream_at, group, acks, gone)
 return out

@@ -92,7 +92,7 @@ local rt_tat, rt_dtat, rt_last = {}, {}, {}
 for r = 1, routes do
   rt_tat[r], rt_dtat[r], rt_last[r] = read_bucket(2 * r - 1, 2 * r)
 end
-check_groups(first_hash + h, s, group)
+local gone = check_groups(first_hash + h, s, group)
 local decided = records(first_hash, h, ev_hash, ev_entry)
 
 local out = { now }
@@ -158,6 +158,6 @@ decided.save(ttl)
 for r = 1, routes do
   save_route(2 * r - 1, now, rt_tat[r], rt_dtat[r], rt_last[r], rt_changed[r], rt_wrote[r], maxlen)
 end
-ack_all(first_hash + h, group, acks)
+ack_all(first_hash + h, group, acks, gone)
 out[#out + 1] = redis_now_us()
 return out

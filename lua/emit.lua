@@ -43,7 +43,7 @@ end
 
 -- The output stream must be a stream (a read, so a wrong type fails before any write).
 redis.call('XLEN', KEYS[1])
-check_groups(2 + h, s, group)
+local gone = check_groups(2 + h, s, group)
 -- What was written before, or (an entry that comes twice in one call, from a worker holding two
 -- deliveries of it) by this call.
 local written = records(2, h, ev_hash, ev_entry)
@@ -64,5 +64,5 @@ for i = 1, n do
   end
 end
 written.save(ttl)
-ack_all(2 + h, group, acks)
+ack_all(2 + h, group, acks, gone)
 return out

@@ -130,14 +130,14 @@ end
 -- so nothing fails once writing starts): Redis's clock, the bucket (KEYS[1]) and the ready
 -- stream's newest entry (KEYS[2]), that the `s` input streams after the `h` decision hashes have
 -- the group, and the decisions on record (KEYS[3 .. 2 + h], lib.lua `records_of`: hash k's
--- entries are entries[from[k] .. to[k]]).
+-- entries are entries[from[k] .. to[k]]); last, the input streams `check_groups` found gone.
 local function read_route(h, s, group, entries, from, to)
   local now = redis_now_us()
   local tat, dtat, last = read_bucket(1, 2)
-  check_groups(3 + h, s, group)
+  local gone = check_groups(3 + h, s, group)
   local lists = {}
   for k = 1, h do
     lists[k] = entries
   end
-  return now, tat, dtat, last, records_of(3, h, lists, from, to)
+  return now, tat, dtat, last, records_of(3, h, lists, from, to), gone
 end

@@ -117,16 +117,28 @@ end
 -- Checks that the s input streams KEYS[first..] have the consumer group, before any write: a
 -- stream or group gone fails the call here, not after its outputs. (A read: after a script's
 -- first write Redis lets it write past maxmemory, so no write may come before the outputs.)
+-- Returns the streams (by index 1..s) whose key now holds another kind of value: replaced
+-- while their entries were out, they hold nothing to acknowledge any more, and failing would
+-- only hold those entries' outputs until someone fixed the key.
 local function check_groups(first, s, group)
-  for k = 0, s - 1 do
-    redis.call('XPENDING', KEYS[first + k], group, '-', '+', 1)
+  local gone = {}
+  for k = 1, s do
+    local r = redis.pcall('XPENDING', KEYS[first + k - 1], group, '-', '+', 1)
+    if type(r) == 'table' and r.err then
+      if string.sub(r.err, 1, 9) ~= 'WRONGTYPE' then
+        error(r)
+      end
+      gone[k] = true
+    end
   end
+  return gone
 end
 
--- Acknowledges, per input stream KEYS[first + k - 1], the entry ids in acks[k].
-local function ack_all(first, group, acks)
+-- Acknowledges, per input stream KEYS[first + k - 1], the entry ids in acks[k], but in none of
+-- the streams check_groups found `gone`.
+local function ack_all(first, group, acks, gone)
   for k = 1, #acks do
-    if #acks[k] > 0 then
+    if #acks[k] > 0 and not gone[k] then
       xack(KEYS[first + k - 1], group, acks[k])
     end
   end

@@ -102,7 +102,7 @@ local args_end = at + 2 -- as ev_fields would be for an event after the last
 
 -- Then read: the bucket, the ready stream's newest entry, the decisions on record, the id
 -- claims (reading also checks every key's type, so nothing fails once writing starts).
-local now, tat, dtat, last_us, decided = read_route(h, s, group, ev_entry, first, last)
+local now, tat, dtat, last_us, decided, gone = read_route(h, s, group, ev_entry, first, last)
 local claimed = {}
 for k = 1, c do
   claimed[k] = redis.call('GET', KEYS[2 + h + s + k])
@@ -233,6 +233,6 @@ for k, owner in pairs(claims) do
 end
 out[2] = tat
 save_route(1, now, tat, dtat, last_us, changed, wrote, maxlen)
-ack_all(3 + h, group, acks)
+ack_all(3 + h, group, acks, gone)
 out[o + 1] = redis_now_us()
 return out

@@ -417,7 +417,11 @@ fn a_route_whose_keys_are_broken_dead_letters_its_events_and_the_others_flow() {
         assert_eq!(d.field("pacer_reason"), Some("route_broken"), "{d:?}");
         let detail = d.field("pacer_detail").unwrap_or("");
         assert!(
-            detail.contains("route broken") && detail.contains("WRONGTYPE"),
+            detail.contains("route broken")
+                && detail.contains("WRONGTYPE")
+                && detail.contains(
+                    "key pacer:{broken}:bucket:broken holds a string where pacer keeps a hash"
+                ),
             "{detail}"
         );
         assert_eq!(
@@ -443,7 +447,7 @@ fn a_route_whose_keys_break_while_events_sleep_on_it_does_not_hold_up_the_others
     let port = free_port();
     let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    slow: {rate: 20/s, max_wait: 10s}\n    other: {rate: 20/s, max_wait: 10s}\n";
     let cfg = config(&dir, "c.yaml", &redis, port, "  batch: 64", body);
-    let _pacer = start(&cfg, port);
+    let pacer = start(&cfg, port);
     let events: Vec<_> = (0..80)
         .map(|i| {
             let route = if i % 2 == 0 { "slow" } else { "other" };
@@ -482,7 +486,74 @@ fn a_route_whose_keys_break_while_events_sleep_on_it_does_not_hold_up_the_others
     assert_each_once(&redis, &ids, &outputs, "in");
     let dead = read(&redis, "pacer:dead");
     assert_eq!(dead.len(), 40 - lens[0]);
-    assert!(dead
+    for d in &dead {
+        assert_eq!(d.field("pacer_reason"), Some("route_broken"), "{d:?}");
+        let detail = d.field("pacer_detail").unwrap_or("");
+        assert!(
+            detail.contains("key pacer:{slow}:bucket:slow holds a string"),
+            "{detail}"
+        );
+    }
+    // Said once, not for every call of sleepers past their deadline.
+    let log = pacer.log_text();
+    let said = log.matches("its events past their deadline are dead-lettered");
+    assert_eq!(said.count(), 1, "{log}");
+}
+
+/// An input stream replaced by a string while its events sleep: their entries are gone with it,
+/// so there is nothing left to acknowledge, and each event still goes at its slot. (Their
+/// dispatch calls, which acknowledge them in the stream, used to fail with WRONGTYPE: the
+/// events were dead-lettered as route_broken past their deadline, blaming the route, and the
+/// dead letters, whose call acknowledges too, were never written: retried until someone fixed
+/// the key.) Reading the stream fails, and says so once, until it is fixed.
+#[test]
+fn an_input_stream_replaced_while_its_events_sleep_loses_none_of_them() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("broken-input");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    slow: {rate: 20/s, max_wait: 2s}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, "  batch: 64", body);
+    let pacer = start(&cfg, port);
+    let n = 30;
+    let events: Vec<_> = (0..n)
+        .map(|i| event(&[("route", "slow"), ("n", &i.to_string())]))
+        .collect();
+    push(&redis, "in", &events);
+    assert!(wait_until(Duration::from_secs(5), || {
+        !read(&redis, "pacer:{slow}:ready").is_empty()
+    }));
+    let _: () = redis::pipe()
+        .atomic()
+        .cmd("DEL")
+        .arg("in")
+        .cmd("SET")
+        .arg("in")
+        .arg("not a stream")
+        .query(&mut redis.con())
+        .unwrap();
+    let broke = redis_time_ms(&redis);
+    let outputs = ["pacer:{slow}:ready", "pacer:rejected", "pacer:dead"];
+    let ended = wait_until(Duration::from_secs(10), || {
+        lengths(&redis, &outputs).iter().sum::<usize>() >= n
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let lens = lengths(&redis, &outputs);
+    let log = pacer.log_text();
+    assert!(ended && lens == [n, 0, 0], "{lens:?}\n{log}");
+    let ready = read(&redis, "pacer:{slow}:ready");
+    assert!(
+        ready.iter().filter(|e| e.ms > broke).count() > 10,
+        "most went after the break"
+    );
+    let mut seen: Vec<usize> = ready
         .iter()
-        .all(|d| d.field("pacer_reason") == Some("route_broken")));
+        .map(|e| e.field("n").unwrap().parse().unwrap())
+        .collect();
+    seen.sort();
+    assert_eq!(seen, (0..n).collect::<Vec<_>>(), "each event once");
+    // Told once, as the key's fault, not as Redis failing on and off.
+    let told = log.matches("the input stream's key holds the wrong kind of value");
+    assert_eq!(told.count(), 1, "{log}");
+    // (At most the read the break unblocked, "UNBLOCKED", is taken for Redis failing.)
+    assert!(log.matches("Redis calls are failing").count() <= 1, "{log}");
 }

@@ -33,6 +33,7 @@ use super::placement::{self, Placing};
 use super::placers::Placers;
 use super::waker::Waker;
 use crate::backoff::Backoff;
+use crate::event::OutboundEvent;
 use crate::marker::Marker;
 use crate::scripts::{DispatchItem, DispatchReply, Dispatched, EventRef, RouteDispatch};
 use crate::telemetry;
@@ -326,6 +327,7 @@ impl State {
         let mut lesson = None;
         for (index, group) in groups {
             self.failing.remove(&index);
+            placement::mended(&self.ctx, self.ctx.cfg.outbound.route_at(index));
             let mine: Vec<Dispatched> = outcomes.by_ref().take(group.len()).collect();
             let late =
                 self.route_answered(index, group, mine, reply.now_us, reply.end_us, received);
@@ -367,14 +369,21 @@ impl State {
             return waiting;
         }
         let route = self.ctx.cfg.outbound.route_at(*index);
-        warn!(route = %route.name, events = late.len(), error = %e, "a route's key holds the wrong kind of value: its events past their deadline are dead-lettered as route_broken");
-        let refused = placement::route_broken(route, e);
-        let mut done = Finished::default();
-        for s in late {
-            done.dead.push((s.event.entry(), refused.clone()));
+        // Said once, as `placement` says it, until a call on the route succeeds again.
+        if placement::newly_broken(&self.ctx, route) {
+            warn!(route = %route.name, events = late.len(), error = %e, "a route's key holds the wrong kind of value: its events past their deadline are dead-lettered as route_broken");
         }
-        let (ctx, stop) = (self.ctx.clone(), self.stop.clone());
-        tokio::spawn(async move { outputs::finish(&ctx, done, &stop).await });
+        let (ctx, stop, e, index) = (self.ctx.clone(), self.stop.clone(), e.to_string(), *index);
+        tokio::spawn(async move {
+            let route = ctx.cfg.outbound.route_at(index);
+            let events: Vec<&OutboundEvent> = late.iter().map(|s| &s.event).collect();
+            let refused = placement::route_broken(&ctx, route, &events, &e).await;
+            let mut done = Finished::default();
+            for s in &late {
+                done.dead.push((s.event.entry(), refused.clone()));
+            }
+            outputs::finish(&ctx, done, &stop).await
+        });
         waiting
     }
 

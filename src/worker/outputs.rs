@@ -6,6 +6,7 @@
 
 use super::context::Context;
 use crate::config::Route;
+use crate::error::Error;
 use crate::event::{self, Entry, Fields, OutboundEvent, Reason, Refused};
 use crate::keys::OutputKeys;
 use crate::scripts::{EmitCall, EmitItem, Writing};
@@ -14,7 +15,7 @@ use crate::telemetry::{self, Outcome};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
+use tracing::{debug, warn};
 
 /// An outbound event that goes to the rejected stream.
 pub(crate) struct Rejection {
@@ -159,7 +160,9 @@ pub(crate) async fn emit(
     )
 }
 
-/// Acknowledges finished entries, one XACK per input stream.
+/// Acknowledges finished entries, one XACK per input stream. A stream whose key now holds another
+/// kind of value (replaced while its entries were out) holds nothing to acknowledge: that is
+/// not retried, as the scripts skip it too (lib.lua `check_groups`).
 pub(crate) async fn ack(ctx: &Context, acks: Vec<(Arc<str>, String)>, stop: &CancellationToken) {
     let mut by_stream: BTreeMap<Arc<str>, Vec<String>> = BTreeMap::new();
     for (stream, id) in acks {
@@ -167,11 +170,15 @@ pub(crate) async fn ack(ctx: &Context, acks: Vec<(Arc<str>, String)>, stop: &Can
     }
     for (stream, ids) in &by_stream {
         let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
-        ctx.retry("ack", stop, || {
-            let mut con = ctx.con.clone();
-            let ids = &ids;
-            async move { streams::ack(&mut con, stream, &ctx.cfg.worker.group, ids).await }
-        })
-        .await;
+        let acked = ctx
+            .retry_unless("ack", stop, Error::is_wrong_type, || {
+                let mut con = ctx.con.clone();
+                let ids = &ids;
+                async move { streams::ack(&mut con, stream, &ctx.cfg.worker.group, ids).await }
+            })
+            .await;
+        if let Some(Err(e)) = acked {
+            warn!(%stream, entries = ids.len(), error = %e, "an input stream's key holds the wrong kind of value: its finished entries are not acknowledged (they are gone with it)");
+        }
     }
 }

@@ -202,7 +202,7 @@ pub(crate) async fn place_on(
     let (group, reply) = schedule_on(ctx, route, group, stop).await;
     let mut reply = match reply? {
         Ok(reply) => reply,
-        Err(e) => return Some(broken(ctx, route, group, &e)),
+        Err(e) => return Some(broken(ctx, route, group, &e).await),
     };
     mended(ctx, route);
     let mut placed = Placed::default();
@@ -364,17 +364,13 @@ fn reject_full(p: Placing, done: &mut Finished) {
 
 /// The group dead-lettered as `route_broken`: its route's call failed with `e`, which retrying
 /// cannot fix (nothing was written: every script reads all its keys before it writes).
-fn broken(ctx: &Context, route: &Route, group: Vec<Placing>, e: &Error) -> Placed {
-    let first = ctx
-        .broken_routes
-        .lock()
-        .expect("broken routes")
-        .insert(route.index);
-    if first {
+async fn broken(ctx: &Context, route: &Route, group: Vec<Placing>, e: &Error) -> Placed {
+    if newly_broken(ctx, route) {
         warn!(route = %route.name, error = %e, "a route's key holds the wrong kind of value: its events are dead-lettered as route_broken until it is fixed");
     }
     debug!(route = %route.name, events = group.len(), "dead-lettered as route_broken");
-    let refused = route_broken(route, e);
+    let events: Vec<&OutboundEvent> = group.iter().map(|p| &p.event).collect();
+    let refused = route_broken(ctx, route, &events, &e.to_string()).await;
     let mut placed = Placed::default();
     for p in group {
         placed
@@ -385,24 +381,81 @@ fn broken(ctx: &Context, route: &Route, group: Vec<Placing>, e: &Error) -> Place
     placed
 }
 
-/// A schedule call on `route` succeeded: if it was broken, it is mended (said once).
-fn mended(ctx: &Context, route: &Route) {
+/// Marks `route` broken; whether it was not before (so that it is said once).
+pub(crate) fn newly_broken(ctx: &Context, route: &Route) -> bool {
+    ctx.broken_routes
+        .lock()
+        .expect("broken routes")
+        .insert(route.index)
+}
+
+/// A call on `route` succeeded: if it was broken, it is mended (said once).
+pub(crate) fn mended(ctx: &Context, route: &Route) {
     let mut broken = ctx.broken_routes.lock().expect("broken routes");
     if !broken.is_empty() && broken.remove(&route.index) {
         info!(route = %route.name, "the route's calls succeed again: its events are placed again");
     }
 }
 
-/// Why an event of `route` is dead-lettered when the route's call failed with `e`, an error
-/// retrying cannot fix.
-pub(crate) fn route_broken(route: &Route, e: &Error) -> Refused {
+/// Why `events` of `route` are dead-lettered when the route's call for them failed with `e`, an
+/// error retrying cannot fix: naming the key at fault when one still is.
+pub(crate) async fn route_broken(
+    ctx: &Context,
+    route: &Route,
+    events: &[&OutboundEvent],
+    e: &str,
+) -> Refused {
+    let name = &route.name;
+    let detail = match wrong_key(ctx, route, events).await {
+        Some((key, holds, kept)) => format!(
+            "route {name}'s calls fail with an error retrying cannot fix ({e}): key {key} holds a {holds} where pacer keeps a {kept}; delete or fix it, then replay the event"
+        ),
+        None => format!(
+            "route {name}'s calls fail with an error retrying cannot fix ({e}); delete or fix the key, then replay the event"
+        ),
+    };
     Refused {
         reason: Reason::RouteBroken,
-        detail: format!(
-            "route {}'s calls fail with an error retrying cannot fix ({e}); delete or fix the key, then replay the event",
-            route.name
-        ),
+        detail,
     }
+}
+
+/// The first key a call on `route` for `events` touches that holds another kind of value than
+/// pacer keeps there: (key, what it holds, what pacer keeps). Redis's WRONGTYPE does not say
+/// which key, and it may be the route's, a decision record's or an id claim's. (Not an input
+/// stream's: one replaced while its entries were out has nothing left to acknowledge, and the
+/// scripts skip it, lib.lua `check_groups`.) None when no key is wrong (any more), or Redis
+/// does not answer.
+async fn wrong_key(
+    ctx: &Context,
+    route: &Route,
+    events: &[&OutboundEvent],
+) -> Option<(String, String, &'static str)> {
+    let mut keys = vec![
+        (route.keys.bucket.clone(), "hash"),
+        (route.keys.ready.clone(), "stream"),
+    ];
+    for ev in events {
+        keys.push((route.keys.decisions(&ev.stream, &ev.id), "hash"));
+        if let Some(id) = &ev.event_id {
+            keys.push((route.keys.claim(id), "string"));
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    keys.retain(|(k, _)| seen.insert(k.clone()));
+    // One at a time: a rare path, and keys of several slots (input streams) in a cluster.
+    for (key, kept) in keys {
+        let mut con = ctx.con.clone();
+        let holds: String = redis::cmd("TYPE")
+            .arg(&key)
+            .query_async(&mut con)
+            .await
+            .ok()?;
+        if holds != "none" && holds != kept {
+            return Some((key, holds, kept));
+        }
+    }
+    None
 }
 
 async fn schedule_on(

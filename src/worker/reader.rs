@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 /// How long one XREADGROUP blocks: also how long a SIGTERM may wait for the reader to notice.
 pub(super) const READ_BLOCK: Duration = Duration::from_millis(500);
@@ -43,6 +43,8 @@ pub(super) async fn run(
     // entries after this id before it reads new ones again.
     let mut last_seen: Option<String> = None;
     let mut recover = false;
+    // The stream's key holds another kind of value: said once, until a read succeeds again.
+    let mut wrong_type = false;
     while !shutdown.is_cancelled() {
         let mut permits = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -69,6 +71,9 @@ pub(super) async fn run(
             Ok(entries) => {
                 ctx.health.succeeded();
                 backoff.succeed();
+                if std::mem::take(&mut wrong_type) {
+                    info!(%stream, "the input stream is read again");
+                }
                 if recover {
                     if entries.is_empty() {
                         recover = false;
@@ -82,7 +87,16 @@ pub(super) async fn run(
                 entries
             }
             Err(e) => {
-                ctx.health.failed("read", &e);
+                if e.is_wrong_type() {
+                    // The key's fault, not Redis's: told here once, not to health, which the
+                    // worker's other calls (dispatching what it holds) would flip back and
+                    // forth. Deleting the key lets the group be created again (NOGROUP below).
+                    if !std::mem::replace(&mut wrong_type, true) {
+                        warn!(%stream, error = %e, "the input stream's key holds the wrong kind of value: it is not read until the key is deleted or fixed");
+                    }
+                } else {
+                    ctx.health.failed("read", &e);
+                }
                 let delay = backoff.fail();
                 debug!(error = %e, %stream, retry_in = ?delay, "reading the input stream failed");
                 let no_group = e.to_string().contains("NOGROUP");
