@@ -3,7 +3,8 @@
 //! of about 4,000 empty fields failed a script half-way: it was lost and its batch-mates were
 //! forwarded twice. Now every entry ends in exactly one output, once. And hostile state: a
 //! route key overwritten with a value of the wrong type, which used to hold the route's events
-//! until they filled the worker and stopped every route.
+//! until they filled the worker and stopped every route; an input stream overwritten while its
+//! events sleep; a dead-letter stream of the wrong type.
 
 mod common;
 
@@ -556,4 +557,53 @@ fn an_input_stream_replaced_while_its_events_sleep_loses_none_of_them() {
     assert_eq!(told.count(), 1, "{log}");
     // (At most the read the break unblocked, "UNBLOCKED", is taken for Redis failing.)
     assert!(log.matches("Redis calls are failing").count() <= 1, "{log}");
+}
+
+/// The dead-letter stream's key holding another kind of value: the events that would go there
+/// are held (their entries stay pending, nothing lost) while the rest flow, the worker says so
+/// once per held batch, not as Redis failing, and once the key is deleted the dead letters are
+/// written and their entries acknowledged.
+#[test]
+fn a_dead_letter_stream_of_the_wrong_kind_holds_its_entries_until_it_is_fixed() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("broken-dead");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    fast: {rate: 100/ms, burst: 1000}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, "  batch: 64", body);
+    let _: () = redis::cmd("SET")
+        .arg("pacer:dead")
+        .arg("not a stream")
+        .query(&mut redis.con())
+        .unwrap();
+    let pacer = start(&cfg, port);
+    let events: Vec<_> = (0..23)
+        .map(|i| match i % 8 {
+            7 => event(&[("to", "nowhere")]),
+            _ => event(&[("route", "fast"), ("n", &i.to_string())]),
+        })
+        .collect();
+    let ids = push(&redis, "in", &events);
+    assert!(wait_until(Duration::from_secs(10), || {
+        read(&redis, "pacer:{fast}:ready").len() == 21
+    }));
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        pending(&redis, "in", "pacer"),
+        2,
+        "the two bad ones are held"
+    );
+    let log = pacer.log_text();
+    assert!(log.contains("a key holds the wrong kind of value"), "{log}");
+    assert!(!log.contains("Redis calls are failing"), "{log}");
+
+    let _: () = redis::cmd("DEL")
+        .arg("pacer:dead")
+        .query(&mut redis.con())
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(5), || {
+        pending(&redis, "in", "pacer") == 0
+    }));
+    let outputs = ["pacer:{fast}:ready", "pacer:rejected", "pacer:dead"];
+    assert_eq!(lengths(&redis, &outputs), [21, 0, 2]);
+    assert_each_once(&redis, &ids, &outputs, "in");
 }

@@ -74,12 +74,13 @@ impl Context {
         })
     }
 
-    /// Reports a failed call to health, except replicas lagging behind `wait_replicas`: Redis
-    /// answers then, and other calls succeed meanwhile, so health would flip between failing
-    /// and answering on every call. That is counted (`pacer_replication_short_total`) and logged
-    /// once per streak by the caller instead.
+    /// Reports a failed call to health, except replicas lagging behind `wait_replicas` and a key
+    /// holding the wrong kind of value: Redis answers then, and other calls succeed meanwhile,
+    /// so health would flip between failing and answering on every call. Those are counted
+    /// (`pacer_replication_short_total`, `pacer_redis_errors_total`) and logged once per streak
+    /// by the caller instead.
     pub(crate) fn failed(&self, op: &str, e: &Error) {
-        if !matches!(e, Error::ReplicasShort { .. }) {
+        if !matches!(e, Error::ReplicasShort { .. }) && !e.is_wrong_type() {
             self.health.failed(op, e);
         }
     }
@@ -170,6 +171,9 @@ impl Context {
                     let delay = backoff.fail();
                     if backoff.failures() == 1 && matches!(e, Error::ReplicasShort { .. }) {
                         warn!(op, error = %e, "holding writes the replicas have not confirmed; retrying with backoff");
+                    }
+                    if backoff.failures() == 1 && e.is_wrong_type() {
+                        warn!(op, error = %e, "a key holds the wrong kind of value (an output stream written by something else?): holding what goes there, retrying with backoff until the key is deleted or fixed");
                     }
                     debug!(op, error = %e, failures = backoff.failures(), retry_in = ?delay, "Redis call failed");
                     tokio::select! {
