@@ -87,6 +87,9 @@ pub(super) async fn run(
                 entries
             }
             Err(e) => {
+                // The stream deleted under a blocked read: Redis is fine, and the next read says
+                // what became of the key (NOGROUP: made again below; or another kind of value).
+                let deleted = e.to_string().contains("UNBLOCKED");
                 if e.is_wrong_type() {
                     // The key's fault, not Redis's: told here once, not to health, which the
                     // worker's other calls (dispatching what it holds) would flip back and
@@ -94,7 +97,7 @@ pub(super) async fn run(
                     if !std::mem::replace(&mut wrong_type, true) {
                         warn!(%stream, error = %e, "the input stream's key holds the wrong kind of value: it is not read until the key is deleted or fixed");
                     }
-                } else {
+                } else if !deleted {
                     ctx.health.failed("read", &e);
                 }
                 let delay = backoff.fail();
