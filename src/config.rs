@@ -374,4 +374,22 @@ outbound:
             ]
         );
     }
+
+    #[test]
+    fn a_bad_route_name_is_one_problem_not_also_its_ready_stream() {
+        let bad = "outbound:\n  streams: [in]\n  routes:\n    \"\": {rate: 1/s}\n    \"a{b\": {rate: 1/s}\n    \"c d\": {rate: 1/s, ready_stream: \"x{\"}\n";
+        let e = Config::parse(bad, &Overrides::default()).unwrap_err();
+        let paths: Vec<&str> = e.problems.iter().map(|p| p.path.as_str()).collect();
+        // The stream written out for "c d" is still checked.
+        assert_eq!(
+            paths,
+            vec![
+                "outbound.routes.",
+                "outbound.routes.a{b",
+                "outbound.routes.c d",
+                "outbound.routes.c d.ready_stream",
+            ],
+            "{e}"
+        );
+    }
 }

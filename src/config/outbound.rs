@@ -143,6 +143,11 @@ pub(super) fn read_outbound(p: &mut Problems, v: Option<Value>) -> OutboundConfi
         flow.dead_letter_stream.clone(),
     ));
     for (name, route) in &routes {
+        // The stream a bad route name would give its ready entries is that name's problem,
+        // said already: not a second one on a key nobody wrote.
+        if check_route_name(name).is_err() && route.keys.ready == keys::default_ready_stream(name) {
+            continue;
+        }
         named.push((
             format!("outbound.routes.{name}.ready_stream"),
             route.keys.ready.clone(),
