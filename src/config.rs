@@ -376,6 +376,29 @@ outbound:
     }
 
     #[test]
+    fn a_bad_value_is_one_problem_not_also_the_checks_of_what_stands_in_for_it() {
+        let bad = format!(
+            "redis: {{timeout: 0s}}\n{GOOD}inbound:\n  streams: [in]\n  forward_stream: fwd\n  rules:\n    - {{name: a, key: [k], limits: [1/s], min_spacing: -1ms}}\n"
+        );
+        let e = Config::parse(&bad, &Overrides::default()).unwrap_err();
+        let paths: Vec<&str> = e.problems.iter().map(|p| p.path.as_str()).collect();
+        // Not also redis.wait_timeout (half the timeout, unwritten) nor min_spacing's zero.
+        assert_eq!(
+            paths,
+            vec!["redis.timeout", "inbound.rules[0].min_spacing"],
+            "{e}"
+        );
+        assert_eq!(
+            e.problems[1].message,
+            "a duration cannot be negative, got \"-1ms\""
+        );
+        let zero = "redis: {wait_timeout: 0s}\n".to_string() + GOOD;
+        let e = Config::parse(&zero, &Overrides::default()).unwrap_err();
+        assert_eq!(e.problems.len(), 1, "{e}");
+        assert_eq!(e.problems[0].path, "redis.wait_timeout");
+    }
+
+    #[test]
     fn a_bad_route_name_is_one_problem_not_also_its_ready_stream() {
         let bad = "outbound:\n  streams: [in]\n  routes:\n    \"\": {rate: 1/s}\n    \"a{b\": {rate: 1/s}\n    \"c d\": {rate: 1/s, ready_stream: \"x{\"}\n";
         let e = Config::parse(bad, &Overrides::default()).unwrap_err();

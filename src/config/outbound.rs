@@ -176,7 +176,9 @@ fn optional_duration(p: &mut Problems, path: &str, v: &Option<Value>) -> Option<
         some => {
             let d = p.duration(path, some, Duration::ZERO);
             if d.is_zero() {
-                p.push(path, "must be more than 0 (leave it out for no limit)");
+                if !p.said(path) {
+                    p.push(path, "must be more than 0 (leave it out for no limit)");
+                }
                 None
             } else {
                 Some(d)

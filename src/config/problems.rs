@@ -56,6 +56,12 @@ impl Problems {
         });
     }
 
+    /// Whether a problem at `path` is listed already: a value that could not be read is one
+    /// problem, not also the checks of the default put in its place.
+    pub fn said(&self, path: &str) -> bool {
+        self.0.iter().any(|p| p.path == path)
+    }
+
     pub fn into_result<T>(self, value: impl FnOnce() -> T) -> Result<T, ConfigError> {
         if self.0.is_empty() {
             Ok(value())
@@ -161,6 +167,11 @@ impl Problems {
     pub fn duration(&mut self, path: &str, v: &Option<Value>, default: Duration) -> Duration {
         match v {
             None | Some(Value::Null) => default,
+            // humantime says only "expected number at 0" of "-2s".
+            Some(Value::String(s)) if s.trim_start().starts_with('-') => {
+                self.push(path, format!("a duration cannot be negative, got {s:?}"));
+                default
+            }
             Some(Value::String(s)) => match humantime::parse_duration(s) {
                 Ok(d) if d <= DURATION_MAX => d,
                 Ok(_) => {

@@ -311,9 +311,11 @@ pub(super) fn read_redis(p: &mut Problems, v: Option<Value>, overrides: &Overrid
     let sentinel = read_sentinel(p, raw.sentinel, mode, overrides);
 
     let wait_replicas = p.integer("redis.wait_replicas", &raw.wait_replicas, 0, 0, 100) as u32;
+    let written = !matches!(raw.wait_timeout, None | Some(Value::Null));
     let wait_timeout = p.duration("redis.wait_timeout", &raw.wait_timeout, timeout / 2);
-    if wait_timeout.is_zero() {
-        // WAIT's timeout 0 blocks forever: never what a paced write wants.
+    if wait_timeout.is_zero() && written && !p.said("redis.wait_timeout") {
+        // WAIT's timeout 0 blocks forever: never what a paced write wants. (Unwritten, it is
+        // zero only with a zero redis.timeout, said there.)
         p.push("redis.wait_timeout", "must be more than 0");
     } else if wait_timeout >= timeout && !timeout.is_zero() {
         p.push(

@@ -254,12 +254,10 @@ pub(super) fn read_rules(p: &mut Problems, v: Option<Value>) -> Vec<InboundRule>
         let spacing = match &raw.min_spacing {
             None | Some(Value::Null) => Duration::ZERO,
             some => {
-                let d = p.duration(&join(&path, "min_spacing"), some, Duration::ZERO);
-                if d.is_zero() {
-                    p.push(
-                        join(&path, "min_spacing"),
-                        "must be more than 0 (or left out)",
-                    );
+                let at = join(&path, "min_spacing");
+                let d = p.duration(&at, some, Duration::ZERO);
+                if d.is_zero() && !p.said(&at) {
+                    p.push(at, "must be more than 0 (or left out)");
                 }
                 d
             }
