@@ -3,8 +3,10 @@
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// Not a `source` (no `#[from]`): its text is in the message already, and a chain would print
+    /// it again after it (`pacer: redis: X: X: X`, as `pacer inspect` did).
     #[error("redis: {0}")]
-    Redis(#[from] redis::RedisError),
+    Redis(redis::RedisError),
     #[error("unexpected reply from Redis to {op}: {detail}")]
     Reply { op: &'static str, detail: String },
     /// Redis cannot be used as configured (credentials refused, TLS, a bad address): retrying
@@ -17,6 +19,33 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What a read of `key` gave, or `None` and a line in `problems` when the key holds another kind
+/// of value than the `kept` pacer keeps there (written by something else): for the commands
+/// that show state (`report`, `inspect`), which show the rest rather than nothing.
+pub fn unless_wrong_type<T>(
+    read: Result<T>,
+    key: &str,
+    kept: &str,
+    problems: &mut Vec<String>,
+) -> Result<Option<T>> {
+    match read {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.is_wrong_type() => {
+            problems.push(format!(
+                "{key} holds another kind of value than the {kept} pacer keeps there: left out (delete or fix the key)"
+            ));
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+impl From<redis::RedisError> for Error {
+    fn from(e: redis::RedisError) -> Self {
+        Error::Redis(e)
+    }
+}
 
 impl Error {
     /// Whether retrying cannot help: Redis refused pacer's credentials or TLS setup.

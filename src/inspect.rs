@@ -3,7 +3,7 @@
 //! backlog, and the consumers with when each last read.
 
 use crate::config::Config;
-use crate::error::Result;
+use crate::error::{unless_wrong_type, Result};
 use crate::pacing;
 use crate::streams::{self, ConsumerInfo};
 use redis::aio::ConnectionLike;
@@ -47,6 +47,8 @@ pub struct Inspection {
     pub redis_time_ms: i64,
     pub routes: Vec<RouteState>,
     pub streams: Vec<StreamState>,
+    /// What could not be read, and why (a key of another kind, a bucket field not a number).
+    pub problems: Vec<String>,
 }
 
 /// How many events of cost 1 the plan `tat` holds ahead of the gate `dtat` (or of `now`, when the
@@ -66,15 +68,33 @@ pub async fn inspect<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Ins
     let (s, us): (i64, i64) = redis::cmd("TIME").query_async(con).await?;
     let now_us = s * 1_000_000 + us;
     let mut routes = Vec::new();
+    let mut problems = Vec::new();
     for route in cfg.outbound.routes.values() {
-        let (tat, dtat): (Option<i64>, Option<i64>) = redis::cmd("HMGET")
-            .arg(&route.keys.bucket)
+        let key = &route.keys.bucket;
+        let read = redis::cmd("HMGET")
+            .arg(key)
             .arg("tat")
             .arg("dtat")
             .query_async(con)
-            .await?;
-        let (planned_ahead, wait_ms) =
-            route_view(tat.unwrap_or(0), dtat.unwrap_or(0), now_us, &route.bucket);
+            .await
+            .map_err(Into::into);
+        let Some((tat, dtat)) = unless_wrong_type(read, key, "hash", &mut problems)? else {
+            continue;
+        };
+        let mut number = |field: &str, v: Option<String>| -> i64 {
+            let v = v.unwrap_or_default();
+            // As the scripts read it (Lua's tonumber, or 0).
+            v.parse::<f64>().map(|n| n as i64).unwrap_or_else(|_| {
+                if !v.is_empty() {
+                    problems.push(format!(
+                        "{key} holds {field} = {v:?}, not a number: the scripts take it as 0"
+                    ));
+                }
+                0
+            })
+        };
+        let (tat, dtat) = (number("tat", tat), number("dtat", dtat));
+        let (planned_ahead, wait_ms) = route_view(tat, dtat, now_us, &route.bucket);
         routes.push(RouteState {
             route: route.name.clone(),
             rate: route.rate.to_string(),
@@ -87,7 +107,14 @@ pub async fn inspect<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Ins
     let group = &cfg.worker.group;
     let mut streams = Vec::new();
     for (stream, flow) in cfg.input_streams() {
-        let length: i64 = redis::cmd("XLEN").arg(stream).query_async(con).await?;
+        let read = redis::cmd("XLEN")
+            .arg(stream)
+            .query_async(con)
+            .await
+            .map_err(Into::into);
+        let Some(length) = unless_wrong_type(read, stream, "stream", &mut problems)? else {
+            continue;
+        };
         // A missing stream or group is a state to show, not an error.
         let info = streams::group_info(con, stream, group).await.ok().flatten();
         let mut state = StreamState {
@@ -116,6 +143,7 @@ pub async fn inspect<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Ins
         redis_time_ms: now_us / 1000,
         routes,
         streams,
+        problems,
     })
 }
 
@@ -180,6 +208,9 @@ impl fmt::Display for Inspection {
                     secs(c.idle_ms)
                 )?;
             }
+        }
+        for p in &self.problems {
+            writeln!(f, "cannot read: {p}")?;
         }
         Ok(())
     }

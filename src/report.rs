@@ -3,7 +3,7 @@
 //! rate is always judged the same way: by the ready entries' ids, i.e. Redis's clock.
 
 use crate::config::Config;
-use crate::error::Result;
+use crate::error::{unless_wrong_type, Result};
 use crate::event::Fields;
 use crate::streams;
 use redis::aio::ConnectionLike;
@@ -122,6 +122,8 @@ pub struct Report {
     pub until_ms: i64,
     pub routes: Vec<RouteReport>,
     pub dead_letters: BTreeMap<String, usize>,
+    /// Output streams that could not be read, and why (a key of another kind).
+    pub problems: Vec<String>,
 }
 
 /// Reads the output streams of `cfg` (only entries written within `since` before now, by
@@ -136,14 +138,22 @@ pub async fn report<C: ConnectionLike>(
     let start = since.map_or("-".to_string(), |d| {
         (until_ms - d.as_millis() as i64).max(0).to_string()
     });
-    let rejected = read_from(con, &cfg.outbound.flow.rejected_stream, &start).await?;
     let mut report = Report {
         since,
         until_ms,
         ..Report::default()
     };
+    let rejected = cfg.outbound.flow.rejected_stream.as_str();
+    let read = read_from(con, rejected, &start).await;
+    let rejected = unless_wrong_type(read, rejected, "stream", &mut report.problems)?;
+    let rejected = rejected.unwrap_or_default();
     for route in cfg.outbound.routes.values() {
-        let entries = read_from(con, &route.keys.ready, &start).await?;
+        let read = read_from(con, &route.keys.ready, &start).await;
+        let Some(entries) =
+            unless_wrong_type(read, &route.keys.ready, "stream", &mut report.problems)?
+        else {
+            continue;
+        };
         let times: Vec<i64> = entries.iter().map(|e| e.ms).collect();
         let mut late: Vec<i64> = entries
             .iter()
@@ -171,7 +181,10 @@ pub async fn report<C: ConnectionLike>(
             lateness_max_ms: late.last().copied(),
         });
     }
-    for e in read_from(con, &cfg.outbound.flow.dead_letter_stream, &start).await? {
+    let dead = cfg.outbound.flow.dead_letter_stream.as_str();
+    let read = read_from(con, dead, &start).await;
+    let dead = unless_wrong_type(read, dead, "stream", &mut report.problems)?;
+    for e in dead.unwrap_or_default() {
         *report
             .dead_letters
             .entry(e.field("pacer_reason").unwrap_or("?").to_string())
@@ -241,7 +254,11 @@ impl fmt::Display for Report {
             } else {
                 dead.join(", ")
             }
-        )
+        )?;
+        for p in &self.problems {
+            writeln!(f, "cannot read: {p}")?;
+        }
+        Ok(())
     }
 }
 

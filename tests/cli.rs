@@ -227,6 +227,84 @@ fn report_since_counts_only_what_was_written_within_it() {
     );
 }
 
+/// Keys written by something else: `inspect` and `report` show what they can read and name
+/// each key they cannot, instead of failing on the first (they printed only Redis's WRONGTYPE,
+/// three times over).
+#[test]
+fn inspect_and_report_name_the_keys_they_cannot_read_and_show_the_rest() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("unreadable");
+    let body =
+        "outbound:\n  streams: [in, other]\n  routes:\n    a: {rate: 10/s}\n    b: {rate: 10/s}\n";
+    let cfg = config(&dir, "c.yaml", &redis, free_port(), WORKER, body);
+    let mut con = redis.con();
+    for (key, value) in [
+        ("in", "x"),
+        ("pacer:{a}:bucket:a", "x"),
+        ("pacer:rejected", "x"),
+    ] {
+        let _: () = redis::cmd("SET")
+            .arg(key)
+            .arg(value)
+            .query(&mut con)
+            .unwrap();
+    }
+    let _: () = redis::cmd("HSET")
+        .arg("pacer:{b}:bucket:b")
+        .arg("tat")
+        .arg("soon")
+        .query(&mut con)
+        .unwrap();
+    push(&redis, "other", &[event(&[("route", "b")])]);
+    push(&redis, "pacer:{b}:ready", &[event(&[("route", "b")])]);
+
+    let state = inspect_json(&cfg);
+    let names = |list: &serde_json::Value, field: &str| -> Vec<String> {
+        let rows = list.as_array().unwrap();
+        rows.iter()
+            .map(|r| r[field].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(names(&state["routes"], "route"), ["b"], "{state}");
+    assert_eq!(names(&state["streams"], "stream"), ["other"], "{state}");
+    assert_eq!(state["streams"][0]["length"], 1, "{state}");
+    let problems: Vec<&str> = state["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        problems,
+        [
+            "pacer:{a}:bucket:a holds another kind of value than the hash pacer keeps there: left out (delete or fix the key)",
+            "pacer:{b}:bucket:b holds tat = \"soon\", not a number: the scripts take it as 0",
+            "in holds another kind of value than the stream pacer keeps there: left out (delete or fix the key)",
+        ]
+    );
+    let table = pacer(&cfg, &["inspect"]);
+    assert!(table.status.success(), "{table:?}");
+    assert!(
+        stdout(&table).contains("cannot read: in holds another kind of value"),
+        "{}",
+        stdout(&table)
+    );
+
+    let out = pacer(&cfg, &["report"]);
+    let report = stdout(&out);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        report
+            .lines()
+            .any(|l| l.starts_with("b ") && l.split_whitespace().nth(3) == Some("1")),
+        "{report}"
+    );
+    assert!(
+        report.contains("cannot read: pacer:rejected holds another kind of value than the stream"),
+        "{report}"
+    );
+}
+
 #[test]
 fn produce_refuses_an_unknown_route_and_help_names_the_environment() {
     let redis = RedisServer::start();
