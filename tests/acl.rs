@@ -73,6 +73,7 @@ fn the_readme_acl_user_runs_every_flow() {
     primary: {{rate: 20/s, burst: 1, max_wait: 500ms, fallbacks: [spare]}}
     spare: {{rate: 10/s, burst: 1, max_wait: 500ms}}
     slow: {{rate: 2/s, burst: 1, max_wait: 1s}}
+    broken: {{rate: 10/s}}
 {}  api: {{listen: 127.0.0.1:{api}}}
 "#,
         inbound_body("{name: per-source, key: [source], algorithm: sliding_log, limits: [2/s]}")
@@ -87,6 +88,12 @@ fn the_readme_acl_user_runs_every_flow() {
         );
         dir.write(file, &text)
     };
+    // A route whose bucket something else wrote: its dead letter names the key (found by TYPE).
+    let _: () = redis::cmd("SET")
+        .arg("pacer:{broken}:bucket:broken")
+        .arg("x")
+        .query(&mut redis.con())
+        .unwrap();
     let port_a = free_port();
     let cfg_a = write("a.yaml", port_a, "a");
     let mut a = start(&cfg_a, port_a);
@@ -96,6 +103,7 @@ fn the_readme_acl_user_runs_every_flow() {
     // without its key (dead letter).
     let mut out: Vec<_> = (0..40).map(|_| event(&[("route", "primary")])).collect();
     out.push(event(&[("route", "ghost")]));
+    out.push(event(&[("route", "broken")]));
     let out_ids = push(&redis, "pacer:out", &out);
     let mut inbound: Vec<_> = (0..6).map(|_| event(&[("source", "s1")])).collect();
     inbound.push(event(&[("other", "x")]));
@@ -124,6 +132,14 @@ fn the_readme_acl_user_runs_every_flow() {
         placements_by_stream(&redis, &outputs),
         a.log_text()
     );
+    let named = read(&redis, "pacer:dead").iter().any(|d| {
+        d.field("pacer_detail").is_some_and(|detail| {
+            detail.contains(
+                "key pacer:{broken}:bucket:broken holds a string where pacer keeps a hash",
+            )
+        })
+    });
+    assert!(named, "{:?}", read(&redis, "pacer:dead"));
     // Synchronous admission: decide.lua as a Redis Function, loaded and called as this user.
     let answers: Vec<u16> = (0..3)
         .map(|_| {
