@@ -91,6 +91,7 @@ impl Worker {
             cluster: AtomicBool::new(false),
             policy_seen: Default::default(),
             broken_routes: Default::default(),
+            wrong_kind: Default::default(),
             cfg,
         };
         Ok(Worker {

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 pub(crate) struct Context {
     pub(crate) cfg: Config,
@@ -41,6 +41,9 @@ pub(crate) struct Context {
     /// Routes whose last schedule call found a key of the wrong type (by route index): the
     /// warning is logged when a route breaks, not for every batch dead-lettered while it is.
     pub(crate) broken_routes: std::sync::Mutex<std::collections::BTreeSet<usize>>,
+    /// Kinds of call (`retry`'s op) waiting on a key of the wrong kind: said when the first
+    /// call of a kind starts to wait, and when one succeeds again, not for every held batch.
+    pub(crate) wrong_kind: std::sync::Mutex<std::collections::BTreeSet<&'static str>>,
 }
 
 impl Context {
@@ -162,6 +165,13 @@ impl Context {
             match telemetry::timed(op, f()).await {
                 Ok(v) => {
                     self.health.succeeded();
+                    let mut waiting = self.wrong_kind.lock().expect("wrong kind");
+                    if !waiting.is_empty() && waiting.remove(op) {
+                        info!(
+                            op,
+                            "calls that waited on a key of the wrong kind succeed again"
+                        );
+                    }
                     return Some(Ok(v));
                 }
                 Err(e) if hopeless(&e) => return Some(Err(e)),
@@ -172,7 +182,10 @@ impl Context {
                     if backoff.failures() == 1 && matches!(e, Error::ReplicasShort { .. }) {
                         warn!(op, error = %e, "holding writes the replicas have not confirmed; retrying with backoff");
                     }
-                    if backoff.failures() == 1 && e.is_wrong_type() {
+                    if backoff.failures() == 1
+                        && e.is_wrong_type()
+                        && self.wrong_kind.lock().expect("wrong kind").insert(op)
+                    {
                         warn!(op, error = %e, "a key holds the wrong kind of value (an output stream written by something else?): holding what goes there, retrying with backoff until the key is deleted or fixed");
                     }
                     debug!(op, error = %e, failures = backoff.failures(), retry_in = ?delay, "Redis call failed");

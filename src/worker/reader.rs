@@ -145,18 +145,35 @@ pub(super) async fn handle(
     let mut done = Finished::default();
     let mut placing = Vec::new();
     let mut over = Vec::new();
+    let mut held = Vec::new();
     for (entry, permit) in entries.into_iter().zip(permits) {
         let poisoned = entry.deliveries > ctx.cfg.worker.max_deliveries;
         match event::parse_outbound(entry, &ctx.cfg.outbound) {
-            Ok(event) if poisoned => over.push(event),
+            Ok(event) if poisoned => {
+                over.push(event);
+                held.push(permit);
+            }
             Ok(event) => placing.push(Placing::new(event, permit)),
             // An entry that cannot be parsed is dead-lettered for that, however often it came.
-            Err((entry, refused)) => done.dead.push((entry, refused)),
+            Err((entry, refused)) => {
+                done.dead.push((entry, refused));
+                held.push(permit);
+            }
         }
     }
     if !over.is_empty() && !poison::settle(ctx, over, &mut done, stop).await {
         return;
     }
     placers.send(ctx, placing, &mut done);
-    outputs::finish(ctx, done, stop).await;
+    if done.is_empty() {
+        return;
+    }
+    // Written beside the reading, not before the next read: an output that cannot be written
+    // (its key of another kind) holds only the entries bound for it, with their permits, not
+    // every entry after them. (Read once `max_inflight` is held, as sleeping events are.)
+    let (ctx, stop) = (ctx.clone(), stop.clone());
+    tokio::spawn(async move {
+        outputs::finish(&ctx, done, &stop).await;
+        drop(held);
+    });
 }
