@@ -351,6 +351,13 @@ outbound:
         );
     }
 
+    /// The problems `text` is refused with, and their paths in order.
+    fn refused(text: &str) -> (ConfigError, Vec<String>) {
+        let e = Config::parse(text, &Overrides::default()).unwrap_err();
+        let paths = e.problems.iter().map(|p| p.path.clone()).collect();
+        (e, paths)
+    }
+
     #[test]
     fn reports_every_problem_with_its_path() {
         let bad = r#"
@@ -361,8 +368,7 @@ outbound:
     carrier-a: {rate: 10/day, fallbacks: [nowhere]}
     carrier-b: {rate: 5/s, max_wait: soon}
 "#;
-        let e = Config::parse(bad, &Overrides::default()).unwrap_err();
-        let paths: Vec<&str> = e.problems.iter().map(|p| p.path.as_str()).collect();
+        let (_, paths) = refused(bad);
         assert_eq!(
             paths,
             vec![
@@ -380,8 +386,7 @@ outbound:
         let bad = format!(
             "redis: {{timeout: 0s}}\n{GOOD}inbound:\n  streams: [in]\n  forward_stream: fwd\n  rules:\n    - {{name: a, key: [k], limits: [1/s], min_spacing: -1ms}}\n"
         );
-        let e = Config::parse(&bad, &Overrides::default()).unwrap_err();
-        let paths: Vec<&str> = e.problems.iter().map(|p| p.path.as_str()).collect();
+        let (e, paths) = refused(&bad);
         // Not also redis.wait_timeout (half the timeout, unwritten) nor min_spacing's zero.
         assert_eq!(
             paths,
@@ -392,17 +397,14 @@ outbound:
             e.problems[1].message,
             "a duration cannot be negative, got \"-1ms\""
         );
-        let zero = "redis: {wait_timeout: 0s}\n".to_string() + GOOD;
-        let e = Config::parse(&zero, &Overrides::default()).unwrap_err();
-        assert_eq!(e.problems.len(), 1, "{e}");
-        assert_eq!(e.problems[0].path, "redis.wait_timeout");
+        let (e, paths) = refused(&("redis: {wait_timeout: 0s}\n".to_string() + GOOD));
+        assert_eq!(paths, ["redis.wait_timeout"], "{e}");
     }
 
     #[test]
     fn a_bad_route_name_is_one_problem_not_also_its_ready_stream() {
         let bad = "outbound:\n  streams: [in]\n  routes:\n    \"\": {rate: 1/s}\n    \"a{b\": {rate: 1/s}\n    \"c d\": {rate: 1/s, ready_stream: \"x{\"}\n";
-        let e = Config::parse(bad, &Overrides::default()).unwrap_err();
-        let paths: Vec<&str> = e.problems.iter().map(|p| p.path.as_str()).collect();
+        let (e, paths) = refused(bad);
         // The stream written out for "c d" is still checked.
         assert_eq!(
             paths,

@@ -10,7 +10,7 @@ mod common;
 
 use common::*;
 use pacer::keys::InboundKeys;
-use pacer::testkit::{free_port, wait_until, RedisServer, TempDir};
+use pacer::testkit::{free_port, wait_until, Pacer, RedisServer, TempDir};
 use std::time::Duration;
 
 /// An event of `n` empty fields (they count 0 bytes, so `max_event_bytes` does not stop it)
@@ -368,29 +368,48 @@ inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  rej
     }
 }
 
+/// A worker reading `in` with the outbound `routes` (YAML lines under `routes:`) and `worker`
+/// settings, its config in its own directory (kept with it).
+fn outbound_worker(
+    redis: &RedisServer,
+    name: &str,
+    worker: &str,
+    routes: &str,
+) -> (TempDir, Pacer) {
+    let dir = TempDir::new(name);
+    let port = free_port();
+    let body = format!("outbound:\n  streams: [\"in\"]\n  routes:\n{routes}");
+    let cfg = config(&dir, "c.yaml", redis, port, worker, &body);
+    let pacer = start(&cfg, port);
+    (dir, pacer)
+}
+
+/// Replaces `key`, whatever it held, by a string: a key pacer uses written by something else.
+fn overwrite_with_string(redis: &RedisServer, key: &str) {
+    let _: () = redis::pipe()
+        .atomic()
+        .cmd("DEL")
+        .arg(key)
+        .cmd("SET")
+        .arg(key)
+        .arg("written by something else")
+        .query(&mut redis.con())
+        .unwrap();
+}
+
 /// A route whose bucket key another program overwrote with a value of the wrong type: every
 /// call on it fails. Its events must end (dead-lettered, saying why), the other routes must
 /// flow, and nothing may be lost.
 #[test]
 fn a_route_whose_keys_are_broken_dead_letters_its_events_and_the_others_flow() {
     let redis = RedisServer::start();
-    let dir = TempDir::new("broken-route");
-    let port = free_port();
-    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    fine: {rate: 100/ms, burst: 1000}\n    broken: {rate: 100/ms, burst: 1000}\n";
-    let cfg = config(
-        &dir,
-        "c.yaml",
+    overwrite_with_string(&redis, "pacer:{broken}:bucket:broken");
+    let (_dir, pacer) = outbound_worker(
         &redis,
-        port,
+        "broken-route",
         "  batch: 64\n  max_inflight: 200",
-        body,
+        "    fine: {rate: 100/ms, burst: 1000}\n    broken: {rate: 100/ms, burst: 1000}\n",
     );
-    let _: () = redis::cmd("SET")
-        .arg("pacer:{broken}:bucket:broken")
-        .arg("not a hash")
-        .query(&mut redis.con())
-        .unwrap();
-    let pacer = start(&cfg, port);
     let events: Vec<_> = (0..600)
         .map(|i| {
             let route = if i % 2 == 0 { "fine" } else { "broken" };
@@ -444,11 +463,12 @@ fn a_route_whose_keys_are_broken_dead_letters_its_events_and_the_others_flow() {
 #[test]
 fn a_route_whose_keys_break_while_events_sleep_on_it_does_not_hold_up_the_others() {
     let redis = RedisServer::start();
-    let dir = TempDir::new("broken-sleepers");
-    let port = free_port();
-    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    slow: {rate: 20/s, max_wait: 10s}\n    other: {rate: 20/s, max_wait: 10s}\n";
-    let cfg = config(&dir, "c.yaml", &redis, port, "  batch: 64", body);
-    let pacer = start(&cfg, port);
+    let (_dir, pacer) = outbound_worker(
+        &redis,
+        "broken-sleepers",
+        "  batch: 64",
+        "    slow: {rate: 20/s, max_wait: 10s}\n    other: {rate: 20/s, max_wait: 10s}\n",
+    );
     let events: Vec<_> = (0..80)
         .map(|i| {
             let route = if i % 2 == 0 { "slow" } else { "other" };
@@ -457,16 +477,7 @@ fn a_route_whose_keys_break_while_events_sleep_on_it_does_not_hold_up_the_others
         .collect();
     let ids = push(&redis, "in", &events);
     std::thread::sleep(Duration::from_millis(500));
-    let mut con = redis.con();
-    let _: () = redis::pipe()
-        .atomic()
-        .cmd("DEL")
-        .arg("pacer:{slow}:bucket:slow")
-        .cmd("SET")
-        .arg("pacer:{slow}:bucket:slow")
-        .arg("not a hash")
-        .query(&mut con)
-        .unwrap();
+    overwrite_with_string(&redis, "pacer:{slow}:bucket:slow");
     let outputs = [
         "pacer:{slow}:ready",
         "pacer:{other}:ready",
@@ -510,11 +521,12 @@ fn a_route_whose_keys_break_while_events_sleep_on_it_does_not_hold_up_the_others
 #[test]
 fn an_input_stream_replaced_while_its_events_sleep_loses_none_of_them() {
     let redis = RedisServer::start();
-    let dir = TempDir::new("broken-input");
-    let port = free_port();
-    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    slow: {rate: 20/s, max_wait: 2s}\n";
-    let cfg = config(&dir, "c.yaml", &redis, port, "  batch: 64", body);
-    let pacer = start(&cfg, port);
+    let (_dir, pacer) = outbound_worker(
+        &redis,
+        "broken-input",
+        "  batch: 64",
+        "    slow: {rate: 20/s, max_wait: 2s}\n",
+    );
     let n = 30;
     let events: Vec<_> = (0..n)
         .map(|i| event(&[("route", "slow"), ("n", &i.to_string())]))
@@ -523,15 +535,7 @@ fn an_input_stream_replaced_while_its_events_sleep_loses_none_of_them() {
     assert!(wait_until(Duration::from_secs(5), || {
         !read(&redis, "pacer:{slow}:ready").is_empty()
     }));
-    let _: () = redis::pipe()
-        .atomic()
-        .cmd("DEL")
-        .arg("in")
-        .cmd("SET")
-        .arg("in")
-        .arg("not a stream")
-        .query(&mut redis.con())
-        .unwrap();
+    overwrite_with_string(&redis, "in");
     let broke = redis_time_ms(&redis);
     let outputs = ["pacer:{slow}:ready", "pacer:rejected", "pacer:dead"];
     let ended = wait_until(Duration::from_secs(10), || {
@@ -568,16 +572,13 @@ fn an_input_stream_replaced_while_its_events_sleep_loses_none_of_them() {
 #[test]
 fn a_dead_letter_stream_of_the_wrong_kind_holds_its_entries_until_it_is_fixed() {
     let redis = RedisServer::start();
-    let dir = TempDir::new("broken-dead");
-    let port = free_port();
-    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    fast: {rate: 100/ms, burst: 1000}\n";
-    let cfg = config(&dir, "c.yaml", &redis, port, "  batch: 64", body);
-    let _: () = redis::cmd("SET")
-        .arg("pacer:dead")
-        .arg("not a stream")
-        .query(&mut redis.con())
-        .unwrap();
-    let pacer = start(&cfg, port);
+    overwrite_with_string(&redis, "pacer:dead");
+    let (_dir, pacer) = outbound_worker(
+        &redis,
+        "broken-dead",
+        "  batch: 64",
+        "    fast: {rate: 100/ms, burst: 1000}\n",
+    );
     let events: Vec<_> = (0..23)
         .map(|i| match i % 8 {
             7 => event(&[("to", "nowhere")]),

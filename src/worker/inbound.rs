@@ -262,7 +262,7 @@ async fn admit_batch(
                 }
             }
             Err(e) => {
-                ctx.health.failed("admit", &e);
+                ctx.failed("admit", &e);
                 let delay = backoff.fail();
                 if backoff.failures() >= cfg.limiter_attempts {
                     return Some(Err(e));

@@ -90,15 +90,13 @@ pub(super) async fn run(
                 // The stream deleted under a blocked read: Redis is fine, and the next read says
                 // what became of the key (NOGROUP: made again below; or another kind of value).
                 let deleted = e.to_string().contains("UNBLOCKED");
-                if e.is_wrong_type() {
-                    // The key's fault, not Redis's: told here once, not to health, which the
-                    // worker's other calls (dispatching what it holds) would flip back and
-                    // forth. Deleting the key lets the group be created again (NOGROUP below).
-                    if !std::mem::replace(&mut wrong_type, true) {
-                        warn!(%stream, error = %e, "the input stream's key holds the wrong kind of value: it is not read until the key is deleted or fixed");
-                    }
-                } else if !deleted {
-                    ctx.health.failed("read", &e);
+                // The key's fault, not Redis's: told here once (health leaves it out, see
+                // `Context::failed`). Deleting the key lets the group be made again (NOGROUP).
+                if e.is_wrong_type() && !std::mem::replace(&mut wrong_type, true) {
+                    warn!(%stream, error = %e, "the input stream's key holds the wrong kind of value: it is not read until the key is deleted or fixed");
+                }
+                if !deleted {
+                    ctx.failed("read", &e);
                 }
                 let delay = backoff.fail();
                 debug!(error = %e, %stream, retry_in = ?delay, "reading the input stream failed");
