@@ -6,7 +6,8 @@
 -- InboundKeys).
 --
 -- KEYS[1..w]   the streams this call writes, as ARGV[3] says: the forward stream (bit 1), then
---              the rejected stream (bit 2); each shares the call's slot
+--              the rejected stream (bit 2); each shares the call's slot (one whose key holds
+--              another kind of value is not written: its events come back "a" or "r…")
 -- KEYS[w+1..]  s input streams whose entries this call may acknowledge (in its slot); then
 --              per event, in order: the hash its decision is recorded in (field: its owner),
 --              then its identities' limiter keys, one per check: every key field of every
@@ -137,14 +138,17 @@ end
 if k - 1 ~= #KEYS then
   bad('key count')
 end
--- Check the streams this call writes or acknowledges before anything is written: a key of
--- another type, or a group gone, fails the call here rather than halfway. (Reads only: after a
--- script's first write Redis lets it write past maxmemory.)
-if forward then
-  redis.call('XLEN', forward)
+-- Check the streams this call writes or acknowledges before anything is written: a group gone
+-- fails the call here rather than halfway. (Reads only: after a script's first write Redis lets
+-- it write past maxmemory.) An output whose key holds another kind of value is left to the
+-- caller, as one in another slot is: its events are decided and recorded all the same ("a",
+-- "r…"), and the worker holds them until the key is fixed. Failing the call instead would turn
+-- one broken output into fail_policy deciding every event (fail_open forwarding them unchecked).
+if forward and wrong_kind(redis.pcall('XLEN', forward)) then
+  forward = false
 end
-if rejected then
-  redis.call('XLEN', rejected)
+if rejected and wrong_kind(redis.pcall('XLEN', rejected)) then
+  rejected = false
 end
 local gone = check_groups(stream_at, nstreams, group)
 

@@ -114,6 +114,18 @@ local function lists(n)
   return t
 end
 
+-- Whether a redis.pcall's reply `r` is Redis's WRONGTYPE (the key holds another kind of value);
+-- any other error fails the call.
+local function wrong_kind(r)
+  if type(r) == 'table' and r.err then
+    if string.sub(r.err, 1, 9) ~= 'WRONGTYPE' then
+      error(r)
+    end
+    return true
+  end
+  return false
+end
+
 -- Checks that the s input streams KEYS[first..] have the consumer group, before any write: a
 -- stream or group gone fails the call here, not after its outputs. (A read: after a script's
 -- first write Redis lets it write past maxmemory, so no write may come before the outputs.)
@@ -123,11 +135,7 @@ end
 local function check_groups(first, s, group)
   local gone = {}
   for k = 1, s do
-    local r = redis.pcall('XPENDING', KEYS[first + k - 1], group, '-', '+', 1)
-    if type(r) == 'table' and r.err then
-      if string.sub(r.err, 1, 9) ~= 'WRONGTYPE' then
-        error(r)
-      end
+    if wrong_kind(redis.pcall('XPENDING', KEYS[first + k - 1], group, '-', '+', 1)) then
       gone[k] = true
     end
   end

@@ -620,3 +620,67 @@ fn a_dead_letter_stream_of_the_wrong_kind_holds_its_entries_until_it_is_fixed() 
     let log = pacer.log_text();
     assert!(log.contains("succeed again"), "{log}");
 }
+
+/// An inbound output (the rejected stream, then the forward stream) overwritten with a string,
+/// under `fail_policy: fail_open`. The admission call used to fail on it, so fail_policy decided
+/// every event and forwarded all of them unchecked; and the reader waited on the held outputs,
+/// so nothing after them was read. Now the limits hold, the events bound for the broken output
+/// are held (pending) until it is fixed, and the other output keeps flowing.
+#[test]
+fn an_inbound_output_of_the_wrong_kind_holds_its_events_and_the_limits_still_hold() {
+    let (fwd, rej) = ("pacer:accepted", "pacer:in-rejected");
+    for broken in [rej, fwd] {
+        let redis = RedisServer::start();
+        overwrite_with_string(&redis, broken);
+        let dir = TempDir::new("broken-inbound-output");
+        let port = free_port();
+        let body = inbound_body(
+            "{name: per-source, key: [source], algorithm: sliding_log, limits: [5/h]}",
+        ) + "  fail_policy: fail_open\n";
+        let cfg = config(&dir, "c.yaml", &redis, port, "  batch: 64", &body);
+        let pacer = start(&cfg, port);
+        let over: Vec<_> = (0..12).map(|_| event(&[("source", "a")])).collect();
+        let mut ids = push(&redis, "pacer:in", &over);
+        // 5 accepted, 7 rejected: the working output gets its share.
+        let (flowing, share) = if broken == rej { (fwd, 5) } else { (rej, 7) };
+        assert!(
+            wait_until(Duration::from_secs(10), || read(&redis, flowing).len() == share),
+            "{broken} broken: {flowing} holds {}:\n{}",
+            read(&redis, flowing).len(),
+            pacer.log_text()
+        );
+        // A second batch, read while the first one's are held: a new source (accepted) and the
+        // old one again (rejected).
+        let mut second: Vec<_> = (0..3).map(|_| event(&[("source", "b")])).collect();
+        second.extend((0..3).map(|_| event(&[("source", "a")])));
+        ids.extend(push(&redis, "pacer:in", &second));
+        assert!(
+            wait_until(Duration::from_secs(5), || read(&redis, flowing).len()
+                == share + 3),
+            "{broken} broken: the second batch did not flow:\n{}",
+            pacer.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(1000));
+        let held = if broken == rej { 10 } else { 8 };
+        assert_eq!(pending(&redis, "pacer:in", "pacer"), held, "{broken} broken");
+        let log = pacer.log_text();
+        assert_eq!(
+            log.matches("a key holds the wrong kind of value").count(),
+            1,
+            "{log}"
+        );
+        assert!(!log.contains("fail_policy"), "{log}");
+        assert!(!log.contains("Redis calls are failing"), "{log}");
+
+        let _: () = redis::cmd("DEL")
+            .arg(broken)
+            .query(&mut redis.con())
+            .unwrap();
+        assert!(wait_until(Duration::from_secs(5), || {
+            pending(&redis, "pacer:in", "pacer") == 0
+        }));
+        assert_eq!(lengths(&redis, &[fwd, rej]), [8, 10], "{broken} broken");
+        assert_each_once(&redis, &ids, &[fwd, rej], "pacer:in");
+        assert!(pacer.log_text().contains("succeed again"));
+    }
+}

@@ -5,8 +5,9 @@
 //! every event, records each decision in a marker and writes the accepted ones to the forward
 //! stream and the rejected ones to the rejected stream, atomically, where it may (the stream
 //! shares the partition's slot, or Redis is not a cluster). Then whatever the call did not write
-//! (outputs in other slots, dead letters) is written once each (write-once `emit`) and the
-//! batch's remaining entries acknowledged, one XACK per input stream. A redelivered entry finds
+//! (outputs in other slots or of the wrong kind, dead letters) is written once each (write-once
+//! `emit`) and the batch's remaining entries acknowledged, one XACK per input stream, beside the
+//! next read: an output that cannot be written holds only its own entries. A redelivered entry finds
 //! its marker: the recorded decision is carried out again, idempotently, and nothing is charged
 //! twice.
 //!
@@ -32,8 +33,8 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-/// Takes the entries of inbound streams out of a batch and finishes them; returns the rest
-/// (outbound entries, with their permits) untouched.
+/// Takes the entries of inbound streams out of a batch, decides them and finishes them beside
+/// the next read; returns the rest (outbound entries, with their permits) untouched.
 pub(super) async fn admit(
     ctx: &Arc<Context>,
     entries: Vec<Entry>,
@@ -48,16 +49,37 @@ pub(super) async fn admit(
         .zip(permits)
         .partition(|(e, _)| cfg.flow.streams.iter().any(|s| *s == *e.stream));
     if !inbound.is_empty() {
-        // The permits are held until the entries are finished (or left pending).
-        let (entries, _held): (Vec<Entry>, Vec<OwnedSemaphorePermit>) = inbound.into_iter().unzip();
-        handle(ctx, cfg, entries, stop).await;
+        let (entries, held): (Vec<Entry>, Vec<OwnedSemaphorePermit>) = inbound.into_iter().unzip();
+        let decided = decide_batch(ctx, cfg, entries, stop).await;
+        // Written beside the reading, not before the next read: an output that cannot be
+        // written (its key of another kind) holds only the entries bound for it, with their
+        // permits, not every entry after them. The deciding stays in line: it is what paces
+        // the reading, and it ends (fail_policy) within limiter_attempts.
+        let (ctx, stop) = (ctx.clone(), stop.clone());
+        tokio::spawn(async move {
+            finish_batch(&ctx, decided, &stop).await;
+            drop(held);
+        });
     }
     rest.into_iter().unzip()
 }
 
-async fn handle(ctx: &Context, cfg: &InboundConfig, entries: Vec<Entry>, stop: &CancellationToken) {
+/// A batch as decided, per partition (`None` where shutdown came first): its decisions and its
+/// entries to dead-letter. Entries that could not be decided at all are the last item's, on
+/// partition 0.
+type Decided = Vec<(
+    usize,
+    Option<(Vec<(InboundEvent, Decision)>, Vec<(Entry, Refused)>)>,
+)>;
+
+async fn decide_batch(
+    ctx: &Context,
+    cfg: &InboundConfig,
+    entries: Vec<Entry>,
+    stop: &CancellationToken,
+) -> Decided {
     let max = ctx.cfg.worker.max_deliveries;
-    let mut dead: Vec<(Entry, Refused)> = Vec::new();
+    let mut undecidable: Vec<(Entry, Refused)> = Vec::new();
     // Per partition: the entries delivered too often, the others.
     let mut parts: BTreeMap<usize, (Vec<InboundEvent>, Vec<InboundEvent>)> = BTreeMap::new();
     for entry in entries {
@@ -71,30 +93,39 @@ async fn handle(ctx: &Context, cfg: &InboundConfig, entries: Vec<Entry>, stop: &
                 }
             }
             // An entry that cannot be decided is dead-lettered for that, however often it came.
-            Err((entry, refused)) => dead.push((entry, refused)),
+            Err((entry, refused)) => undecidable.push((entry, refused)),
         }
     }
-    // Each partition is decided in its own slot by its own call, and its outputs written on
-    // their own: a partition whose node is slow or failing holds up no other's outputs.
+    // Each partition is decided in its own slot by its own call: a partition whose node is
+    // slow or failing holds up no other's decisions.
     let partitions = parts.into_iter().map(|(k, (over, fresh))| async move {
-        let keys = &cfg.keys[k];
         let mut dead = Vec::new();
-        let decided = decide(ctx, cfg, keys, over, fresh, &mut dead, stop).await?;
-        finish(ctx, cfg, keys, decided, dead, stop).await
+        let decided = decide(ctx, cfg, &cfg.keys[k], over, fresh, &mut dead, stop).await;
+        (k, decided.map(|d| (d, dead)))
     });
-    let undecidable = async {
-        if dead.is_empty() {
-            return Some(Vec::new());
-        }
-        finish(ctx, cfg, &cfg.keys[0], Vec::new(), dead, stop).await
+    let mut decided = join_all(partitions).await;
+    if !undecidable.is_empty() {
+        decided.push((0, Some((Vec::new(), undecidable))));
+    }
+    decided
+}
+
+/// Writes what a decided batch's admission calls did not, then acknowledges the batch: one
+/// acknowledgement per input stream for the whole batch, not one per partition, since the
+/// entries of every partition share the input streams. Each partition's outputs are written on
+/// their own: one whose node is slow or failing holds up no other's. (Shutdown first: left
+/// pending, to be claimed and found decided.)
+async fn finish_batch(ctx: &Context, decided: Decided, stop: &CancellationToken) {
+    let Some(cfg) = &ctx.cfg.inbound else {
+        return;
     };
-    let (finished, undecidable) = tokio::join!(join_all(partitions), undecidable);
-    // Then one acknowledgement per input stream for the whole batch, not one per partition:
-    // the entries of every partition share the input streams, and the batch's permits are
-    // held until here anyway. (Shutdown first: left pending, to be claimed and found decided.)
-    let acks: Vec<(Arc<str>, String)> = finished
+    let finishing = decided.into_iter().map(|(k, d)| async move {
+        let (decided, dead) = d?;
+        finish(ctx, cfg, &cfg.keys[k], decided, dead, stop).await
+    });
+    let acks: Vec<(Arc<str>, String)> = join_all(finishing)
+        .await
         .into_iter()
-        .chain([undecidable])
         .flatten()
         .flatten()
         .collect();
