@@ -67,6 +67,23 @@ impl Error {
         }
     }
 
+    /// Whether Redis answered but refused a write: out of memory (`maxmemory` with
+    /// `noeviction`), failing to persist (`stop-writes-on-bgsave-error`) or short of replicas
+    /// (`min-replicas-to-write`). Its reads go on succeeding meanwhile.
+    pub fn refuses_writes(&self) -> bool {
+        match self {
+            Error::Redis(e) => {
+                const CODES: [&str; 3] = ["OOM", "MISCONF", "NOREPLICAS"];
+                // A MULTI whose commands Redis refused says their codes inside its own error.
+                e.code().is_some_and(|c| CODES.contains(&c)) || {
+                    let text = e.to_string();
+                    CODES.iter().any(|c| text.contains(&format!("\"{c}\"")))
+                }
+            }
+            _ => false,
+        }
+    }
+
     pub fn reply(op: &'static str, detail: impl Into<String>) -> Self {
         Error::Reply {
             op,

@@ -1,6 +1,7 @@
 //! Whether a worker can do its work (`/readyz`), and what it says about Redis trouble in its log.
 //!
-//! Ready means every one of these holds: Redis answered the last call, the scripts are loaded,
+//! Ready means every one of these holds: Redis answered the last call and took the last write
+//! it was given (a Redis out of memory answers reads and refuses writes), the scripts are loaded,
 //! every consumer group exists, and Redis keeps pacer's keys (its `maxmemory-policy` evicts
 //! nothing, or the operator acknowledged that it may). An outage is logged once when calls start
 //! failing and once when they answer again, whatever the number of calls, tasks and events in
@@ -25,6 +26,10 @@ pub struct Health {
     /// When the current outage began (None while Redis answers).
     down_since: Mutex<Option<Instant>>,
     failures: AtomicU64,
+    /// Redis answers but refuses pacer's writes (out of memory, failing to persist, short of
+    /// replicas): only a write that succeeds ends it, not the reads that go on succeeding.
+    refused_since: Mutex<Option<Instant>>,
+    refusals: AtomicU64,
 }
 
 impl Health {
@@ -58,6 +63,35 @@ impl Health {
         }
     }
 
+    /// A call that writes was refused by a Redis that answers (`error`): said once, and not
+    /// ready until a write succeeds. Reads succeeding in between (they go on under OOM) would
+    /// otherwise flip readiness and the log with every other call.
+    pub fn refused(&self, op: &str, error: &dyn Display) {
+        self.refusals.fetch_add(1, Ordering::Relaxed);
+        let mut since = self.refused_since.lock().expect("health lock");
+        if since.is_none() {
+            *since = Some(Instant::now());
+            drop(since);
+            warn!(op, %error, "Redis refuses pacer's writes; retrying with backoff until it takes them");
+            self.publish();
+        }
+    }
+
+    /// A call that writes succeeded: Redis answers, and takes writes.
+    pub fn wrote(&self) {
+        self.succeeded();
+        let since = self.refused_since.lock().expect("health lock").take();
+        if let Some(since) = since {
+            let refused = self.refusals.swap(0, Ordering::Relaxed);
+            info!(
+                after = ?since.elapsed(),
+                refused_calls = refused,
+                "Redis takes writes again; work resumes"
+            );
+            self.publish();
+        }
+    }
+
     /// Scripts loaded (after a restart of Redis, until they are loaded again: not ready).
     pub fn set_scripts_loaded(&self, ok: bool) {
         self.scripts_loaded.store(ok, Ordering::Relaxed);
@@ -86,6 +120,8 @@ impl Health {
     pub fn why_not(&self) -> Option<&'static str> {
         if !self.redis_ok.load(Ordering::Relaxed) {
             Some("Redis does not answer")
+        } else if self.refused_since.lock().expect("health lock").is_some() {
+            Some("Redis refuses writes (out of memory, failing to persist, or short of replicas: see the log)")
         } else if !self.scripts_loaded.load(Ordering::Relaxed) {
             Some("the scripts are not loaded yet")
         } else if !self.groups_ok.load(Ordering::Relaxed) {
@@ -122,5 +158,20 @@ mod tests {
         assert!(h.ready());
         h.set_groups_ok(false);
         assert!(h.why_not().unwrap().contains("group"));
+    }
+
+    #[test]
+    fn refused_writes_end_with_a_write_not_a_read() {
+        let h = Health::default();
+        h.succeeded();
+        h.set_scripts_loaded(true);
+        h.set_groups_ok(true);
+        h.set_keys_kept(true);
+        h.refused("schedule", &"OOM command not allowed");
+        assert!(h.why_not().unwrap().contains("refuses writes"));
+        h.succeeded();
+        assert!(!h.ready(), "a read does not show that writes are taken");
+        h.wrote();
+        assert!(h.ready());
     }
 }

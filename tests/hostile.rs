@@ -644,7 +644,8 @@ fn an_inbound_output_of_the_wrong_kind_holds_its_events_and_the_limits_still_hol
         // 5 accepted, 7 rejected: the working output gets its share.
         let (flowing, share) = if broken == rej { (fwd, 5) } else { (rej, 7) };
         assert!(
-            wait_until(Duration::from_secs(10), || read(&redis, flowing).len() == share),
+            wait_until(Duration::from_secs(10), || read(&redis, flowing).len()
+                == share),
             "{broken} broken: {flowing} holds {}:\n{}",
             read(&redis, flowing).len(),
             pacer.log_text()
@@ -662,7 +663,11 @@ fn an_inbound_output_of_the_wrong_kind_holds_its_events_and_the_limits_still_hol
         );
         std::thread::sleep(Duration::from_millis(1000));
         let held = if broken == rej { 10 } else { 8 };
-        assert_eq!(pending(&redis, "pacer:in", "pacer"), held, "{broken} broken");
+        assert_eq!(
+            pending(&redis, "pacer:in", "pacer"),
+            held,
+            "{broken} broken"
+        );
         let log = pacer.log_text();
         assert_eq!(
             log.matches("a key holds the wrong kind of value").count(),

@@ -453,6 +453,67 @@ fn sigterm_during_an_outage_exits_within_drain_and_leaves_the_rest_pending() {
     second.kill();
 }
 
+/// Redis out of memory (`maxmemory` with `noeviction`) refuses every write and answers every
+/// read. The worker used to call that an outage and the end of it at every other call: its
+/// reads succeed, so `/readyz` flipped between ready and not every second and the log said
+/// "failing" and "answers again" for each. Now it is not ready, for that reason, until a write
+/// succeeds, and says so once each way; nothing is lost or doubled, and the rate holds.
+#[test]
+fn redis_out_of_memory_is_said_once_and_holds_readiness_until_writes_are_taken() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("oom");
+    let port = free_port();
+    let cfg = config(&dir, "c.yaml", &redis, port, "  batch: 32", TWO_ROUTES);
+    let pacer = start(&cfg, port);
+    let set = |k: &str, v: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(k)
+            .arg(v)
+            .query(&mut redis.con())
+            .unwrap();
+    };
+    // Read while stopped and decided once continued, against a full Redis.
+    pacer.signal("STOP");
+    let ids = push(&redis, "in", &events("oom", 200));
+    set("maxmemory-policy", "noeviction");
+    set("maxmemory", "1");
+    pacer.signal("CONT");
+    let mut answers = Vec::new();
+    for _ in 0..25 {
+        std::thread::sleep(Duration::from_millis(100));
+        answers.push(http_get(port, "/readyz"));
+    }
+    set("maxmemory", "0");
+    let ready: Vec<_> = answers
+        .iter()
+        .filter(|a| !matches!(a, Some((503, _))))
+        .collect();
+    assert!(
+        ready.is_empty(),
+        "ready while Redis refused writes: {ready:?}"
+    );
+    let (_, why) = answers.last().unwrap().clone().unwrap();
+    assert!(why.contains("refuses writes"), "{why}");
+    assert!(
+        wait_until(Duration::from_secs(15), || pending(&redis, "in", "pacer")
+            == 0),
+        "still pending:\n{}",
+        pacer.log_text()
+    );
+    assert_each_once(&redis, &ids, &OUTPUTS, "in");
+    assert_rate(&redis, "pacer:{a}:ready", 200.0, 5.0);
+    assert!(wait_until(Duration::from_secs(5), || !not_ready(port)));
+    let log = pacer.log_text();
+    assert_eq!(
+        log.matches("Redis refuses pacer's writes").count(),
+        1,
+        "{log}"
+    );
+    assert_eq!(log.matches("Redis takes writes again").count(), 1, "{log}");
+    assert!(!log.contains("Redis calls are failing"), "{log}");
+}
+
 /// Bounded Redis memory over a long run: output streams stay near `max_len`, every marker
 /// expires, so the key count stays flat under steady traffic and falls back once it stops.
 #[test]

@@ -81,9 +81,12 @@ impl Context {
     /// holding the wrong kind of value: Redis answers then, and other calls succeed meanwhile,
     /// so health would flip between failing and answering on every call. Those are counted
     /// (`pacer_replication_short_total`, `pacer_redis_errors_total`) and logged once per streak
-    /// by the caller instead.
+    /// by the caller instead. A write Redis refused (out of memory...) is health's too, as
+    /// refused writes, which only a write that succeeds ends.
     pub(crate) fn failed(&self, op: &str, e: &Error) {
-        if !matches!(e, Error::ReplicasShort { .. }) && !e.is_wrong_type() {
+        if e.refuses_writes() {
+            self.health.refused(op, e);
+        } else if !matches!(e, Error::ReplicasShort { .. }) && !e.is_wrong_type() {
             self.health.failed(op, e);
         }
     }
@@ -129,8 +132,8 @@ impl Context {
         }
     }
 
-    /// Runs `f` until it succeeds, backing off between failures; `None` if `stop` comes first.
-    /// Safe because every step pacer takes in Redis is idempotent.
+    /// Runs `f`, a call that writes, until it succeeds, backing off between failures; `None`
+    /// if `stop` comes first. Safe because every step pacer takes in Redis is idempotent.
     pub(crate) async fn retry<T, F, Fut>(
         &self,
         op: &'static str,
@@ -141,7 +144,24 @@ impl Context {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
-        self.retry_unless(op, stop, |_| false, f)
+        self.retrying(op, stop, |_| false, true, f)
+            .await
+            .and_then(Result::ok)
+    }
+
+    /// As `retry`, for a call that only reads: its success does not show that Redis takes
+    /// writes again.
+    pub(crate) async fn retry_read<T, F, Fut>(
+        &self,
+        op: &'static str,
+        stop: &CancellationToken,
+        f: F,
+    ) -> Option<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        self.retrying(op, stop, |_| false, false, f)
             .await
             .and_then(Result::ok)
     }
@@ -154,6 +174,21 @@ impl Context {
         op: &'static str,
         stop: &CancellationToken,
         hopeless: impl Fn(&Error) -> bool,
+        f: F,
+    ) -> Option<Result<T>>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        self.retrying(op, stop, hopeless, true, f).await
+    }
+
+    async fn retrying<T, F, Fut>(
+        &self,
+        op: &'static str,
+        stop: &CancellationToken,
+        hopeless: impl Fn(&Error) -> bool,
+        writes: bool,
         mut f: F,
     ) -> Option<Result<T>>
     where
@@ -164,7 +199,11 @@ impl Context {
         loop {
             match telemetry::timed(op, f()).await {
                 Ok(v) => {
-                    self.health.succeeded();
+                    if writes {
+                        self.health.wrote();
+                    } else {
+                        self.health.succeeded();
+                    }
                     let mut waiting = self.wrong_kind.lock().expect("wrong kind");
                     if !waiting.is_empty() && waiting.remove(op) {
                         info!(

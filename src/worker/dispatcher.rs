@@ -321,7 +321,7 @@ impl State {
                 return;
             }
         };
-        self.ctx.health.succeeded();
+        self.ctx.health.wrote();
         self.ctx.clock.observe(reply.end_us, received);
         let mut outcomes = reply.items.into_iter();
         let mut lesson = None;

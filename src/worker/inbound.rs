@@ -279,7 +279,7 @@ async fn admit_batch(
         let call = ctx.scripts.admit(&mut con, &to, &cfg.rules, &items);
         match telemetry::timed("admit", call).await {
             Ok(reply) => {
-                ctx.health.succeeded();
+                ctx.health.wrote();
                 let Err(e) = ctx.replicated(keys.slot_key()).await else {
                     return Some(Ok(reply));
                 };
