@@ -253,9 +253,13 @@ fn server_p99_ms(w: &Workers, face: Face) -> Option<f64> {
     let mut buckets: Vec<(f64, f64)> = Vec::new();
     for (m, _, _) in &w.ports {
         let text = http_get(*m, "/metrics").map(|r| r.1).unwrap_or_default();
-        let prefix = format!("pacer_api_decision_seconds_bucket{{api=\"{api}\",le=\"");
+        // The benchmark's one rule: `{api="..",rule="per-key",le=".."}`.
+        let labels = format!("{{api=\"{api}\",rule=\"per-key\",le=\"");
         for line in text.lines() {
-            let Some(rest) = line.strip_prefix(&prefix) else {
+            let Some(rest) = line
+                .strip_prefix("pacer_api_decision_seconds_bucket")
+                .and_then(|l| l.strip_prefix(labels.as_str()))
+            else {
                 continue;
             };
             let Some((le, count)) = rest.split_once("\"} ") else {

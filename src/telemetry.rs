@@ -211,9 +211,56 @@ pub fn api_decision(api: crate::api::Api, rule: &str, shadow: bool, passed: bool
         .increment(1);
 }
 
-/// How long a synchronous request took to answer, from its parsed request to its answer.
-pub fn api_latency(api: crate::api::Api, started: Instant) {
-    histogram!(API_SECONDS, "api" => api.as_str()).record(started.elapsed().as_secs_f64());
+/// How long synchronous requests take to be decided, per API and rule: a request's time (from
+/// its parsed request to its answer) counts once for each rule it was checked against. The
+/// handles are looked up once, not per request, and registered when made (at zero, so that a
+/// rate() of the first minute counts the first request).
+pub struct ApiLatency {
+    /// Per rule (config order): the HTTP and the gRPC histogram, for the APIs served.
+    by_rule: Vec<[Option<metrics::Histogram>; 2]>,
+}
+
+impl ApiLatency {
+    pub fn new(inbound: &crate::config::InboundConfig) -> Self {
+        let api = inbound.api.as_ref();
+        let served = [
+            (
+                crate::api::Api::Http,
+                api.is_some_and(|a| a.listen.is_some()),
+            ),
+            (
+                crate::api::Api::Grpc,
+                api.is_some_and(|a| a.grpc_listen.is_some()),
+            ),
+        ];
+        let by_rule = inbound
+            .rules
+            .iter()
+            .map(|r| {
+                served.map(|(api, on)| {
+                    on.then(
+                        || histogram!(API_SECONDS, "api" => api.as_str(), "rule" => r.name.clone()),
+                    )
+                })
+            })
+            .collect();
+        ApiLatency { by_rule }
+    }
+
+    /// A request (or a gRPC call's descriptors) checked against `rules` (indices, each once),
+    /// answered now.
+    pub fn record(&self, api: crate::api::Api, rules: &[usize], started: Instant) {
+        let seconds = started.elapsed().as_secs_f64();
+        let face = match api {
+            crate::api::Api::Http => 0,
+            crate::api::Api::Grpc => 1,
+        };
+        for &r in rules {
+            if let Some(h) = &self.by_rule[r][face] {
+                h.record(seconds);
+            }
+        }
+    }
 }
 
 /// A call to Redis for the synchronous API: a request decided there, or a lease fetched
@@ -319,9 +366,7 @@ pub fn register(cfg: &crate::config::Config) {
             ];
             for (face, _) in faces.iter().filter(|(_, on)| *on) {
                 counter!(API_REDIS_CALLS_TOTAL, "api" => face.as_str()).absolute(0);
-                // Registered now, so that its _count starts at zero with the counters and a
-                // rate() of the first minute counts the first request.
-                let _ = histogram!(API_SECONDS, "api" => face.as_str());
+                // (API_SECONDS is registered by the API's `ApiLatency`.)
                 for rule in &inbound.rules {
                     let mode = if rule.shadow { "shadow" } else { "enforce" };
                     for outcome in ["allowed", "limited"] {

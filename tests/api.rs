@@ -183,6 +183,15 @@ fn http_answers_with_the_room_left_the_ietf_headers_and_retry_after() {
     let (m, _, _) = api.ports[0];
     assert_eq!(http_post(m, "/v1/admit", ask).unwrap().0, 404);
     assert!(metric_at(m, "pacer_api_decisions_total{api=\"http\",rule=\"per-source\",outcome=\"limited\",mode=\"enforce\"}") >= 1.0);
+    // Latency per rule: a request counts for each rule it was checked against (five checked
+    // both, one only per-ip; the bad ones none).
+    let latency = |rule: &str| {
+        metric_at(
+            m,
+            &format!("pacer_api_decision_seconds_count{{api=\"http\",rule=\"{rule}\"}}"),
+        )
+    };
+    assert_eq!((latency("per-source"), latency("per-ip")), (5.0, 6.0));
     // Its Redis calls are timed with the rest of pacer's.
     assert!(
         metric_at(

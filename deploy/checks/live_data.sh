@@ -51,8 +51,9 @@ live_api() {
     ok=$(grep -cx 200 "$WORK/admit-codes.txt" || true)
     limited=$(grep -cx 429 "$WORK/admit-codes.txt" || true)
     bad=$(grep -cvx -e 200 -e 429 "$WORK/admit-codes.txt" || true)
-    http=$(metric_sum pacer_api_decision_seconds_count 'api="http"')
-    grpc=$(metric_sum pacer_api_decision_seconds_count 'api="grpc"')
+    # Each request counts once per rule it was checked against; every one of them checks api.
+    http=$(metric_sum pacer_api_decision_seconds_count 'api="http"' 'rule="api"')
+    grpc=$(metric_sum pacer_api_decision_seconds_count 'api="grpc"' 'rule="api"')
     redis=$(metric_sum pacer_api_redis_calls_total 'api="http"')
     allowed=$(metric_sum pacer_api_decisions_total 'api="http"' 'rule="api"' 'outcome="allowed"')
     refused=$(metric_sum pacer_api_decisions_total 'api="http"' 'rule="api"' 'outcome="limited"')
@@ -64,7 +65,7 @@ live_api() {
     local fail=0
     [ "$ok" -gt 0 ] && [ "$limited" -gt 0 ] || { echo "POST /v1/admit: expected both 200 and 429 answers"; fail=1; }
     [ "$bad" -eq 0 ] || { echo "POST /v1/admit: $bad answers other than 200 or 429"; fail=1; }
-    [ "$http" -eq $((ok + limited)) ] || { echo "pacer_api_decision_seconds_count{api=\"http\"} $http, but $((ok + limited)) answers"; fail=1; }
+    [ "$http" -eq $((ok + limited)) ] || { echo "pacer_api_decision_seconds_count{api=\"http\",rule=\"api\"} $http, but $((ok + limited)) answers"; fail=1; }
     [ "$redis" -lt "$http" ] || { echo "every HTTP request reached Redis: no lease answered one"; fail=1; }
     [ "$allowed" -gt 0 ] && [ "$refused" -gt 0 ] || { echo "rule api: expected allowed and limited decisions"; fail=1; }
     [ "$fetches" -gt 0 ] && [ "$leased" -gt 0 ] && [ "$wasted" -gt 0 ] ||

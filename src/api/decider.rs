@@ -99,16 +99,27 @@ pub const MAX_REQUESTS: usize = 1024;
 const TOGETHER: usize = 64;
 
 /// Decides synchronous requests on the inbound rules; shared by the HTTP and gRPC faces.
+/// Adds the rules `ids` are checked against to `rules`, each once.
+fn rules_of(ids: &[Identity], rules: &mut Vec<usize>) {
+    for id in ids {
+        if !rules.contains(&id.rule) {
+            rules.push(id.rule);
+        }
+    }
+}
+
 pub struct Decider {
     cfg: InboundConfig,
     batcher: Batcher,
     leases: Leases,
+    latency: telemetry::ApiLatency,
 }
 
 impl Decider {
     pub fn new(cfg: InboundConfig, con: RedisConn) -> Arc<Self> {
         Arc::new(Decider {
             batcher: Batcher::start(cfg.rules.clone(), con),
+            latency: telemetry::ApiLatency::new(&cfg),
             cfg,
             leases: Leases::default(),
         })
@@ -186,8 +197,13 @@ impl Decider {
     /// and holds tokens, else through Redis, in a batch with the other requests in hand (the
     /// call refills the leases it needs).
     pub async fn decide(&self, api: Api, req: &Request) -> Result<Answer, Refusal> {
+        let started = Instant::now();
         let (partition, ids) = self.identities(req)?;
-        self.decide_resolved(api, req, partition, ids).await
+        let mut checked = Vec::new();
+        rules_of(&ids, &mut checked);
+        let answer = self.decide_resolved(api, req, partition, ids).await;
+        self.latency.record(api, &checked, started);
+        answer
     }
 
     /// Decides several requests at once (Envoy's descriptors), each on its own: none is decided
@@ -200,11 +216,16 @@ impl Decider {
         api: Api,
         reqs: &[Request],
     ) -> Result<Vec<Answer>, (usize, Refusal)> {
+        let started = Instant::now();
         let resolved = reqs
             .iter()
             .enumerate()
             .map(|(i, r)| self.identities(r).map_err(|e| (i, e)))
             .collect::<Result<Vec<_>, _>>()?;
+        let mut checked = Vec::new();
+        for (_, ids) in &resolved {
+            rules_of(ids, &mut checked);
+        }
         // In rounds of at most TOGETHER: one task polling more futures than tokio's cooperative
         // budget (128 operations a poll) has every lock past the budget answer "not yet" and
         // wake it again: 100,000 descriptors at once took 21 s, in rounds of 64 2.4 s.
@@ -222,6 +243,7 @@ impl Decider {
                 answers.push(answer?);
             }
         }
+        self.latency.record(api, &checked, started);
         Ok(answers)
     }
 

@@ -18,7 +18,6 @@
 
 use super::decider::{Answer, Api, Decider, Refusal, Request, MAX_REQUESTS, MAX_REQUEST_BYTES};
 use super::{Held, Listener};
-use crate::telemetry;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     rate_limit::Unit, Code, DescriptorStatus, RateLimit,
 };
@@ -28,7 +27,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request as GrpcRequest, Response, Status};
 
@@ -175,7 +174,6 @@ impl RateLimitService for Envoy {
                 req.descriptors.len()
             )));
         }
-        let started = Instant::now();
         let mut requests = Vec::with_capacity(req.descriptors.len());
         for d in &req.descriptors {
             let mut one = Request {
@@ -208,7 +206,6 @@ impl RateLimitService for Envoy {
         };
         let over = answers.iter().any(|a| !a.allowed);
         let statuses = answers.iter().map(status).collect();
-        telemetry::api_latency(Api::Grpc, started);
         Ok(Response::new(RateLimitResponse {
             overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
             statuses,

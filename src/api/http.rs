@@ -22,7 +22,6 @@ use super::decider::{
 };
 use super::Listener;
 use crate::health::Health;
-use crate::telemetry;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, State};
 use axum::http::{header, HeaderValue, StatusCode};
@@ -35,7 +34,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// `/metrics`, `/healthz` and `/readyz`.
@@ -153,9 +152,7 @@ async fn admit(State(decider): State<Arc<Decider>>, req: axum::extract::Request)
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, &e),
     };
-    let started = Instant::now();
     let answer = decider.decide(Api::Http, &req).await;
-    telemetry::api_latency(Api::Http, started);
     match answer {
         Ok(a) => respond(&a),
         Err(Refusal::Bad(e)) => error(StatusCode::BAD_REQUEST, &e),
