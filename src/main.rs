@@ -76,6 +76,7 @@ enum Command {
         bad_every: Option<usize>,
     },
     /// Show what pacer wrote: per route dispatched, rerouted, rejected, spacing and lateness.
+    /// Exits 3 when it could not read some of it (named on `cannot read:` lines).
     Report {
         #[command(flatten)]
         config: ConfigArg,
@@ -85,7 +86,8 @@ enum Command {
         since: Option<std::time::Duration>,
     },
     /// Show what pacer is doing now: per route the slots planned ahead and the wait a new event
-    /// would get; per input stream its length, lag, pending entries and the consumers.
+    /// would get; per input stream its length, lag, pending entries and the consumers. Exits 3
+    /// when it could not read some of it (named on `cannot read:` lines).
     Inspect {
         #[command(flatten)]
         config: ConfigArg,
@@ -146,7 +148,7 @@ fn main() -> ExitCode {
     telemetry::init_tracing(cli.log_format);
     let runtime = runtime(cfg.worker.threads).expect("a tokio runtime");
     match runtime.block_on(async_main(cli.command, cfg)) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("pacer: {e:#}");
             ExitCode::FAILURE
@@ -154,9 +156,20 @@ fn main() -> ExitCode {
     }
 }
 
-async fn async_main(command: Command, cfg: Config) -> anyhow::Result<()> {
+/// What `inspect` and `report` exit with when they showed what they could read but not all of
+/// it (as `ls` exits 1 for "minor problems"; 1 and 2 are pacer's failure and bad config).
+const SHOWN_IN_PART: u8 = 3;
+
+async fn async_main(command: Command, cfg: Config) -> anyhow::Result<ExitCode> {
+    let in_part = |problems: &[String]| {
+        if problems.is_empty() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(SHOWN_IN_PART)
+        }
+    };
     match command {
-        Command::Run(_) => run(cfg).await,
+        Command::Run(_) => run(cfg).await.map(|()| ExitCode::SUCCESS),
         Command::Produce {
             count,
             routes,
@@ -193,12 +206,13 @@ async fn async_main(command: Command, cfg: Config) -> anyhow::Result<()> {
             )
             .await?;
             println!("pushed {count} events to {}", cfg.outbound.flow.streams[0]);
-            Ok(())
+            Ok(ExitCode::SUCCESS)
         }
         Command::Report { since, .. } => {
             let mut con = connect(&cfg).await?;
-            print!("{}", pacer::report::report(&mut con, &cfg, since).await?);
-            Ok(())
+            let report = pacer::report::report(&mut con, &cfg, since).await?;
+            print!("{report}");
+            Ok(in_part(&report.problems))
         }
         Command::Inspect { json, .. } => {
             let mut con = connect(&cfg).await?;
@@ -208,7 +222,7 @@ async fn async_main(command: Command, cfg: Config) -> anyhow::Result<()> {
             } else {
                 print!("{state}");
             }
-            Ok(())
+            Ok(in_part(&state.problems))
         }
         Command::CheckConfig(_) => unreachable!("handled before the runtime starts"),
     }
