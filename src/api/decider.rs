@@ -98,7 +98,6 @@ pub const MAX_REQUESTS: usize = 1024;
 /// Most requests `decide_all` decides at once.
 const TOGETHER: usize = 64;
 
-/// Decides synchronous requests on the inbound rules; shared by the HTTP and gRPC faces.
 /// Adds the rules `ids` are checked against to `rules`, each once.
 fn rules_of(ids: &[Identity], rules: &mut Vec<usize>) {
     for id in ids {
@@ -108,6 +107,7 @@ fn rules_of(ids: &[Identity], rules: &mut Vec<usize>) {
     }
 }
 
+/// Decides synchronous requests on the inbound rules; shared by the HTTP and gRPC faces.
 pub struct Decider {
     cfg: InboundConfig,
     batcher: Batcher,
