@@ -272,6 +272,16 @@ impl RedisServer {
             .expect("connecting to the test redis")
     }
 
+    /// `CONFIG SET name value` on the running server.
+    pub fn config_set(&self, name: &str, value: &str) {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query(&mut self.con())
+            .expect("CONFIG SET");
+    }
+
     /// Kills the server (SIGKILL): its data is lost unless persistence is on.
     pub fn kill(&mut self) {
         let _ = self.child.kill();

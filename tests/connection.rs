@@ -578,12 +578,7 @@ async fn acl_users_log_in_from_the_url_a_password_file_or_the_environment() {
     assert_eq!(fatal(&err), Some(Fatal::Auth), "{err}");
 
     // No password where one is required: NOAUTH is fatal.
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("requirepass")
-        .arg("now-required")
-        .query(&mut server.con())
-        .unwrap();
+    server.config_set("requirepass", "now-required");
     let cfg = redis_config(&format!("{{url: \"redis://127.0.0.1:{port}\"}}"));
     let err = whoami(conn(&cfg)).await.unwrap_err();
     assert_eq!(fatal(&err), Some(Fatal::Auth), "{err}");

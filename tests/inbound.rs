@@ -696,14 +696,6 @@ fn fail_policy_run(policy: &str) -> (RedisServer, String) {
     let cfg = config(&dir, "c.yaml", &redis, port, WORKER, &body);
     let pacer = start(&cfg, port);
     let mut con = redis.con();
-    let set = |con: &mut redis::Connection, k: &str, v: &str| {
-        let _: () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg(k)
-            .arg(v)
-            .query(con)
-            .unwrap();
-    };
     pacer.signal("STOP");
     // In one transaction, so that pacer's blocked read gets all six at once.
     let mut tx = redis::pipe();
@@ -715,14 +707,14 @@ fn fail_policy_run(policy: &str) -> (RedisServer, String) {
         }
     }
     let _: () = tx.query(&mut con).unwrap();
-    set(&mut con, "maxmemory-policy", "noeviction");
-    set(&mut con, "maxmemory", "1");
+    redis.config_set("maxmemory-policy", "noeviction");
+    redis.config_set("maxmemory", "1");
     pacer.signal("CONT");
     let failed = wait_until(Duration::from_secs(15), || {
         http_get(port, "/metrics")
             .is_some_and(|(_, t)| metric(&t, "pacer_inbound_limiter_unavailable_total") >= 6.0)
     });
-    set(&mut con, "maxmemory", "0");
+    redis.config_set("maxmemory", "0");
     assert!(failed, "admission never failed:\n{}", pacer.log_text());
     assert!(
         wait_until(Duration::from_secs(15), || pending(

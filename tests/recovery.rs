@@ -465,26 +465,18 @@ fn redis_out_of_memory_is_said_once_and_holds_readiness_until_writes_are_taken()
     let port = free_port();
     let cfg = config(&dir, "c.yaml", &redis, port, "  batch: 32", TWO_ROUTES);
     let pacer = start(&cfg, port);
-    let set = |k: &str, v: &str| {
-        let _: () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg(k)
-            .arg(v)
-            .query(&mut redis.con())
-            .unwrap();
-    };
     // Read while stopped and decided once continued, against a full Redis.
     pacer.signal("STOP");
     let ids = push(&redis, "in", &events("oom", 200));
-    set("maxmemory-policy", "noeviction");
-    set("maxmemory", "1");
+    redis.config_set("maxmemory-policy", "noeviction");
+    redis.config_set("maxmemory", "1");
     pacer.signal("CONT");
     let mut answers = Vec::new();
     for _ in 0..25 {
         std::thread::sleep(Duration::from_millis(100));
         answers.push(http_get(port, "/readyz"));
     }
-    set("maxmemory", "0");
+    redis.config_set("maxmemory", "0");
     let ready: Vec<_> = answers
         .iter()
         .filter(|a| !matches!(a, Some((503, _))))

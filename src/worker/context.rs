@@ -132,8 +132,8 @@ impl Context {
         }
     }
 
-    /// Runs `f`, a call that writes, until it succeeds, backing off between failures; `None`
-    /// if `stop` comes first. Safe because every step pacer takes in Redis is idempotent.
+    /// Runs `f` until it succeeds, backing off between failures; `None` if `stop` comes first.
+    /// Safe because every step pacer takes in Redis is idempotent.
     pub(crate) async fn retry<T, F, Fut>(
         &self,
         op: &'static str,
@@ -144,24 +144,7 @@ impl Context {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
-        self.retrying(op, stop, |_| false, true, f)
-            .await
-            .and_then(Result::ok)
-    }
-
-    /// As `retry`, for a call that only reads: its success does not show that Redis takes
-    /// writes again.
-    pub(crate) async fn retry_read<T, F, Fut>(
-        &self,
-        op: &'static str,
-        stop: &CancellationToken,
-        f: F,
-    ) -> Option<T>
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Result<T>>,
-    {
-        self.retrying(op, stop, |_| false, false, f)
+        self.retry_unless(op, stop, |_| false, f)
             .await
             .and_then(Result::ok)
     }
@@ -174,21 +157,6 @@ impl Context {
         op: &'static str,
         stop: &CancellationToken,
         hopeless: impl Fn(&Error) -> bool,
-        f: F,
-    ) -> Option<Result<T>>
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Result<T>>,
-    {
-        self.retrying(op, stop, hopeless, true, f).await
-    }
-
-    async fn retrying<T, F, Fut>(
-        &self,
-        op: &'static str,
-        stop: &CancellationToken,
-        hopeless: impl Fn(&Error) -> bool,
-        writes: bool,
         mut f: F,
     ) -> Option<Result<T>>
     where
@@ -196,10 +164,15 @@ impl Context {
         Fut: std::future::Future<Output = Result<T>>,
     {
         let mut backoff = Backoff::default();
+        // Whether Redis refused this call's writes: its success then shows that Redis takes
+        // writes again. (A read, never refused, cannot say so: it goes on succeeding under
+        // OOM. Every refused write is retried until it succeeds, so each refusal is ended by
+        // the call that met it.)
+        let mut refused = false;
         loop {
             match telemetry::timed(op, f()).await {
                 Ok(v) => {
-                    if writes {
+                    if refused {
                         self.health.wrote();
                     } else {
                         self.health.succeeded();
@@ -216,6 +189,7 @@ impl Context {
                 Err(e) if hopeless(&e) => return Some(Err(e)),
                 Err(e) => {
                     // Health says the outage once; here only the detail, at debug.
+                    refused |= e.refuses_writes();
                     self.failed(op, &e);
                     let delay = backoff.fail();
                     if backoff.failures() == 1 && matches!(e, Error::ReplicasShort { .. }) {

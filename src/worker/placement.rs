@@ -149,7 +149,7 @@ pub(crate) async fn still_held(
         if !p.check_held {
             return Some(true);
         }
-        ctx.retry_read("pending", stop, || {
+        ctx.retry("pending", stop, || {
             let mut con = ctx.con.clone();
             async move {
                 crate::streams::held_by(
