@@ -7,6 +7,7 @@
 //! failing and once when they answer again, whatever the number of calls, tasks and events in
 //! between: the per-call detail goes to debug.
 
+use crate::error::Error;
 use metrics::gauge;
 use std::fmt::Display;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -74,6 +75,20 @@ impl Health {
             drop(since);
             warn!(op, %error, "Redis refuses pacer's writes; retrying with backoff until it takes them");
             self.publish();
+        }
+    }
+
+    /// A call (`op`) failed with `e`: a write Redis refused (out of memory...) is a refusal,
+    /// which only a write that succeeds ends. Replicas lagging behind `wait_replicas` and a key
+    /// holding the wrong kind of value are not health's: Redis answers then, and other calls
+    /// succeed meanwhile, so health would flip between failing and answering on every call.
+    /// Those are counted (`pacer_replication_short_total`, `pacer_redis_errors_total`) and
+    /// logged once per streak by the caller instead.
+    pub fn call_failed(&self, op: &str, e: &Error) {
+        if e.refuses_writes() {
+            self.refused(op, e);
+        } else if !matches!(e, Error::ReplicasShort { .. }) && !e.is_wrong_type() {
+            self.failed(op, e);
         }
     }
 

@@ -35,7 +35,7 @@ pub async fn start(
     health: Arc<Health>,
     stop: CancellationToken,
 ) -> Result<Vec<JoinHandle<()>>, String> {
-    let mut main = http::operations(metrics, health);
+    let mut main = http::operations(metrics, health.clone());
     let (mut main_timeout, mut main_max) = (READ_TIMEOUT, MAX_CONNECTIONS);
     let mut tasks = Vec::new();
     let api = cfg
@@ -44,7 +44,7 @@ pub async fn start(
         .and_then(|i| i.api.as_ref().map(|a| (i, a)));
     if let Some((inbound, api)) = api {
         let con = RedisConn::new(&cfg.redis, cfg.redis.timeout).map_err(|e| e.to_string())?;
-        let decider = Decider::new(inbound.clone(), con);
+        let decider = Decider::new(inbound.clone(), con, health);
         match api.listen {
             Some(addr) if addr == cfg.metrics.listen => {
                 main = main.merge(http::admission(decider.clone()));

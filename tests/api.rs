@@ -927,6 +927,54 @@ fn redis_unreachable_is_503_when_failing_closed_and_huge_or_hostile_bodies_get_c
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
 }
 
+/// A Redis that answers but refuses writes (out of memory) is said by `/readyz` when only the API
+/// meets it: the stream flow, idle, reads on without trouble. Each request is refused (503,
+/// fail_closed) and readiness holds until an admission is written again.
+#[test]
+fn a_redis_refusing_the_apis_writes_holds_readiness_while_the_stream_flow_idles() {
+    let api = start_api(
+        1,
+        "    - {name: per-source, key: [source], limits: [1000/s]}\n",
+    );
+    let (m, h, _) = api.ports[0];
+    let ask = |n: usize| post(h, &format!("{{\"fields\": {{\"source\": \"s{n}\"}}}}")).0;
+    assert_eq!(ask(0), 200);
+    assert!(wait_until(Duration::from_secs(10), || matches!(
+        http_get(m, "/readyz"),
+        Some((200, _))
+    )));
+    api.redis.config_set("maxmemory-policy", "noeviction");
+    api.redis.config_set("maxmemory", "1");
+    let mut answers = Vec::new();
+    for n in 1..=20 {
+        answers.push(ask(n));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(answers.iter().all(|s| *s == 503), "{answers:?}");
+    // The stream flow goes on reading through all of it; readiness must not flip back.
+    for _ in 0..10 {
+        let got = http_get(m, "/readyz");
+        let Some((503, why)) = &got else {
+            panic!("ready while Redis refuses the API's writes: {got:?}");
+        };
+        assert!(why.contains("refuses writes"), "{why}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    api.redis.config_set("maxmemory", "0");
+    assert_eq!(ask(100), 200);
+    assert!(wait_until(Duration::from_secs(5), || matches!(
+        http_get(m, "/readyz"),
+        Some((200, _))
+    )));
+    let log = api.pacers[0].log_text();
+    assert_eq!(
+        log.matches("Redis refuses pacer's writes").count(),
+        1,
+        "{log}"
+    );
+    assert_eq!(log.matches("Redis takes writes again").count(), 1, "{log}");
+}
+
 /// A whole `POST /v1/admit` for source `a`, as raw HTTP/1.1 (for tests that hold sockets).
 fn admit_request() -> String {
     let ask = r#"{"fields": {"source": "a"}}"#;

@@ -6,6 +6,7 @@
 use crate::admission::{Ask, SyncVerdict};
 use crate::config::InboundRule;
 use crate::connection::RedisConn;
+use crate::health::Health;
 use crate::scripts::{DecideCheck, DecideRequest, DecideRules, Scripts, LOG_ENTRIES_PER_READ};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -36,10 +37,11 @@ pub struct Batcher {
 }
 
 impl Batcher {
-    /// Starts the batching task (it ends when every `Batcher` clone is dropped).
-    pub fn start(rules: Vec<InboundRule>, con: RedisConn) -> Self {
+    /// Starts the batching task (it ends when every `Batcher` clone is dropped); its calls'
+    /// failures and successes are `health`'s, as the stream flow's are.
+    pub fn start(rules: Vec<InboundRule>, con: RedisConn, health: Arc<Health>) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(rx, Arc::new(rules), con));
+        tokio::spawn(run(rx, Arc::new(rules), con, health));
         Batcher { tx }
     }
 
@@ -64,7 +66,12 @@ impl Batcher {
     }
 }
 
-async fn run(mut rx: mpsc::UnboundedReceiver<Job>, rules: Arc<Vec<InboundRule>>, con: RedisConn) {
+async fn run(
+    mut rx: mpsc::UnboundedReceiver<Job>,
+    rules: Arc<Vec<InboundRule>>,
+    con: RedisConn,
+    health: Arc<Health>,
+) {
     let scripts = Arc::new(Scripts::default());
     let rules = Arc::new(DecideRules::new(&rules, LOG_ENTRIES_PER_READ));
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
@@ -83,6 +90,7 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Job>, rules: Arc<Vec<InboundRule>>,
             }
         }
         let (rules, scripts, con) = (rules.clone(), scripts.clone(), con.clone());
+        let health = health.clone();
         tokio::spawn(async move {
             let mut by_partition: BTreeMap<usize, Vec<Job>> = BTreeMap::new();
             for j in jobs {
@@ -91,8 +99,8 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Job>, rules: Arc<Vec<InboundRule>>,
             // Partitions lie in different slots, often on different masters: in parallel.
             let calls = by_partition.into_values().map(|jobs| {
                 let mut con = con.clone();
-                let (scripts, rules) = (scripts.clone(), rules.clone());
-                async move { call(&scripts, &mut con, &rules, jobs).await }
+                let (scripts, rules, health) = (scripts.clone(), rules.clone(), health.clone());
+                async move { call(&scripts, &mut con, &rules, &health, jobs).await }
             });
             futures_util::future::join_all(calls).await;
             drop(permit);
@@ -100,7 +108,13 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Job>, rules: Arc<Vec<InboundRule>>,
     }
 }
 
-async fn call(scripts: &Scripts, con: &mut RedisConn, rules: &DecideRules, jobs: Vec<Job>) {
+async fn call(
+    scripts: &Scripts,
+    con: &mut RedisConn,
+    rules: &DecideRules,
+    health: &Health,
+    jobs: Vec<Job>,
+) {
     let requests: Vec<DecideRequest<'_>> = jobs
         .iter()
         .map(|j| DecideRequest {
@@ -121,11 +135,19 @@ async fn call(scripts: &Scripts, con: &mut RedisConn, rules: &DecideRules, jobs:
     drop(requests);
     match reply {
         Ok((_, verdicts)) => {
+            // A Redis out of memory still runs a call that writes nothing (every request
+            // refused): only an admission, which charges its limits, shows writes are taken.
+            if verdicts.iter().any(|v| v.accepted) {
+                health.wrote();
+            } else {
+                health.succeeded();
+            }
             for (job, v) in jobs.into_iter().zip(verdicts) {
                 let _ = job.reply.send(Ok(v));
             }
         }
         Err(e) => {
+            health.call_failed("decide", &e);
             let e = e.to_string();
             for job in jobs {
                 let _ = job.reply.send(Err(e.clone()));

@@ -8,6 +8,7 @@ use crate::admission::{Algorithm, Ask, CheckOutcome, SyncVerdict, SPACING};
 use crate::config::{FailPolicy, InboundConfig, Lease, READ_TIMEOUT};
 use crate::connection::RedisConn;
 use crate::event::inbound::{resolve, Identity};
+use crate::health::Health;
 use crate::scripts::spacing_label;
 use crate::telemetry;
 use std::sync::Arc;
@@ -116,9 +117,11 @@ pub struct Decider {
 }
 
 impl Decider {
-    pub fn new(cfg: InboundConfig, con: RedisConn) -> Arc<Self> {
+    /// A decider on `cfg`'s rules, whose Redis calls tell `health` how Redis is doing (an
+    /// idle stream flow would not see a Redis that refuses the API's writes).
+    pub fn new(cfg: InboundConfig, con: RedisConn, health: Arc<Health>) -> Arc<Self> {
         Arc::new(Decider {
-            batcher: Batcher::start(cfg.rules.clone(), con),
+            batcher: Batcher::start(cfg.rules.clone(), con, health),
             latency: telemetry::ApiLatency::new(&cfg),
             cfg,
             leases: Leases::default(),

@@ -77,18 +77,9 @@ impl Context {
         })
     }
 
-    /// Reports a failed call to health, except replicas lagging behind `wait_replicas` and a key
-    /// holding the wrong kind of value: Redis answers then, and other calls succeed meanwhile,
-    /// so health would flip between failing and answering on every call. Those are counted
-    /// (`pacer_replication_short_total`, `pacer_redis_errors_total`) and logged once per streak
-    /// by the caller instead. A write Redis refused (out of memory...) is health's too, as
-    /// refused writes, which only a write that succeeds ends.
+    /// Reports a failed call to health (`Health::call_failed` says which failures count).
     pub(crate) fn failed(&self, op: &str, e: &Error) {
-        if e.refuses_writes() {
-            self.health.refused(op, e);
-        } else if !matches!(e, Error::ReplicasShort { .. }) && !e.is_wrong_type() {
-            self.health.failed(op, e);
-        }
+        self.health.call_failed(op, e);
     }
 
     /// Whether one script may touch both keys: Redis is not a cluster, or they share a slot.
