@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use pacer::report::OutputEntry;
-use pacer::testkit::{free_port, http_get, wait_until, RedisServer, TempDir};
+use pacer::testkit::{command_calls, free_port, http_get, wait_until, RedisServer, TempDir};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::{Command, Output};
@@ -184,6 +184,55 @@ fn the_queue_gauge_goes_back_to_zero_once_the_route_is_idle() {
             == Some(0.0)),
         "the gauge after the route went idle: {:?}",
         queue_gauge(port, "slow")
+    );
+}
+
+/// The queue gauges of thousands of routes are read a few hundred routes to a round trip (one
+/// round trip per route took a tick of 5,000 routes two seconds), and still say each route's
+/// own queue.
+#[test]
+fn thousands_of_routes_queue_gauges_are_read_in_a_few_round_trips() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("gauges");
+    let port = free_port();
+    let routes = 3000;
+    let mut body = String::from("outbound:\n  streams: [\"in\"]\n  routes:\n");
+    for r in 0..routes {
+        body.push_str(&format!("    r{r}: {{rate: 10/s}}\n"));
+    }
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, &body);
+    let _pacer = start(&cfg, port);
+    // A plan 30 s ahead on the last route's bucket, as a backlog would leave it.
+    let mut con = redis.con();
+    let (s, _): (i64, i64) = redis::cmd("TIME").query(&mut con).unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg("pacer:{r2999}:bucket:r2999")
+        .arg("tat")
+        .arg((s + 30) * 1_000_000)
+        .query(&mut con)
+        .unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut con)
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(8), || queue_gauge(port, "r2999")
+            .is_some_and(|q| q > 20.0)),
+        "the gauge of r2999: {:?}",
+        queue_gauge(port, "r2999")
+    );
+    assert_eq!(queue_gauge(port, "r0"), Some(0.0));
+    // Each tick (every 2 s) reads every bucket once, with one TIME per round trip.
+    std::thread::sleep(Duration::from_secs(4));
+    let (time, hget) = (
+        command_calls(&mut con, "time"),
+        command_calls(&mut con, "hget"),
+    );
+    let ticks = hget / routes;
+    assert!((2..=6).contains(&ticks), "{hget} HGETs");
+    assert!(
+        time <= ticks * 6 + 6,
+        "{time} round trips for {ticks} ticks"
     );
 }
 

@@ -9,7 +9,7 @@ mod common;
 use common::{event, pending, read, start, unfinished};
 use pacer::keys::InboundKeys;
 use pacer::report::{max_in_window, OutputEntry};
-use pacer::testkit::{free_port, wait_until, Cluster, Pacer, TempDir};
+use pacer::testkit::{free_port, metric_at, wait_until, Cluster, Pacer, TempDir};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::thread::JoinHandle;
@@ -467,7 +467,12 @@ fn a_frozen_master_holds_up_no_route_on_the_others() {
     for r in &routes {
         body += &format!("    {r}: {{rate: 200/s, burst: 1, max_wait: 5s}}\n");
     }
-    let pacers = workers(&dir, &cluster, "", WORKER, &body, 2);
+    let (pacers, ports): (Vec<Pacer>, Vec<u16>) = (0..2)
+        .map(|i| {
+            let (config, port) = worker_config(&dir, &cluster, "", WORKER, &body, i);
+            (start(&config, port), port)
+        })
+        .unzip();
     let now_ms = |con: &mut redis::Connection| -> i64 {
         let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();
         s * 1000 + us / 1000
@@ -528,6 +533,33 @@ fn a_frozen_master_holds_up_no_route_on_the_others() {
             assert_eq!(during, 0, "the frozen master's route dispatched");
         }
     }
+
+    // Idle now, each route's queue gauge comes from the monitor, which reads the buckets of the
+    // routes of one slot in one round trip, with a TIME, on their own master.
+    for r in &routes {
+        let bucket = format!("pacer:{{{r}}}:bucket:{r}");
+        let mut con = cluster.server_of(&bucket).con();
+        let ahead_us = (now_ms(&mut con) + 30_000) * 1000;
+        let _: () = redis::cmd("HSET")
+            .arg(&bucket)
+            .arg("tat")
+            .arg(ahead_us)
+            .query(&mut con)
+            .unwrap();
+    }
+    let gauge = |r: &str| {
+        metric_at(
+            ports[0],
+            &format!("pacer_route_queue_seconds{{route=\"{r}\"}}"),
+        )
+    };
+    assert!(
+        wait_until(Duration::from_secs(8), || routes
+            .iter()
+            .all(|r| gauge(r) > 20.0)),
+        "queue gauges: {:?}",
+        routes.iter().map(|r| gauge(r)).collect::<Vec<_>>()
+    );
 }
 
 /// What one run of `lagging_takeover` left.
