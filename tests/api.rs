@@ -975,6 +975,25 @@ fn a_redis_refusing_the_apis_writes_holds_readiness_while_the_stream_flow_idles(
     assert_eq!(log.matches("Redis takes writes again").count(), 1, "{log}");
 }
 
+/// Redis closes connections idle for longer than its `timeout` (as proxies and managed Redis
+/// do): the API's connection, idle between requests, is made anew and the request asked again,
+/// not answered 503.
+#[test]
+fn a_connection_redis_closed_while_idle_costs_a_request_nothing() {
+    let api = start_api(1, PER_SOURCE);
+    let (_, h, _) = api.ports[0];
+    api.redis.config_set("timeout", "1");
+    let mut answers = Vec::new();
+    for n in 0..3 {
+        answers.push(post(h, &format!("{{\"fields\": {{\"source\": \"s{n}\"}}}}")).0);
+        // Longer than the timeout, and Redis's check of idle clients (every second or so).
+        std::thread::sleep(Duration::from_millis(2500));
+    }
+    assert_eq!(answers, [200, 200, 200]);
+    let log = api.pacers[0].log_text();
+    assert!(!log.contains("op=\"decide\""), "{log}");
+}
+
 /// A whole `POST /v1/admit` for source `a`, as raw HTTP/1.1 (for tests that hold sockets).
 fn admit_request() -> String {
     let ask = r#"{"fields": {"source": "a"}}"#;

@@ -6,6 +6,7 @@
 use crate::admission::{Ask, SyncVerdict};
 use crate::config::InboundRule;
 use crate::connection::RedisConn;
+use crate::error::Error;
 use crate::health::Health;
 use crate::scripts::{DecideCheck, DecideRequest, DecideRules, Scripts, LOG_ENTRIES_PER_READ};
 use std::collections::BTreeMap;
@@ -131,7 +132,14 @@ async fn call(
             cost: j.cost,
         })
         .collect();
-    let reply = crate::telemetry::timed("decide", scripts.decide(con, rules, &requests)).await;
+    let mut reply = crate::telemetry::timed("decide", scripts.decide(con, rules, &requests)).await;
+    // Redis (its `timeout`) or a proxy closes a connection that sat idle; the first call on it
+    // then fails, unsent, and the connection is made anew. Asked once more rather than answered
+    // 503 (or let through unchecked): a call that did run before its reply was lost charges its
+    // requests twice, which can refuse but never admit past a limit.
+    if matches!(&reply, Err(Error::Redis(e)) if e.is_connection_dropped()) {
+        reply = crate::telemetry::timed("decide", scripts.decide(con, rules, &requests)).await;
+    }
     drop(requests);
     match reply {
         Ok((_, verdicts)) => {
