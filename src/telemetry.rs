@@ -203,24 +203,23 @@ where
     result
 }
 
-/// One rule's verdict on a synchronous request (per identity checked).
-pub fn api_decision(api: crate::api::Api, rule: &str, shadow: bool, passed: bool) {
-    let outcome = if passed { "allowed" } else { "limited" };
-    let mode = if shadow { "shadow" } else { "enforce" };
-    counter!(API_DECISIONS_TOTAL, "api" => api.as_str(), "rule" => rule.to_string(), "outcome" => outcome, "mode" => mode)
-        .increment(1);
+/// The synchronous API's metrics per API and rule: how long requests take to be decided (a
+/// request's time, from its parsed request to its answer, counts once for each rule it was
+/// checked against) and the decisions by outcome. The handles are looked up once, not per
+/// request and identity, and registered when made (at zero, so that a rate() of the first
+/// minute counts the first request).
+pub struct ApiMetrics {
+    /// Per rule (config order), per API (HTTP, gRPC) if served.
+    by_rule: Vec<[Option<RuleMetrics>; 2]>,
 }
 
-/// How long synchronous requests take to be decided, per API and rule: a request's time (from
-/// its parsed request to its answer) counts once for each rule it was checked against. The
-/// handles are looked up once, not per request, and registered when made (at zero, so that a
-/// rate() of the first minute counts the first request).
-pub struct ApiLatency {
-    /// Per rule (config order): the HTTP and the gRPC histogram, for the APIs served.
-    by_rule: Vec<[Option<metrics::Histogram>; 2]>,
+struct RuleMetrics {
+    seconds: metrics::Histogram,
+    allowed: metrics::Counter,
+    limited: metrics::Counter,
 }
 
-impl ApiLatency {
+impl ApiMetrics {
     pub fn new(inbound: &crate::config::InboundConfig) -> Self {
         let api = inbound.api.as_ref();
         let served = [
@@ -237,28 +236,49 @@ impl ApiLatency {
             .rules
             .iter()
             .map(|r| {
+                let mode = if r.shadow { "shadow" } else { "enforce" };
                 served.map(|(api, on)| {
-                    on.then(
-                        || histogram!(API_SECONDS, "api" => api.as_str(), "rule" => r.name.clone()),
-                    )
+                    on.then(|| {
+                        let decisions = |outcome| {
+                            let c = counter!(API_DECISIONS_TOTAL, "api" => api.as_str(), "rule" => r.name.clone(), "outcome" => outcome, "mode" => mode);
+                            c.absolute(0);
+                            c
+                        };
+                        RuleMetrics {
+                            seconds: histogram!(API_SECONDS, "api" => api.as_str(), "rule" => r.name.clone()),
+                            allowed: decisions("allowed"),
+                            limited: decisions("limited"),
+                        }
+                    })
                 })
             })
             .collect();
-        ApiLatency { by_rule }
+        ApiMetrics { by_rule }
+    }
+
+    fn of(&self, api: crate::api::Api, rule: usize) -> Option<&RuleMetrics> {
+        let face = match api {
+            crate::api::Api::Http => 0,
+            crate::api::Api::Grpc => 1,
+        };
+        self.by_rule[rule][face].as_ref()
     }
 
     /// A request (or a gRPC call's descriptors) checked against `rules` (indices, each once),
     /// answered now.
     pub fn record(&self, api: crate::api::Api, rules: &[usize], started: Instant) {
         let seconds = started.elapsed().as_secs_f64();
-        let face = match api {
-            crate::api::Api::Http => 0,
-            crate::api::Api::Grpc => 1,
-        };
         for &r in rules {
-            if let Some(h) = &self.by_rule[r][face] {
-                h.record(seconds);
+            if let Some(m) = self.of(api, r) {
+                m.seconds.record(seconds);
             }
+        }
+    }
+
+    /// One identity's check against rule `rule` (an index): passed or not.
+    pub fn decided(&self, api: crate::api::Api, rule: usize, passed: bool) {
+        if let Some(m) = self.of(api, rule) {
+            if passed { &m.allowed } else { &m.limited }.increment(1);
         }
     }
 }
@@ -366,14 +386,7 @@ pub fn register(cfg: &crate::config::Config) {
             ];
             for (face, _) in faces.iter().filter(|(_, on)| *on) {
                 counter!(API_REDIS_CALLS_TOTAL, "api" => face.as_str()).absolute(0);
-                // (API_SECONDS is registered by the API's `ApiLatency`.)
-                for rule in &inbound.rules {
-                    let mode = if rule.shadow { "shadow" } else { "enforce" };
-                    for outcome in ["allowed", "limited"] {
-                        counter!(API_DECISIONS_TOTAL, "api" => face.as_str(), "rule" => rule.name.clone(), "outcome" => outcome, "mode" => mode)
-                            .absolute(0);
-                    }
-                }
+                // (API_SECONDS and API_DECISIONS_TOTAL are registered by the API's ApiMetrics.)
             }
             for rule in inbound.rules.iter().filter(|r| r.lease.is_some()) {
                 for ahead in ["true", "false"] {

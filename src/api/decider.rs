@@ -113,7 +113,7 @@ pub struct Decider {
     cfg: InboundConfig,
     batcher: Batcher,
     leases: Leases,
-    latency: telemetry::ApiLatency,
+    metrics: telemetry::ApiMetrics,
 }
 
 impl Decider {
@@ -122,7 +122,7 @@ impl Decider {
     pub fn new(cfg: InboundConfig, con: RedisConn, health: Arc<Health>) -> Arc<Self> {
         Arc::new(Decider {
             batcher: Batcher::start(cfg.rules.clone(), con, health),
-            latency: telemetry::ApiLatency::new(&cfg),
+            metrics: telemetry::ApiMetrics::new(&cfg),
             cfg,
             leases: Leases::default(),
         })
@@ -205,7 +205,7 @@ impl Decider {
         let mut checked = Vec::new();
         rules_of(&ids, &mut checked);
         let answer = self.decide_resolved(api, req, partition, ids).await;
-        self.latency.record(api, &checked, started);
+        self.metrics.record(api, &checked, started);
         answer
     }
 
@@ -246,7 +246,7 @@ impl Decider {
                 answers.push(answer?);
             }
         }
-        self.latency.record(api, &checked, started);
+        self.metrics.record(api, &checked, started);
         Ok(answers)
     }
 
@@ -432,8 +432,7 @@ impl Decider {
                 .map(|(id, room)| self.reported(id, room.limit, room.remaining, room.reset_us)),
         };
         for (id, c) in ids.iter().zip(&v.checks) {
-            let rule = &self.cfg.rules[id.rule];
-            telemetry::api_decision(api, &rule.name, rule.shadow, c.passed);
+            self.metrics.decided(api, id.rule, c.passed);
         }
         Answer {
             allowed: v.accepted,
@@ -456,7 +455,7 @@ impl Decider {
         let mut limit: Option<Reported> = None;
         for (id, slot) in ids.iter().zip(slots) {
             let rule = &self.cfg.rules[id.rule];
-            telemetry::api_decision(api, &rule.name, false, true);
+            self.metrics.decided(api, id.rule, true);
             let (left, ends) = slot.as_ref().expect("leased").left(now);
             let tightest = (0..rule.rule.limits.len())
                 .min_by_key(|&i| rule.rule.limits[i].count)
@@ -479,8 +478,7 @@ impl Decider {
         let retry_us = wait.as_micros().max(1) as i64;
         let rule = &self.cfg.rules[ids[x].rule];
         for id in ids {
-            let r = &self.cfg.rules[id.rule];
-            telemetry::api_decision(api, &r.name, r.shadow, id.rule != ids[x].rule);
+            self.metrics.decided(api, id.rule, id.rule != ids[x].rule);
         }
         let tightest = (0..rule.rule.limits.len())
             .min_by_key(|&i| rule.rule.limits[i].count)
