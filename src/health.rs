@@ -1,7 +1,8 @@
 //! Whether a worker can do its work (`/readyz`), and what it says about Redis trouble in its log.
 //!
 //! Ready means every one of these holds: Redis answered the last call and took the last write
-//! it was given (a Redis out of memory answers reads and refuses writes), the scripts are loaded,
+//! it was given (a Redis out of memory answers reads and refuses writes), the synchronous API's
+//! last call (on its own connection) did not fail, the scripts are loaded,
 //! every consumer group exists, and Redis keeps pacer's keys (its `maxmemory-policy` evicts
 //! nothing, or the operator acknowledged that it may). An outage is logged once when calls start
 //! failing and once when they answer again, whatever the number of calls, tasks and events in
@@ -31,6 +32,17 @@ pub struct Health {
     /// replicas): only a write that succeeds ends it, not the reads that go on succeeding.
     refused_since: Mutex<Option<Instant>>,
     refusals: AtomicU64,
+    /// The synchronous API's calls, on a connection of their own: followed apart from the
+    /// worker's, or a broken API connection beside a healthy stream flow would flip readiness
+    /// and the log with each call of either.
+    api: ApiLink,
+}
+
+/// Whether the synchronous API's Redis calls fail (ready until the first of them does).
+#[derive(Debug, Default)]
+struct ApiLink {
+    down_since: Mutex<Option<Instant>>,
+    failures: AtomicU64,
 }
 
 impl Health {
@@ -92,9 +104,49 @@ impl Health {
         }
     }
 
+    /// A call of the synchronous API succeeded.
+    pub fn api_succeeded(&self) {
+        let since = self.api.down_since.lock().expect("health lock").take();
+        if let Some(since) = since {
+            let failed = self.api.failures.swap(0, Ordering::Relaxed);
+            info!(
+                after = ?since.elapsed(),
+                failed_calls = failed,
+                "the API's Redis calls answer again"
+            );
+            self.publish();
+        }
+    }
+
+    /// A call of the synchronous API failed with `e`: a refused write is the worker's refusal
+    /// (Redis's state, whoever met it); any other failure is the API's own, said once per
+    /// streak, while its requests get `fail_policy`'s answer.
+    pub fn api_failed(&self, e: &Error) {
+        if e.refuses_writes() {
+            self.refused("decide", e);
+            return;
+        }
+        if matches!(e, Error::ReplicasShort { .. }) || e.is_wrong_type() {
+            return;
+        }
+        self.api.failures.fetch_add(1, Ordering::Relaxed);
+        let mut since = self.api.down_since.lock().expect("health lock");
+        if since.is_none() {
+            *since = Some(Instant::now());
+            drop(since);
+            warn!(error = %e, "the API's Redis calls are failing; its requests get fail_policy's answer until Redis answers");
+            self.publish();
+        }
+    }
+
     /// A call that writes succeeded: Redis answers, and takes writes.
     pub fn wrote(&self) {
         self.succeeded();
+        self.writes_taken();
+    }
+
+    /// A write succeeded (on whichever connection): Redis takes writes, if it refused them.
+    pub fn writes_taken(&self) {
         let since = self.refused_since.lock().expect("health lock").take();
         if let Some(since) = since {
             let refused = self.refusals.swap(0, Ordering::Relaxed);
@@ -135,6 +187,8 @@ impl Health {
     pub fn why_not(&self) -> Option<&'static str> {
         if !self.redis_ok.load(Ordering::Relaxed) {
             Some("Redis does not answer")
+        } else if self.api.down_since.lock().expect("health lock").is_some() {
+            Some("Redis does not answer the API's calls")
         } else if self.refused_since.lock().expect("health lock").is_some() {
             Some("Redis refuses writes (out of memory, failing to persist, or short of replicas: see the log)")
         } else if !self.scripts_loaded.load(Ordering::Relaxed) {
@@ -187,6 +241,42 @@ mod tests {
         h.succeeded();
         assert!(!h.ready(), "a read does not show that writes are taken");
         h.wrote();
+        assert!(h.ready());
+    }
+
+    #[test]
+    fn the_apis_failures_are_its_own_and_the_workers_calls_do_not_end_them() {
+        let h = Health::default();
+        h.succeeded();
+        h.set_scripts_loaded(true);
+        h.set_groups_ok(true);
+        h.set_keys_kept(true);
+        let dropped = Error::Redis(redis::RedisError::from(std::io::Error::from(
+            std::io::ErrorKind::ConnectionReset,
+        )));
+        h.api_failed(&dropped);
+        assert_eq!(h.why_not(), Some("Redis does not answer the API's calls"));
+        h.succeeded();
+        h.wrote();
+        assert!(
+            !h.ready(),
+            "the worker's calls say nothing of the API's connection"
+        );
+        h.api_failed(&dropped);
+        assert_eq!(h.api.failures.load(Ordering::Relaxed), 2);
+        h.api_succeeded();
+        assert!(h.ready());
+        assert_eq!(h.api.failures.load(Ordering::Relaxed), 0);
+        // Redis refusing writes is Redis's state: met by the API, ended by any write taken.
+        let oom = Error::Redis(redis::make_extension_error(
+            "OOM".into(),
+            Some("command not allowed when used memory > 'maxmemory'".into()),
+        ));
+        h.api_failed(&oom);
+        assert!(h.why_not().unwrap().contains("refuses writes"));
+        h.api_succeeded();
+        assert!(!h.ready(), "a call that wrote nothing does not end it");
+        h.writes_taken();
         assert!(h.ready());
     }
 }

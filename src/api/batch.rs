@@ -39,7 +39,7 @@ pub struct Batcher {
 
 impl Batcher {
     /// Starts the batching task (it ends when every `Batcher` clone is dropped); its calls'
-    /// failures and successes are `health`'s, as the stream flow's are.
+    /// failures and successes go to `health`, apart from the stream flow's.
     pub fn start(rules: Vec<InboundRule>, con: RedisConn, health: Arc<Health>) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         tokio::spawn(run(rx, Arc::new(rules), con, health));
@@ -145,17 +145,16 @@ async fn call(
         Ok((_, verdicts)) => {
             // A Redis out of memory still runs a call that writes nothing (every request
             // refused): only an admission, which charges its limits, shows writes are taken.
+            health.api_succeeded();
             if verdicts.iter().any(|v| v.accepted) {
-                health.wrote();
-            } else {
-                health.succeeded();
+                health.writes_taken();
             }
             for (job, v) in jobs.into_iter().zip(verdicts) {
                 let _ = job.reply.send(Ok(v));
             }
         }
         Err(e) => {
-            health.call_failed("decide", &e);
+            health.api_failed(&e);
             let e = e.to_string();
             for job in jobs {
                 let _ = job.reply.send(Err(e.clone()));
