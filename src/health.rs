@@ -99,7 +99,7 @@ impl Health {
     pub fn call_failed(&self, op: &str, e: &Error) {
         if e.refuses_writes() {
             self.refused(op, e);
-        } else if !matches!(e, Error::ReplicasShort { .. }) && !e.is_wrong_type() {
+        } else if says_redis_is_down(e) {
             self.failed(op, e);
         }
     }
@@ -126,7 +126,7 @@ impl Health {
             self.refused("decide", e);
             return;
         }
-        if matches!(e, Error::ReplicasShort { .. }) || e.is_wrong_type() {
+        if !says_redis_is_down(e) {
             return;
         }
         self.api.failures.fetch_add(1, Ordering::Relaxed);
@@ -205,6 +205,12 @@ impl Health {
     fn publish(&self) {
         gauge!(READY).set(if self.ready() { 1.0 } else { 0.0 });
     }
+}
+
+/// Whether a failed call says Redis does not answer: not replicas short of `wait_replicas`, nor
+/// a key of the wrong kind (see `Health::call_failed`).
+fn says_redis_is_down(e: &Error) -> bool {
+    !matches!(e, Error::ReplicasShort { .. }) && !e.is_wrong_type()
 }
 
 #[cfg(test)]
