@@ -565,6 +565,53 @@ fn an_input_stream_replaced_while_its_events_sleep_loses_none_of_them() {
     assert!(!log.contains("Redis calls are failing"), "{log}");
 }
 
+/// A producer that sets entry ids by hand: ids whose number is older than dedupe_ttl cannot be
+/// told from entries whose decision expired, so each is dead-lettered `expired` with a detail
+/// that says so (it said the entry had been pending for 56 years); an id ahead of the clock,
+/// and the ids Redis gives after it, are placed as usual.
+#[test]
+fn entry_ids_set_by_hand_get_a_clear_answer_and_lose_nothing() {
+    let redis = RedisServer::start();
+    let (_dir, _pacer) = outbound_worker(&redis, "ids", "  batch: 64", "    a: {rate: 100/s}\n");
+    let mut con = redis.con();
+    for (id, n) in [
+        ("1-1", "old1"),
+        ("2-1", "old2"),
+        ("99999999999999-1", "ahead"),
+    ] {
+        let _: String = redis::cmd("XADD")
+            .arg("in")
+            .arg(id)
+            .arg("route")
+            .arg("a")
+            .arg("n")
+            .arg(n)
+            .query(&mut con)
+            .unwrap();
+    }
+    push(&redis, "in", &[event(&[("route", "a"), ("n", "after")])]);
+    let outputs = ["pacer:{a}:ready", "pacer:rejected", "pacer:dead"];
+    assert!(wait_until(Duration::from_secs(5), || lengths(
+        &redis, &outputs
+    )
+    .iter()
+    .sum::<usize>()
+        >= 4));
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(lengths(&redis, &outputs), [2, 0, 2]);
+    let ready: Vec<_> = read(&redis, "pacer:{a}:ready")
+        .iter()
+        .map(|e| e.field("n").unwrap().to_string())
+        .collect();
+    assert_eq!(ready, ["ahead", "after"]);
+    for dead in read(&redis, "pacer:dead") {
+        assert_eq!(dead.field("pacer_reason"), Some("expired"));
+        let detail = dead.field("pacer_detail").unwrap();
+        assert!(detail.contains("set by hand"), "{detail}");
+    }
+    assert_eq!(pending(&redis, "in", "pacer"), 0);
+}
+
 /// The dead-letter stream's key holding another kind of value: the events that would go there
 /// are held (their entries stay pending, nothing lost) while the rest flow, the worker says so
 /// once (not for each batch held, nor as Redis failing), and once the key is deleted the dead

@@ -285,7 +285,7 @@ fn decided(
         }
         Scheduled::Stale(age_us) => {
             let detail = format!(
-                "pending {} s with no decision on record, longer than dedupe_ttl: a decision may have expired, so it is not decided again",
+                "its entry id is {} s old (Redis's clock), more than dedupe_ttl, and no decision is on record: one may have expired, so it is not decided again (an id set by hand, not by XADD's *, is as old as its number says)",
                 age_us / 1_000_000
             );
             placed.finished.dead.push((
