@@ -60,6 +60,9 @@ pub struct WorkerConfig {
 #[derive(Debug, Clone)]
 pub struct MetricsConfig {
     pub listen: SocketAddr,
+    /// Whether `pacer_wait_seconds` and `pacer_lateness_seconds` are kept per route (27 series
+    /// a route) or for all routes together (`route="all"`), for fleets of thousands of routes.
+    pub route_histograms: bool,
 }
 
 /// Values that replace the file's (from the environment or the command line). Debug never
@@ -252,7 +255,7 @@ fn read_worker(p: &mut Problems, v: Option<Value>) -> WorkerConfig {
 
 fn read_metrics(p: &mut Problems, v: Option<Value>, overrides: &Overrides) -> MetricsConfig {
     let raw: RawMetrics = p.section("metrics", v);
-    p.unknown_keys("metrics", &raw.unknown, &["listen"]);
+    p.unknown_keys("metrics", &raw.unknown, &["listen", "route_histograms"]);
     const WHAT: &str = "an address like 127.0.0.1:9464";
     let listen = match (&overrides.metrics_listen, &raw.listen) {
         (Some(o), _) => p.parsed(
@@ -265,6 +268,7 @@ fn read_metrics(p: &mut Problems, v: Option<Value>, overrides: &Overrides) -> Me
     };
     MetricsConfig {
         listen: listen.unwrap_or_else(|| ([127, 0, 0, 1], 9464).into()),
+        route_histograms: p.boolean("metrics.route_histograms", &raw.route_histograms, true),
     }
 }
 

@@ -6,6 +6,7 @@
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 pub const EVENTS_TOTAL: &str = "pacer_events_total";
@@ -137,14 +138,28 @@ pub fn limiter_unavailable(policy: &'static str, n: usize) {
     counter!(LIMITER_UNAVAILABLE_TOTAL, "policy" => policy).increment(n as u64);
 }
 
+/// Whether the wait and lateness histograms are kept per route (`metrics.route_histograms`).
+static ROUTE_HISTOGRAMS: AtomicBool = AtomicBool::new(true);
+
+/// The route label of the wait and lateness histograms: the route's, or `all` for every route
+/// when `metrics.route_histograms` is false.
+fn histogram_route(route: &str) -> String {
+    if ROUTE_HISTOGRAMS.load(Ordering::Relaxed) {
+        route.to_string()
+    } else {
+        "all".to_string()
+    }
+}
+
 pub fn scheduled_wait(route: &str, wait_us: i64) {
-    histogram!(WAIT_SECONDS, "route" => route.to_string()).record(wait_us.max(0) as f64 / 1e6);
+    histogram!(WAIT_SECONDS, "route" => histogram_route(route)).record(wait_us.max(0) as f64 / 1e6);
 }
 
 /// How long after its slot an event's ready entry was written (µs, by Redis's clock as the
 /// dispatch call read it: the entry's id holds only the millisecond).
 pub fn lateness(route: &str, late_us: i64) {
-    histogram!(LATENESS_SECONDS, "route" => route.to_string()).record(late_us.max(0) as f64 / 1e6);
+    histogram!(LATENESS_SECONDS, "route" => histogram_route(route))
+        .record(late_us.max(0) as f64 / 1e6);
 }
 
 /// A slot that could no longer be met was moved (recorded anew, within the event's deadline).
@@ -324,6 +339,7 @@ impl ListenerMetrics {
 /// `absent()`-style alerts see a series from the start rather than "no data" until the first
 /// event of each kind.
 pub fn register(cfg: &crate::config::Config) {
+    ROUTE_HISTOGRAMS.store(cfg.metrics.route_histograms, Ordering::Relaxed);
     let ops = [
         "read",
         "claim",

@@ -6,7 +6,9 @@ mod common;
 
 use common::*;
 use pacer::report::OutputEntry;
-use pacer::testkit::{command_calls, free_port, http_get, wait_until, RedisServer, TempDir};
+use pacer::testkit::{
+    command_calls, free_port, http_get, metric_at, wait_until, RedisServer, TempDir,
+};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::{Command, Output};
@@ -234,6 +236,49 @@ fn thousands_of_routes_queue_gauges_are_read_in_a_few_round_trips() {
         time <= ticks * 6 + 6,
         "{time} round trips for {ticks} ticks"
     );
+}
+
+/// `metrics.route_histograms: false` keeps the wait and lateness histograms for all routes
+/// together (`route="all"`), and the per-route counters as they are.
+#[test]
+fn route_histograms_off_keeps_one_histogram_for_all_routes() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("histograms");
+    let port = free_port();
+    let text = format!(
+        "redis:\n  url: {}\nmetrics:\n  listen: 127.0.0.1:{port}\n  route_histograms: false\nworker:\n{WORKER}\noutbound:\n  streams: [\"in\"]\n  routes:\n    a: {{rate: 1000/s}}\n    b: {{rate: 1000/s}}\n",
+        redis.url()
+    );
+    let cfg = dir.write("c.yaml", &text);
+    let _pacer = start(&cfg, port);
+    let events: Vec<_> = (0..20)
+        .map(|i| event(&[("route", if i % 2 == 0 { "a" } else { "b" })]))
+        .collect();
+    push(&redis, "in", &events);
+    let lateness_all = "pacer_lateness_seconds_count{route=\"all\"}";
+    assert!(
+        wait_until(Duration::from_secs(5), || metric_at(port, lateness_all)
+            == 20.0),
+        "{}",
+        http_get(port, "/metrics")
+            .map(|(_, t)| t)
+            .unwrap_or_default()
+    );
+    let text = http_get(port, "/metrics").unwrap().1;
+    assert!(
+        !text.contains("pacer_lateness_seconds_bucket{route=\"a\""),
+        "{text}"
+    );
+    assert!(
+        !text.contains("pacer_wait_seconds_bucket{route=\"b\""),
+        "{text}"
+    );
+    for route in ["a", "b"] {
+        let dispatched = format!(
+            "pacer_events_total{{flow=\"outbound\",route=\"{route}\",outcome=\"dispatched\"}}"
+        );
+        assert_eq!(metric_at(port, &dispatched), 10.0, "{text}");
+    }
 }
 
 #[test]

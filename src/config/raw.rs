@@ -77,6 +77,7 @@ pub struct RawWorker {
 #[serde(default)]
 pub struct RawMetrics {
     pub listen: Leaf,
+    pub route_histograms: Leaf,
     #[serde(flatten)]
     pub unknown: Mapping,
 }
