@@ -118,6 +118,18 @@ impl Refused {
             detail: detail.into(),
         }
     }
+
+    /// An entry whose id is `age_us` old, past `ttl` (the setting's path), with no decision on
+    /// record: one may have expired, so it is not decided again.
+    pub(crate) fn stale(age_us: i64, ttl: &str) -> Self {
+        Refused {
+            reason: Reason::Expired,
+            detail: format!(
+                "its entry id is {} s old (Redis's clock), more than {ttl}, and no decision is on record: one may have expired, so it is not decided again (an id set by hand, not by XADD's *, is as old as its number says)",
+                age_us / 1_000_000
+            ),
+        }
+    }
 }
 
 /// A checked outbound event. It keeps what it needs and no more: a worker may hold a hundred

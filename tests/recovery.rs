@@ -27,6 +27,22 @@ const TWO_ROUTES: &str = r#"outbound:
     b: {rate: 100/s, burst: 1, max_wait: 2s}
 "#;
 
+/// Waits up to `within` until nothing is pending on `in` (showing `pacer`'s log if it does not
+/// happen), then checks that each of `ids` ended in exactly one of the outputs: where each did.
+fn drained_each_once(
+    redis: &RedisServer,
+    ids: &[String],
+    pacer: &Pacer,
+    within: Duration,
+) -> std::collections::BTreeMap<String, Vec<String>> {
+    assert!(
+        wait_until(within, || pending(redis, "in", "pacer") == 0),
+        "still pending:\n{}",
+        pacer.log_text()
+    );
+    assert_each_once(redis, ids, &OUTPUTS, "in")
+}
+
 fn events(prefix: &str, n: usize) -> Vec<Vec<(String, Vec<u8>)>> {
     (0..n)
         .map(|i| {
@@ -259,13 +275,7 @@ fn a_poison_entry_is_dead_lettered_after_max_deliveries_and_nothing_doubles() {
     let port = free_port();
     let cfg = config(&dir, "w.yaml", &redis, port, worker, body);
     let mut pacer = start(&cfg, port);
-    assert!(
-        wait_until(Duration::from_secs(15), || pending(&redis, "in", "pacer")
-            == 0),
-        "still pending:\n{}",
-        pacer.log_text()
-    );
-    let at = assert_each_once(&redis, &ids, &OUTPUTS, "in");
+    let at = drained_each_once(&redis, &ids, &pacer, Duration::from_secs(15));
     assert_eq!(
         at[&ids[0]],
         vec!["pacer:{a}:ready"],
@@ -442,13 +452,7 @@ fn sigterm_during_an_outage_exits_within_drain_and_leaves_the_rest_pending() {
     let port = free_port();
     let cfg = config(&dir, "b.yaml", &redis, port, worker, body);
     let mut second = start(&cfg, port);
-    assert!(
-        wait_until(Duration::from_secs(20), || pending(&redis, "in", "pacer")
-            == 0),
-        "still pending:\n{}",
-        second.log_text()
-    );
-    assert_each_once(&redis, &ids, &OUTPUTS, "in");
+    drained_each_once(&redis, &ids, &second, Duration::from_secs(20));
     assert_rate(&redis, "pacer:{a}:ready", 20.0, 1.0);
     second.kill();
 }
@@ -487,13 +491,7 @@ fn redis_out_of_memory_is_said_once_and_holds_readiness_until_writes_are_taken()
     );
     let (_, why) = answers.last().unwrap().clone().unwrap();
     assert!(why.contains("refuses writes"), "{why}");
-    assert!(
-        wait_until(Duration::from_secs(15), || pending(&redis, "in", "pacer")
-            == 0),
-        "still pending:\n{}",
-        pacer.log_text()
-    );
-    assert_each_once(&redis, &ids, &OUTPUTS, "in");
+    drained_each_once(&redis, &ids, &pacer, Duration::from_secs(15));
     assert_rate(&redis, "pacer:{a}:ready", 200.0, 5.0);
     assert!(wait_until(Duration::from_secs(5), || !not_ready(port)));
     let log = pacer.log_text();

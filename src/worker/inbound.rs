@@ -167,17 +167,7 @@ async fn decide(
                         Admitted::Now { decision, verdicts } => (decision, Some(verdicts)),
                         Admitted::Earlier(decision) => (decision, None),
                         Admitted::Stale(age_us) => {
-                            let detail = format!(
-                                "its entry id is {} s old (Redis's clock), more than inbound.dedupe_ttl, and no decision is on record: one may have expired, so it is not decided again (an id set by hand, not by XADD's *, is as old as its number says)",
-                                age_us / 1_000_000
-                            );
-                            dead.push((
-                                e.entry,
-                                Refused {
-                                    reason: Reason::Expired,
-                                    detail,
-                                },
-                            ));
+                            dead.push((e.entry, Refused::stale(age_us, "inbound.dedupe_ttl")));
                             continue;
                         }
                     };

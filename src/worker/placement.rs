@@ -284,17 +284,8 @@ fn decided(
             });
         }
         Scheduled::Stale(age_us) => {
-            let detail = format!(
-                "its entry id is {} s old (Redis's clock), more than dedupe_ttl, and no decision is on record: one may have expired, so it is not decided again (an id set by hand, not by XADD's *, is as old as its number says)",
-                age_us / 1_000_000
-            );
-            placed.finished.dead.push((
-                p.event.entry(),
-                Refused {
-                    reason: Reason::Expired,
-                    detail,
-                },
-            ));
+            let stale = Refused::stale(age_us, "outbound.dedupe_ttl");
+            placed.finished.dead.push((p.event.entry(), stale));
         }
         Scheduled::Decided(value) => match next_step(&value) {
             Step::Acknowledge => {
