@@ -13,7 +13,7 @@ use metrics::gauge;
 use std::fmt::Display;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 /// `pacer_ready`: 1 when `/readyz` says ready.
@@ -25,35 +25,54 @@ pub struct Health {
     scripts_loaded: AtomicBool,
     groups_ok: AtomicBool,
     keys_kept: AtomicBool,
-    /// When the current outage began (None while Redis answers).
-    down_since: Mutex<Option<Instant>>,
-    failures: AtomicU64,
+    /// The worker's calls failing (None while Redis answers).
+    outage: Streak,
     /// Redis answers but refuses pacer's writes (out of memory, failing to persist, short of
     /// replicas): only a write that succeeds ends it, not the reads that go on succeeding.
-    refused_since: Mutex<Option<Instant>>,
-    refusals: AtomicU64,
-    /// The synchronous API's calls, on a connection of their own: followed apart from the
-    /// worker's, or a broken API connection beside a healthy stream flow would flip readiness
-    /// and the log with each call of either.
-    api: ApiLink,
+    refusal: Streak,
+    /// The synchronous API's calls failing, on a connection of their own: followed apart from
+    /// the worker's, or a broken API connection beside a healthy stream flow would flip
+    /// readiness and the log with each call of either.
+    api_outage: Streak,
 }
 
-/// Whether the synchronous API's Redis calls fail (ready until the first of them does).
+/// A run of failures, said once when it begins and once when it ends.
 #[derive(Debug, Default)]
-struct ApiLink {
-    down_since: Mutex<Option<Instant>>,
-    failures: AtomicU64,
+struct Streak {
+    since: Mutex<Option<Instant>>,
+    count: AtomicU64,
+}
+
+impl Streak {
+    /// One more failure: whether it begins the streak.
+    fn add(&self) -> bool {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        let mut since = self.since.lock().expect("health lock");
+        let begins = since.is_none();
+        if begins {
+            *since = Some(Instant::now());
+        }
+        begins
+    }
+
+    /// Ends the streak, if one is on: how long it lasted and how many failures it held.
+    fn end(&self) -> Option<(Duration, u64)> {
+        let since = self.since.lock().expect("health lock").take()?;
+        Some((since.elapsed(), self.count.swap(0, Ordering::Relaxed)))
+    }
+
+    fn on(&self) -> bool {
+        self.since.lock().expect("health lock").is_some()
+    }
 }
 
 impl Health {
     /// A Redis call succeeded.
     pub fn succeeded(&self) {
         if !self.redis_ok.swap(true, Ordering::Relaxed) {
-            let since = self.down_since.lock().expect("health lock").take();
-            let failed = self.failures.swap(0, Ordering::Relaxed);
-            if let Some(since) = since {
+            if let Some((after, failed)) = self.outage.end() {
                 info!(
-                    after = ?since.elapsed(),
+                    ?after,
                     failed_calls = failed,
                     "Redis answers again; work resumes"
                 );
@@ -64,13 +83,9 @@ impl Health {
 
     /// A Redis call (`op`) failed with `error`.
     pub fn failed(&self, op: &str, error: &dyn Display) {
-        self.failures.fetch_add(1, Ordering::Relaxed);
-        let mut since = self.down_since.lock().expect("health lock");
-        if since.is_none() {
-            *since = Some(Instant::now());
+        if self.outage.add() {
             warn!(op, %error, "Redis calls are failing; retrying with backoff until it answers");
         }
-        drop(since);
         if self.redis_ok.swap(false, Ordering::Relaxed) {
             self.publish();
         }
@@ -80,11 +95,7 @@ impl Health {
     /// ready until a write succeeds. Reads succeeding in between (they go on under OOM) would
     /// otherwise flip readiness and the log with every other call.
     pub fn refused(&self, op: &str, error: &dyn Display) {
-        self.refusals.fetch_add(1, Ordering::Relaxed);
-        let mut since = self.refused_since.lock().expect("health lock");
-        if since.is_none() {
-            *since = Some(Instant::now());
-            drop(since);
+        if self.refusal.add() {
             warn!(op, %error, "Redis refuses pacer's writes; retrying with backoff until it takes them");
             self.publish();
         }
@@ -106,11 +117,9 @@ impl Health {
 
     /// A call of the synchronous API succeeded.
     pub fn api_succeeded(&self) {
-        let since = self.api.down_since.lock().expect("health lock").take();
-        if let Some(since) = since {
-            let failed = self.api.failures.swap(0, Ordering::Relaxed);
+        if let Some((after, failed)) = self.api_outage.end() {
             info!(
-                after = ?since.elapsed(),
+                ?after,
                 failed_calls = failed,
                 "the API's Redis calls answer again"
             );
@@ -124,16 +133,7 @@ impl Health {
     pub fn api_failed(&self, e: &Error) {
         if e.refuses_writes() {
             self.refused("decide", e);
-            return;
-        }
-        if !says_redis_is_down(e) {
-            return;
-        }
-        self.api.failures.fetch_add(1, Ordering::Relaxed);
-        let mut since = self.api.down_since.lock().expect("health lock");
-        if since.is_none() {
-            *since = Some(Instant::now());
-            drop(since);
+        } else if says_redis_is_down(e) && self.api_outage.add() {
             warn!(error = %e, "the API's Redis calls are failing; its requests get fail_policy's answer until Redis answers");
             self.publish();
         }
@@ -147,11 +147,9 @@ impl Health {
 
     /// A write succeeded (on whichever connection): Redis takes writes, if it refused them.
     pub fn writes_taken(&self) {
-        let since = self.refused_since.lock().expect("health lock").take();
-        if let Some(since) = since {
-            let refused = self.refusals.swap(0, Ordering::Relaxed);
+        if let Some((after, refused)) = self.refusal.end() {
             info!(
-                after = ?since.elapsed(),
+                ?after,
                 refused_calls = refused,
                 "Redis takes writes again; work resumes"
             );
@@ -187,9 +185,9 @@ impl Health {
     pub fn why_not(&self) -> Option<&'static str> {
         if !self.redis_ok.load(Ordering::Relaxed) {
             Some("Redis does not answer")
-        } else if self.api.down_since.lock().expect("health lock").is_some() {
+        } else if self.api_outage.on() {
             Some("Redis does not answer the API's calls")
-        } else if self.refused_since.lock().expect("health lock").is_some() {
+        } else if self.refusal.on() {
             Some("Redis refuses writes (out of memory, failing to persist, or short of replicas: see the log)")
         } else if !self.scripts_loaded.load(Ordering::Relaxed) {
             Some("the scripts are not loaded yet")
@@ -269,10 +267,10 @@ mod tests {
             "the worker's calls say nothing of the API's connection"
         );
         h.api_failed(&dropped);
-        assert_eq!(h.api.failures.load(Ordering::Relaxed), 2);
+        assert_eq!(h.api_outage.count.load(Ordering::Relaxed), 2);
         h.api_succeeded();
         assert!(h.ready());
-        assert_eq!(h.api.failures.load(Ordering::Relaxed), 0);
+        assert_eq!(h.api_outage.count.load(Ordering::Relaxed), 0);
         // Redis refusing writes is Redis's state: met by the API, ended by any write taken.
         let oom = Error::Redis(redis::make_extension_error(
             "OOM".into(),

@@ -143,11 +143,11 @@ static ROUTE_HISTOGRAMS: AtomicBool = AtomicBool::new(true);
 
 /// The route label of the wait and lateness histograms: the route's, or `all` for every route
 /// when `metrics.route_histograms` is false.
-fn histogram_route(route: &str) -> String {
+fn histogram_route(route: &str) -> std::borrow::Cow<'static, str> {
     if ROUTE_HISTOGRAMS.load(Ordering::Relaxed) {
-        route.to_string()
+        route.to_string().into()
     } else {
-        "all".to_string()
+        "all".into()
     }
 }
 
