@@ -10,11 +10,12 @@
 //!    time in the dispatch call − the slot, in sub-millisecond buckets).
 //!
 //! `cargo bench --bench pace -- [--workers 3] [--events 200000] [--paced-seconds 10]
-//! [--skew-seconds 5] [--wait-replicas 1]` (`--skew-seconds` runs the first worker's wall clock
-//! that far ahead, under `faketime`, for the lateness run; pacer maps Redis time to its own
-//! clock, so it should not show. `--wait-replicas N` starts N replicas of the Redis and sets
-//! `redis.wait_replicas: N` for the throughput run: the price of the durable mode; Redis CPU is
-//! the master's).
+//! [--skew-seconds 5] [--wait-replicas 1] [--routes 10] [--batch 256]` (`--skew-seconds` runs
+//! the first worker's wall clock that far ahead, under `faketime`, for the lateness run; pacer
+//! maps Redis time to its own clock, so it should not show. `--wait-replicas N` starts N
+//! replicas of the Redis and sets `redis.wait_replicas: N` for the throughput run: the price of
+//! the durable mode; Redis CPU is the master's). `--routes` is the throughput run's number of
+//! routes, `--batch` the workers' read batch.
 
 mod common;
 
@@ -33,7 +34,10 @@ fn ready_total(con: &mut redis::Connection, routes: usize) -> u64 {
 
 fn throughput(bin: &Path, workers: u64, events: u64) {
     let m = outbound_throughput(bin, workers, events);
-    println!("throughput: {workers} workers, {events} events, 10 routes whose rate does not bind");
+    let routes = arg("--routes", 10);
+    println!(
+        "throughput: {workers} workers, {events} events, {routes} routes whose rate does not bind"
+    );
     println!(
         "  events/s end to end        {:>10.0}  ({events} in {:.2} s, worker start included)",
         m.per_second(),

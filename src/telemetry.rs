@@ -3,7 +3,7 @@
 //! Every metric name lives here. Labels stay low-cardinality: flows, configured route names,
 //! outcomes and Redis operations, never an event id.
 
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, gauge, histogram, Counter, Histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -151,15 +151,46 @@ fn histogram_route(route: &str) -> std::borrow::Cow<'static, str> {
     }
 }
 
-pub fn scheduled_wait(route: &str, wait_us: i64) {
-    histogram!(WAIT_SECONDS, "route" => histogram_route(route)).record(wait_us.max(0) as f64 / 1e6);
+/// One route's series that move with every event it places or dispatches, made once per route:
+/// a `histogram!` or `counter!` with a label builds its key (the route's name copied) and looks
+/// it up in the registry each time, three times per dispatched event.
+pub struct RouteMetrics {
+    wait: Histogram,
+    lateness: Histogram,
+    dispatched: Counter,
+    rerouted: Counter,
 }
 
-/// How long after its slot an event's ready entry was written (µs, by Redis's clock as the
-/// dispatch call read it: the entry's id holds only the millisecond).
-pub fn lateness(route: &str, late_us: i64) {
-    histogram!(LATENESS_SECONDS, "route" => histogram_route(route))
-        .record(late_us.max(0) as f64 / 1e6);
+impl RouteMetrics {
+    pub fn new(route: &str) -> Self {
+        let events = |outcome: Outcome| counter!(EVENTS_TOTAL, "flow" => "outbound", "route" => route.to_string(), "outcome" => outcome.as_str());
+        RouteMetrics {
+            wait: histogram!(WAIT_SECONDS, "route" => histogram_route(route)),
+            lateness: histogram!(LATENESS_SECONDS, "route" => histogram_route(route)),
+            dispatched: events(Outcome::Dispatched),
+            rerouted: events(Outcome::Rerouted),
+        }
+    }
+
+    /// How long an event was decided to wait for its slot (0: dispatched at once).
+    pub fn scheduled_wait(&self, wait_us: i64) {
+        self.wait.record(wait_us.max(0) as f64 / 1e6);
+    }
+
+    /// How long after its slot an event's ready entry was written (µs, by Redis's clock as the
+    /// dispatch call read it: the entry's id holds only the millisecond).
+    pub fn lateness(&self, late_us: i64) {
+        self.lateness.record(late_us.max(0) as f64 / 1e6);
+    }
+
+    /// An event dispatched on this route; `rerouted` when this route is its fallback (counted
+    /// as both, where it came out, as `pacer report` counts it).
+    pub fn dispatched(&self, rerouted: bool) {
+        self.dispatched.increment(1);
+        if rerouted {
+            self.rerouted.increment(1);
+        }
+    }
 }
 
 /// A slot that could no longer be met was moved (recorded anew, within the event's deadline).

@@ -44,6 +44,7 @@ use crate::error::Result;
 use crate::health::Health;
 use crate::keys::OutputKeys;
 use crate::scripts::Scripts;
+use crate::telemetry;
 use context::Context;
 use placers::Placers;
 use std::sync::atomic::AtomicBool;
@@ -92,6 +93,12 @@ impl Worker {
             policy_seen: Default::default(),
             broken_routes: Default::default(),
             wrong_kind: Default::default(),
+            route_metrics: cfg
+                .outbound
+                .order
+                .iter()
+                .map(|name| telemetry::RouteMetrics::new(name))
+                .collect(),
             cfg,
         };
         Ok(Worker {

@@ -258,20 +258,21 @@ pub fn xlen(con: &mut redis::Connection, stream: &str) -> u64 {
     redis::cmd("XLEN").arg(stream).query(con).unwrap()
 }
 
-/// The outbound flow's throughput: `events` over 10 routes whose rate never binds, each
-/// dispatched to its ready stream at once.
+/// The outbound flow's throughput: `events` over `--routes` routes (10 unless told) whose rate
+/// never binds, each dispatched to its ready stream at once.
 pub fn outbound_throughput(bin: &Path, workers: u64, events: u64) -> Measured {
-    let routes: String = (0..10)
+    let n = arg("--routes", 10);
+    let routes: String = (0..n)
         .map(|r| format!("    r{r}: {{rate: 1000/ms, burst: 1000000}}\n"))
         .collect();
     measure(
         bin,
         workers,
         events,
-        |i| [("route", format!("r{}", i % 10)), ("to", i.to_string())],
+        |i| [("route", format!("r{}", i % n)), ("to", i.to_string())],
         &|url, port| outbound_config(url, port, &routes, 256),
         |con| {
-            (0..10)
+            (0..n)
                 .map(|r| xlen(con, &format!("pacer:{{r{r}}}:ready")))
                 .sum::<u64>()
                 >= events

@@ -44,6 +44,8 @@ pub(crate) struct Context {
     /// Kinds of call (`retry`'s op) waiting on a key of the wrong kind: said when the first
     /// call of a kind starts to wait, and when one succeeds again, not for every held batch.
     pub(crate) wrong_kind: std::sync::Mutex<std::collections::BTreeSet<&'static str>>,
+    /// Each route's per-event series, by route index.
+    pub(crate) route_metrics: Vec<telemetry::RouteMetrics>,
 }
 
 impl Context {

@@ -412,8 +412,8 @@ impl State {
                     lesson = lesson.max(learn);
                     // The call's own time, to the µs; the id's millisecond when the call
                     // had to write past it (ids kept increasing over a clock step back).
-                    telemetry::lateness(&route.name, now_us.max(id_ms * 1000) - s.slot_us);
-                    count_dispatch(&s.event, route);
+                    ctx.route_metrics[index].lateness(now_us.max(id_ms * 1000) - s.slot_us);
+                    count_dispatch(&ctx, &s.event, route);
                     dispatched = true;
                     if !acked(&s.event.stream) {
                         done.ack_event(&s.event);

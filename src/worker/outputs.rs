@@ -46,11 +46,8 @@ impl Finished {
 
 /// Counts a dispatch on `route` (and, for a fallback, the reroute on the same route: where the
 /// event came out, as `pacer report` counts it).
-pub(crate) fn count_dispatch(event: &OutboundEvent, route: &Route) {
-    telemetry::outbound_event(&route.name, Outcome::Dispatched);
-    if route.index != event.route {
-        telemetry::outbound_event(&route.name, Outcome::Rerouted);
-    }
+pub(crate) fn count_dispatch(ctx: &Context, event: &OutboundEvent, route: &Route) {
+    ctx.route_metrics[route.index].dispatched(route.index != event.route);
 }
 
 /// Writes rejections and dead letters (once each), then acknowledges everything finished.

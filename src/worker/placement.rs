@@ -230,15 +230,16 @@ fn decided(
     let max_wait = max_wait_us(route, &p.event);
     match outcome {
         Scheduled::Dispatched { .. } => {
-            telemetry::scheduled_wait(&route.name, 0);
-            telemetry::lateness(&route.name, 0);
-            count_dispatch(&p.event, route);
+            let metrics = &ctx.route_metrics[route.index];
+            metrics.scheduled_wait(0);
+            metrics.lateness(0);
+            count_dispatch(ctx, &p.event, route);
             if !acked {
                 placed.finished.ack_event(&p.event);
             }
         }
         Scheduled::Sleep { slot_us } => {
-            telemetry::scheduled_wait(&route.name, slot_us - reply.now_us);
+            ctx.route_metrics[route.index].scheduled_wait(slot_us - reply.now_us);
             // As `schedule.lua` records it: its wait, give or take the lateness tolerance.
             let deadline = reply.now_us + max_wait + pacing::LATE_US;
             placed.sleepers.push(Sleeper::new(
