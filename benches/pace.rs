@@ -100,6 +100,11 @@ fn lateness(bin: &Path, workers: u64, seconds: u64, skew_seconds: u64) {
         },
         &wrapper,
     );
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut con)
+        .unwrap();
+    let cpu0 = common::cpu_seconds(&mut con);
     let start = Instant::now();
     let mut pushed = 0u64;
     for tick in 0..seconds * 10 {
@@ -138,6 +143,8 @@ fn lateness(bin: &Path, workers: u64, seconds: u64, skew_seconds: u64) {
                 .collect::<Vec<_>>()
         );
     }
+    let cpu = common::cpu_seconds(&mut con) - cpu0;
+    let calls = common::command_calls(&mut con);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -184,6 +191,23 @@ fn lateness(bin: &Path, workers: u64, seconds: u64, skew_seconds: u64) {
         .collect();
     println!("  histogram: {}", h.join(" "));
     print_lateness_buckets(&ports.borrow());
+    // What pacing costs Redis when the rate binds: most events go out on their own timer, in a
+    // dispatch call of few events, so the calls' own cost is most of it.
+    let scripts: (u64, u64) = ["evalsha", "fcall"]
+        .iter()
+        .filter_map(|c| calls.get(*c))
+        .fold((0, 0), |(n, us), (cn, cus)| (n + cn, us + cus));
+    println!(
+        "  Redis CPU µs per event {:.1} (the benchmark's own XADDs included); {} script calls, {:.1} µs each in Redis, {:.1} µs per event",
+        cpu * 1e6 / pushed as f64,
+        scripts.0,
+        scripts.1 as f64 / scripts.0.max(1) as f64,
+        scripts.1 as f64 / pushed as f64
+    );
+    println!(
+        "  commandstats: {}",
+        common::commandstats_line(&calls, pushed)
+    );
 }
 
 /// The workers' `pacer_lateness_seconds` histograms, summed over workers and routes: the share

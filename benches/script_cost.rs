@@ -8,7 +8,12 @@
 //! the producer's XADDs and the workers' XREADGROUPs alone, then the same with the schedule
 //! calls. Their difference per event is what the script costs, its arguments included.
 //!
-//! `cargo bench --bench script_cost -- [--calls 50] [--per 128] [--fields 2] [--listpack N]`
+//! Then the paced case: events on a route whose rate binds, each dispatched by `dispatch.lua`
+//! in a call of its own at its slot (as at most rates a worker's timer sends them), counted
+//! alone: there, what a call costs before its first event is most of what an event costs.
+//!
+//! `cargo bench --bench script_cost -- [--calls 50] [--per 128] [--fields 2] [--listpack N]
+//! [--paced 200]` (`--paced 0` leaves the paced case out)
 //!
 //! `--per` events per call (a worker's call on one route holds up to 128), `--fields` fields per
 //! event besides pacer's own, `--listpack` Redis's `hash-max-listpack-entries` (0: every
@@ -20,7 +25,10 @@ mod common;
 
 use common::{arg, present};
 use pacer::config::{Config, Overrides};
-use pacer::scripts::{EventRef, RouteCall, ScheduleItem, Scheduled, Scripts, Writing};
+use pacer::scripts::{
+    DispatchItem, Dispatched, EventRef, RouteCall, RouteDispatch, ScheduleItem, Scheduled, Scripts,
+    Writing,
+};
 use pacer::testkit::{free_port, wait_until, TempDir};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -98,45 +106,13 @@ fn round(
     route: &pacer::config::Route,
     (per, fields, schedule): (usize, usize, bool),
 ) -> usize {
-    let values: Vec<Vec<(Vec<u8>, Vec<u8>)>> = (0..per)
-        .map(|i| {
-            (0..fields)
-                .map(|f| {
-                    let value = format!("value {f} of event {i}, some forty bytes long");
-                    (format!("field{f}").into_bytes(), value.into_bytes())
-                })
-                .collect()
-        })
-        .collect();
+    let values: Vec<Vec<(Vec<u8>, Vec<u8>)>> = (0..per).map(|i| event_fields(i, fields)).collect();
     rt.block_on(async {
-        let mut pipe = redis::pipe();
-        for v in &values {
-            let cmd = pipe.cmd("XADD").arg("in").arg("*");
-            for (name, value) in v {
-                cmd.arg(name).arg(value);
-            }
-            cmd.ignore();
-        }
-        let _: () = pipe.query_async(con).await.unwrap();
-        let read: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
-            .arg(&["GROUP", GROUP, "c", "COUNT"])
-            .arg(per)
-            .arg(&["STREAMS", "in", ">"])
-            .query_async(con)
-            .await
-            .unwrap();
-        let ids: Vec<String> = read.keys[0].ids.iter().map(|e| e.id.clone()).collect();
+        let ids = add_and_read(con, &values).await;
         if !schedule {
             return ids.len();
         }
-        let pairs: Vec<Vec<(&[u8], &[u8])>> = values
-            .iter()
-            .map(|v| {
-                v.iter()
-                    .map(|(a, b)| (a.as_slice(), b.as_slice()))
-                    .collect()
-            })
-            .collect();
+        let pairs: Vec<Vec<(&[u8], &[u8])>> = values.iter().map(|v| as_pairs(v)).collect();
         let items: Vec<ScheduleItem<'_>> = ids
             .iter()
             .zip(&pairs)
@@ -181,10 +157,134 @@ fn round(
     })
 }
 
+/// The paced phase: `n` events of `fields` fields read and scheduled in one call on `route`,
+/// whose rate binds (each gets a slot of its own), then each dispatched in a call of its own once
+/// its slot has come, as a worker's timer sends it. Returns the instructions counted over the
+/// dispatch calls alone (between dumps `dumps` and `dumps + 1`) per event.
+fn paced(
+    rt: &tokio::runtime::Runtime,
+    con: &mut redis::aio::MultiplexedConnection,
+    scripts: &Scripts,
+    route: &pacer::config::Route,
+    (n, fields): (usize, usize),
+    (server, dumps): (&Counted, usize),
+) -> f64 {
+    let values: Vec<Vec<(Vec<u8>, Vec<u8>)>> = (0..n).map(|i| event_fields(i, fields)).collect();
+    let pairs: Vec<Vec<(&[u8], &[u8])>> = values.iter().map(|v| as_pairs(v)).collect();
+    let ids = rt.block_on(add_and_read(con, &values));
+    let acks = |_: &str| true;
+    let call = || RouteCall {
+        name: &route.name,
+        keys: &route.keys,
+        bucket: &route.bucket,
+        out: Writing {
+            ttl_ms: 600_000,
+            max_len: 1_000_000,
+            group: GROUP,
+            acks: &acks,
+        },
+    };
+    let event = |i: usize| EventRef {
+        stream: "in",
+        entry_id: &ids[i],
+        entry_ms: pacer::event::entry_ms(&ids[i]),
+        cost: 1,
+        fields: &pairs[i],
+    };
+    let max_wait_us = 600_000_000;
+    let items: Vec<ScheduleItem<'_>> = (0..ids.len())
+        .map(|i| ScheduleItem {
+            event: event(i),
+            claim: None,
+            expect: None,
+            max_wait_us,
+        })
+        .collect();
+    let reply = rt
+        .block_on(scripts.schedule(con, &call(), (600_000_000, 0, max_wait_us), &items))
+        .unwrap();
+    server.dump(dumps);
+    let mut dispatched = 0;
+    for (i, outcome) in reply.items.iter().enumerate() {
+        let Scheduled::Sleep { slot_us } = *outcome else {
+            continue;
+        };
+        // Its slot, by this machine's clock (Redis's, on the same machine).
+        let now_us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as i64;
+        std::thread::sleep(Duration::from_micros((slot_us - now_us).max(0) as u64));
+        let item = [DispatchItem {
+            event: event(i),
+            slot_us,
+            deadline_us: reply.now_us + max_wait_us + pacer::pacing::LATE_US,
+            decided_us: reply.now_us,
+        }];
+        let routes = [RouteDispatch {
+            call: call(),
+            items: &item,
+        }];
+        let done = rt.block_on(scripts.dispatch(con, &routes)).unwrap();
+        assert!(
+            matches!(done.items[0], Dispatched::Done { .. }),
+            "dispatched at its slot: {:?}",
+            done.items[0]
+        );
+        dispatched += 1;
+    }
+    assert!(
+        dispatched > n / 2,
+        "{dispatched} of {n} slept and were dispatched"
+    );
+    server.dump(dumps + 1) as f64 / dispatched as f64
+}
+
+/// Event `i`'s fields: `fields` of them, about forty bytes each.
+fn event_fields(i: usize, fields: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
+    (0..fields)
+        .map(|f| {
+            let value = format!("value {f} of event {i}, some forty bytes long");
+            (format!("field{f}").into_bytes(), value.into_bytes())
+        })
+        .collect()
+}
+
+fn as_pairs(v: &[(Vec<u8>, Vec<u8>)]) -> Vec<(&[u8], &[u8])> {
+    v.iter()
+        .map(|(a, b)| (a.as_slice(), b.as_slice()))
+        .collect()
+}
+
+/// Adds the events to `in` and reads them as consumer `c`: their entry ids.
+async fn add_and_read(
+    con: &mut redis::aio::MultiplexedConnection,
+    values: &[Vec<(Vec<u8>, Vec<u8>)>],
+) -> Vec<String> {
+    let mut pipe = redis::pipe();
+    for v in values {
+        let cmd = pipe.cmd("XADD").arg("in").arg("*");
+        for (name, value) in v {
+            cmd.arg(name).arg(value);
+        }
+        cmd.ignore();
+    }
+    let _: () = pipe.query_async(con).await.unwrap();
+    let read: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+        .arg(&["GROUP", GROUP, "c", "COUNT"])
+        .arg(values.len())
+        .arg(&["STREAMS", "in", ">"])
+        .query_async(con)
+        .await
+        .unwrap();
+    read.keys[0].ids.iter().map(|e| e.id.clone()).collect()
+}
+
 fn main() {
     let calls = arg("--calls", 50) as usize;
     let per = arg("--per", 128) as usize;
     let fields = arg("--fields", 2) as usize;
+    let paced_events = arg("--paced", 200) as usize;
     let listpack = std::env::args()
         .any(|a| a == "--listpack")
         .then(|| arg("--listpack", 128));
@@ -193,12 +293,12 @@ fn main() {
         return;
     }
     pacer::testkit::ensure_redis_installed();
-    let yaml = "outbound:\n  streams: [in]\n  routes:\n    r: {rate: 1000/ms, burst: 1000000}\n";
-    let route = Config::parse(yaml, &Overrides::default())
+    let yaml = "outbound:\n  streams: [in]\n  routes:\n    r: {rate: 1000/ms, burst: 1000000}\n    p: {rate: 1000/s, burst: 1}\n";
+    let routes = Config::parse(yaml, &Overrides::default())
         .unwrap()
         .outbound
-        .routes["r"]
-        .clone();
+        .routes;
+    let (route, paced_route) = (routes["r"].clone(), routes["p"].clone());
     let server = Counted::start();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -258,11 +358,34 @@ fn main() {
         "    schedule.lua (the difference)                {:>8.0}",
         with - base
     );
-    // `PACER_CALLGRIND_KEEP=<dir>`: keep the counts of the phase with the schedule calls, per
-    // function, for `callgrind_annotate`.
+    let dispatch = (paced_events > 0).then(|| {
+        paced(
+            &rt,
+            &mut con,
+            &scripts,
+            &paced_route,
+            (paced_events, fields),
+            (&server, 5),
+        )
+    });
+    if let Some(per_event) = dispatch {
+        println!(
+            "dispatch.lua under callgrind: {paced_events} events on a route of 1000/s (burst 1), each in a call of its own at its slot"
+        );
+        println!("  redis-server instructions per event             {per_event:>8.0}");
+    }
+    // `PACER_CALLGRIND_KEEP=<dir>`: keep the counts of the phases with the schedule calls and
+    // the dispatch calls, per function, for `callgrind_annotate`.
     if let Some(keep) = std::env::var_os("PACER_CALLGRIND_KEEP") {
-        let to = std::path::Path::new(&keep).join("schedule.cg.out");
-        std::fs::copy(server.dir.path().join("cg.out.4"), &to).expect("keeping the counts");
-        println!("  counts kept in {}", to.display());
+        let keep = std::path::Path::new(&keep);
+        let mut kept = vec![("cg.out.4", "schedule.cg.out")];
+        if dispatch.is_some() {
+            kept.push(("cg.out.6", "dispatch.cg.out"));
+        }
+        for (from, to) in kept {
+            let to = keep.join(to);
+            std::fs::copy(server.dir.path().join(from), &to).expect("keeping the counts");
+            println!("  counts kept in {}", to.display());
+        }
     }
 }

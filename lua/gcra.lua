@@ -87,11 +87,15 @@ local function dispatch_clock(now, last)
   return t, math.floor(t / 1000) * 1000
 end
 
--- The newest ready entry's time (µs of its id's ms; 0 for an empty stream): a dispatch id must
--- not go below it, or XADD would fail. Read in every pacing call before any write, which also
--- checks that the ready stream is a stream.
-local function ready_top_us(stream)
-  local top = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
+-- The newest ready entry's time (µs of its id's ms) when its millisecond is past `last`'s (µs:
+-- the route's last dispatch as its bucket records it), else 0. A dispatch id must not go below
+-- the stream's newest, or XADD would fail; pacer's own entries are never past `last`, so the
+-- range stops there and Redis answers nothing in the usual case. Reading the newest entry
+-- itself, its fields made into Lua tables, cost twice as much (2.2 against 1.0 µs a call). Read
+-- in every pacing call before any write, which also checks that the ready stream is a stream.
+local function ready_top_us(stream, last)
+  local after = '(' .. int(math.floor(last / 1000)) .. '-18446744073709551615'
+  local top = redis.call('XREVRANGE', stream, '+', after, 'COUNT', 1)[1]
   if top then
     return tonumber(string.match(top[1], '^(%d+)')) * 1000
   end
@@ -102,8 +106,8 @@ end
 -- gate and the last dispatch time (never below the newest ready id).
 local function read_bucket(bucket, ready)
   local st = redis.call('HMGET', KEYS[bucket], 'tat', 'dtat', 'last')
-  local last = math.max(tonumber(st[3]) or 0, ready_top_us(KEYS[ready]))
-  return tonumber(st[1]) or 0, tonumber(st[2]) or 0, last
+  local last = tonumber(st[3]) or 0
+  return tonumber(st[1]) or 0, tonumber(st[2]) or 0, math.max(last, ready_top_us(KEYS[ready], last))
 end
 
 -- Saves the bucket and lets it expire a minute after its last reservation falls due: an idle

@@ -6,8 +6,10 @@
 //! codec) always, `lua/gcra.lua` (the route's bucket) for pacing, `lua/admission.lua` and
 //! `lua/admission/*.lua` (the inbound algorithms) for admission. They are called by EVALSHA;
 //! redis-rs loads a script again when Redis answers NOSCRIPT (after a restart or SCRIPT FLUSH).
-//! `decide.lua`, one call per leased fetch or unleased request, runs as a Redis Function where
-//! Redis lets it (`function`): its helpers are then defined once, not on every call.
+//! `decide.lua` (one call per leased fetch or unleased request) and the pacing scripts
+//! `schedule.lua` and `dispatch.lua` (a dispatch call often carries one or two events) run as
+//! Redis Functions where Redis lets them (`function`): their helpers are then defined once, not
+//! on every call.
 
 mod admit;
 mod decide;
@@ -45,6 +47,9 @@ pub const LIB: &str = lua!("lib.lua");
 pub const PACING_LIB: &str = lua!("lib.lua", "gcra.lua");
 pub const SCHEDULE: &str = lua!("lib.lua", "gcra.lua", "schedule.lua");
 pub const DISPATCH: &str = lua!("lib.lua", "gcra.lua", "dispatch.lua");
+/// The pacing scripts' own files: they run after PACING_LIB, as scripts or as Redis Functions.
+pub const SCHEDULE_BODY: &str = lua!("schedule.lua");
+pub const DISPATCH_BODY: &str = lua!("dispatch.lua");
 pub const EMIT: &str = lua!("lib.lua", "emit.lua");
 pub const VOID: &str = lua!("lib.lua", "void.lua");
 pub const REAP: &str = lua!("reap.lua");
@@ -146,15 +151,15 @@ impl Writing<'_> {
     }
 
     /// The arguments every writing script takes in this order: ttl, max_len, group.
-    pub(crate) fn push_args(&self, inv: &mut ScriptInvocation<'_>) {
-        inv.arg(self.ttl_ms).arg(self.max_len).arg(self.group);
+    pub(crate) fn push_args(&self, call: &mut impl Args) {
+        call.push(self.ttl_ms).push(self.max_len).push(self.group);
     }
 }
 
 /// The scripts, hashed once per process.
 pub struct Scripts {
-    schedule: Script,
-    dispatch: Script,
+    schedule: Function,
+    dispatch: Function,
     emit: Script,
     void: Script,
     reap: Script,
@@ -165,8 +170,8 @@ pub struct Scripts {
 impl Default for Scripts {
     fn default() -> Self {
         Scripts {
-            schedule: Script::new(SCHEDULE),
-            dispatch: Script::new(DISPATCH),
+            schedule: Function::new("schedule", PACING_LIB, SCHEDULE_BODY),
+            dispatch: Function::new("dispatch", PACING_LIB, DISPATCH_BODY),
             emit: Script::new(EMIT),
             void: Script::new(VOID),
             reap: Script::new(REAP),
@@ -179,23 +184,18 @@ impl Default for Scripts {
 impl Scripts {
     /// Loads every script into Redis's script cache (readiness means this has happened).
     pub async fn load<C: ConnectionLike>(&self, con: &mut C) -> Result<()> {
-        for script in [
-            &self.schedule,
-            &self.dispatch,
-            &self.emit,
-            &self.void,
-            &self.reap,
-            &self.admit,
-        ] {
+        for script in [&self.emit, &self.void, &self.reap, &self.admit] {
             script.prepare_invoke().load_async(con).await?;
         }
-        self.decide.load_script(con).await?;
-        // Calls go by the script while the function does not load (an ACL without
-        // function|load): a warning, once, says so.
-        if self.decide.load(con).await.is_ok() {
-            let deleted = self.decide.delete_other_versions(con).await;
-            if !deleted.is_empty() {
-                tracing::info!(libraries = ?deleted, "deleted other pacer versions' Redis Function libraries (a worker still running one loads it again)");
+        for function in [&self.schedule, &self.dispatch, &self.decide] {
+            function.load_script(con).await?;
+            // Calls go by the script while the function does not load (an ACL without
+            // function|load): a warning, once, says so.
+            if function.load(con).await.is_ok() {
+                let deleted = function.delete_other_versions(con).await;
+                if !deleted.is_empty() {
+                    tracing::info!(libraries = ?deleted, "deleted other pacer versions' Redis Function libraries (a worker still running one loads it again)");
+                }
             }
         }
         Ok(())

@@ -21,6 +21,7 @@
 use crate::error::Result;
 use redis::aio::ConnectionLike;
 use redis::{Arg, Cmd, RedisError, Script, Value};
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -137,6 +138,26 @@ impl Function {
         keys: &[&str],
         args: impl Fn(bool) -> Cmd,
     ) -> Result<Value> {
+        self.run(con, keys, |full| Cow::Owned(args(full))).await
+    }
+
+    /// Calls a function that keeps nothing between calls (it never answers `RESEND`) with
+    /// `keys` and `args`, which are not copied but into the call itself.
+    pub async fn call_plain<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        keys: &[&str],
+        args: &Cmd,
+    ) -> Result<Value> {
+        self.run(con, keys, |_| Cow::Borrowed(args)).await
+    }
+
+    async fn run<'a, C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        keys: &[&str],
+        args: impl Fn(bool) -> Cow<'a, Cmd>,
+    ) -> Result<Value> {
         if self.on() {
             match self.fcall_or_resend(con, keys, &args).await {
                 Err(e) if unusable(&e) => {
@@ -162,11 +183,11 @@ impl Function {
         Ok(inv.invoke_async(con).await?)
     }
 
-    async fn fcall_or_resend<C: ConnectionLike>(
+    async fn fcall_or_resend<'a, C: ConnectionLike>(
         &self,
         con: &mut C,
         keys: &[&str],
-        args: &impl Fn(bool) -> Cmd,
+        args: &impl Fn(bool) -> Cow<'a, Cmd>,
     ) -> redis::RedisResult<Value> {
         match self.fcall(con, keys, &args(false)).await? {
             Value::SimpleString(s) if s == "RESEND" => self.fcall(con, keys, &args(true)).await,

@@ -7,7 +7,7 @@ use crate::event::OutboundEvent;
 use crate::keys::RouteKeys;
 use crate::pacing::BucketParams;
 use redis::aio::ConnectionLike;
-use redis::{ScriptInvocation, Value};
+use redis::Cmd;
 
 /// What both pacing calls need to know about their route and its neighbours.
 pub struct RouteCall<'a> {
@@ -158,17 +158,17 @@ impl Hashes {
         }
     }
 
-    fn push_keys(&self, inv: &mut ScriptInvocation<'_>) {
-        for key in self.keys.keys().iter().chain(self.streams.keys()) {
-            inv.key(key);
-        }
+    /// The decision hashes, then the input streams acknowledged in the call.
+    fn push_keys<'k>(&'k self, keys: &mut Vec<&'k str>) {
+        let all = self.keys.keys().iter().chain(self.streams.keys());
+        keys.extend(all.map(String::as_str));
     }
 }
 
-fn push_pairs(inv: &mut ScriptInvocation<'_>, fields: &[(&[u8], &[u8])]) {
-    inv.arg(fields.len());
+fn push_pairs(args: &mut Cmd, fields: &[(&[u8], &[u8])]) {
+    args.arg(fields.len());
     for (name, value) in fields {
-        inv.arg(*name).arg(*value);
+        args.arg(*name).arg(*value);
     }
 }
 
@@ -198,16 +198,14 @@ impl Scripts {
             counts[h - 1] += 1;
         }
         let oldest = items.iter().map(|i| i.event.entry_ms).min().unwrap_or(0);
-        let mut inv = self.schedule.prepare_invoke();
-        inv.key(&call.keys.bucket).key(&call.keys.ready);
-        hashes.push_keys(&mut inv);
-        for key in claims.keys() {
-            inv.key(key);
-        }
-        inv.arg(call.bucket.interval_us)
+        let mut keys = vec![call.keys.bucket.as_str(), call.keys.ready.as_str()];
+        hashes.push_keys(&mut keys);
+        keys.extend(claims.keys().iter().map(String::as_str));
+        let mut args = Cmd::new();
+        args.arg(call.bucket.interval_us)
             .arg(call.bucket.tolerance_us);
-        call.out.push_args(&mut inv);
-        inv.arg(stale_us)
+        call.out.push_args(&mut args);
+        args.arg(stale_us)
             .arg(max_age_us)
             .arg(call.name)
             .arg(max_wait_us)
@@ -217,19 +215,19 @@ impl Scripts {
             .arg(claims.len())
             .arg(items.len());
         for ((stream, name), count) in hashes.of.iter().zip(&counts) {
-            inv.arg(*count).arg(*stream).arg(name);
+            args.arg(*count).arg(*stream).arg(name);
         }
         for &i in &order {
             let item = &items[i];
-            inv.arg(item.event.entry_id);
+            args.arg(item.event.entry_id);
             let plain = item.event.cost == 1
                 && item.max_wait_us == max_wait_us
                 && claim_at[i] == 0
                 && item.expect.is_none();
             if plain {
-                inv.arg("");
+                args.arg("");
             } else {
-                inv.arg(format!(
+                args.arg(format!(
                     "{},{},{},{}",
                     item.event.cost,
                     item.max_wait_us.max(0),
@@ -237,9 +235,9 @@ impl Scripts {
                     item.expect.unwrap_or("")
                 ));
             }
-            push_pairs(&mut inv, item.event.fields);
+            push_pairs(&mut args, item.event.fields);
         }
-        let reply: Value = inv.invoke_async(con).await?;
+        let reply = self.schedule.call_plain(con, &keys, &args).await?;
         let mut values = Reply::new("schedule", reply)?;
         let now_us = values.int()?;
         let tat_us = values.int()?;
@@ -286,36 +284,38 @@ impl Scripts {
         for r in routes {
             hashes.add(&r.call, r.items.iter().map(|i| &i.event));
         }
-        let mut inv = self.dispatch.prepare_invoke();
+        let mut keys = Vec::with_capacity(2 * routes.len() + hashes.keys.len());
         for r in routes {
-            inv.key(&r.call.keys.bucket).key(&r.call.keys.ready);
+            keys.push(r.call.keys.bucket.as_str());
+            keys.push(r.call.keys.ready.as_str());
         }
-        hashes.push_keys(&mut inv);
+        hashes.push_keys(&mut keys);
+        let mut args = Cmd::new();
         // One worker's calls: every route writes with the same ttl, trim and group.
-        first.call.out.push_args(&mut inv);
-        inv.arg(routes.len())
+        first.call.out.push_args(&mut args);
+        args.arg(routes.len())
             .arg(hashes.keys.len())
             .arg(hashes.streams.len());
         for r in routes {
-            inv.arg(r.call.bucket.interval_us)
+            args.arg(r.call.bucket.interval_us)
                 .arg(r.call.bucket.tolerance_us)
                 .arg(r.call.name)
                 .arg(r.items.len());
         }
         for (stream, name) in &hashes.of {
-            inv.arg(*stream).arg(name);
+            args.arg(*stream).arg(name);
         }
         let items = routes.iter().flat_map(|r| r.items.iter());
         for (item, hash) in items.zip(&hashes.at) {
-            inv.arg(*hash)
+            args.arg(*hash)
                 .arg(item.event.entry_id)
                 .arg(item.slot_us)
                 .arg(item.deadline_us)
                 .arg(item.decided_us)
                 .arg(item.event.cost);
-            push_pairs(&mut inv, item.event.fields);
+            push_pairs(&mut args, item.event.fields);
         }
-        let reply: Value = inv.invoke_async(con).await?;
+        let reply = self.dispatch.call_plain(con, &keys, &args).await?;
         let mut values = Reply::new("dispatch", reply)?;
         let now_us = values.int()?;
         let n: usize = routes.iter().map(|r| r.items.len()).sum();
