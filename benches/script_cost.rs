@@ -324,7 +324,8 @@ fn main() {
     let scripts = Scripts::default();
     // Loaded before anything is counted, as a worker loads them before it is ready (a function
     // loaded on its first call would count its compiling in that phase).
-    rt.block_on(scripts.load(&mut con)).expect("loading the scripts");
+    rt.block_on(scripts.load(&mut con))
+        .expect("loading the scripts");
     // Warm up (the script loaded, the streams and hashes past their first allocations), then
     // the two phases, each between two dumps (a dump resets the count).
     for _ in 0..10 {

@@ -603,6 +603,50 @@ fn common_now_ms(rig: &Rig) -> i64 {
     s * 1000 + us / 1000
 }
 
+/// A pacing call reads its ready stream's newest entry only past its bucket's last dispatch (an
+/// empty range, in the usual case); an entry something else wrote ahead of that is still seen,
+/// and the call writes after it instead of failing in the middle of its writes: with the bucket
+/// kept, with the bucket lost, and on the dispatch path.
+#[test]
+fn a_ready_entry_written_ahead_by_something_else_is_written_after() {
+    let mut rig = Rig::new("10/s", 1);
+    let ready = rig.route.keys.ready.clone();
+    let foreign = |rig: &Rig, ms: i64| {
+        let _: String = redis::cmd("XADD")
+            .arg(&ready)
+            .arg(format!("{ms}-0"))
+            .arg("foreign")
+            .arg("1")
+            .query(&mut rig.redis.con())
+            .unwrap();
+    };
+    let dispatched_ms = |s: &Scheduled| match s {
+        Scheduled::Dispatched { ms } => *ms,
+        other => panic!("{other:?}"),
+    };
+    // The first event goes at once (the bucket now holds its dispatch); the second sleeps.
+    let (now, out) = rig.schedule(&[ev("1-0"), ev("2-0")], 5_000_000);
+    dispatched_ms(&out[0]);
+    let slot = slot_of(&out[1]);
+    // Written ahead of Redis's clock: the sleeper's dispatch goes after it, late but within
+    // its deadline.
+    let ahead = common_now_ms(&rig) + 2_000;
+    foreign(&rig, ahead);
+    std::thread::sleep(Duration::from_millis(120));
+    let out = rig.dispatch(&[("2-0", slot, now + 5_000_000 + LATE_US)]);
+    assert_eq!(out, [Dispatched::Done { ms: ahead }]);
+    // The bucket lost, and another entry further ahead: the next event goes after that one.
+    let _: () = redis::cmd("DEL")
+        .arg(&rig.route.keys.bucket)
+        .query(&mut rig.redis.con())
+        .unwrap();
+    foreign(&rig, ahead + 1_000);
+    let (_, out) = rig.schedule(&[ev("3-0")], 5_000_000);
+    assert_eq!(dispatched_ms(&out[0]), ahead + 1_000);
+    // Ready entries: the two foreign ones and three of pacer's, each after the one before.
+    assert_eq!(rig.ready_len(), 5);
+}
+
 /// Where the scripts may acknowledge (the input stream shares their slot, or Redis is not a
 /// cluster), the input entry is acknowledged in the same step as its ready entry: it can never
 /// be both dispatched and pending.
