@@ -5,7 +5,15 @@
 //! each call defines the forty-odd helpers of `lib.lua` and the admission files. A Function's
 //! library runs once, at `FUNCTION LOAD`; each `FCALL` then runs only the function's body.
 //! Counted under callgrind (one request, one gcra check, as a leased fetch sends it): 274k
-//! redis-server instructions per `EVALSHA`, 215k per `FCALL`.
+//! redis-server instructions per `EVALSHA`, 215k per `FCALL`; a paced event dispatched in a call
+//! of its own (`dispatch.lua`, `benches/script_cost.rs`), 391k and 343k with the ready stream's
+//! bounded read.
+//!
+//! One difference shows under trouble: Redis refuses a function that may write as a whole when
+//! it is over `maxmemory` (or lacks `min-replicas-to-write`), where a script is refused at its
+//! first write. A call that would have written nothing (a dispatch told "not yet") then fails
+//! too; it is retried with backoff like the calls that would have written, and nothing could be
+//! dispatched meanwhile either way.
 //!
 //! The library wraps the same Lua: the helper files as its body (KEYS and ARGV become two of its
 //! locals, set by each call), the script's own file as the function. Its name carries the
