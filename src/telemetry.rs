@@ -74,8 +74,12 @@ impl Outcome {
 }
 
 pub fn outbound_event(route: &str, outcome: Outcome) {
+    outbound_events(route, outcome).increment(1);
+}
+
+/// `pacer_events_total` of the outbound flow for one route and outcome.
+fn outbound_events(route: &str, outcome: Outcome) -> Counter {
     counter!(EVENTS_TOTAL, "flow" => "outbound", "route" => route.to_string(), "outcome" => outcome.as_str())
-        .increment(1);
 }
 
 /// How an inbound event ended, the `outcome` label of `pacer_events_total{flow="inbound"}`.
@@ -163,12 +167,11 @@ pub struct RouteMetrics {
 
 impl RouteMetrics {
     pub fn new(route: &str) -> Self {
-        let events = |outcome: Outcome| counter!(EVENTS_TOTAL, "flow" => "outbound", "route" => route.to_string(), "outcome" => outcome.as_str());
         RouteMetrics {
             wait: histogram!(WAIT_SECONDS, "route" => histogram_route(route)),
             lateness: histogram!(LATENESS_SECONDS, "route" => histogram_route(route)),
-            dispatched: events(Outcome::Dispatched),
-            rerouted: events(Outcome::Rerouted),
+            dispatched: outbound_events(route, Outcome::Dispatched),
+            rerouted: outbound_events(route, Outcome::Rerouted),
         }
     }
 
@@ -392,15 +395,13 @@ pub fn register(cfg: &crate::config::Config) {
     }
     for route in cfg.outbound.routes.keys() {
         for outcome in Outcome::ALL {
-            counter!(EVENTS_TOTAL, "flow" => "outbound", "route" => route.clone(), "outcome" => outcome.as_str())
-                .absolute(0);
+            outbound_events(route, outcome).absolute(0);
         }
         counter!(REPLANNED_TOTAL, "route" => route.clone()).absolute(0);
         gauge!(ROUTE_QUEUE_SECONDS, "route" => route.clone()).set(0.0);
     }
     for outcome in [Outcome::DeadLettered, Outcome::Duplicate] {
-        counter!(EVENTS_TOTAL, "flow" => "outbound", "route" => "none", "outcome" => outcome.as_str())
-            .absolute(0);
+        outbound_events("none", outcome).absolute(0);
     }
     for (stream, _) in cfg.input_streams() {
         let stream = stream.to_string();
