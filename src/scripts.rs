@@ -6,10 +6,10 @@
 //! codec) always, `lua/gcra.lua` (the route's bucket) for pacing, `lua/admission.lua` and
 //! `lua/admission/*.lua` (the inbound algorithms) for admission. They are called by EVALSHA;
 //! redis-rs loads a script again when Redis answers NOSCRIPT (after a restart or SCRIPT FLUSH).
-//! `decide.lua` (one call per leased fetch or unleased request) and the pacing scripts
-//! `schedule.lua` and `dispatch.lua` (a dispatch call often carries one or two events) run as
-//! Redis Functions where Redis lets them (`function`): their helpers are then defined once, not
-//! on every call.
+//! The scripts called for every batch or request run as Redis Functions where Redis lets them
+//! (`function`): the pacing scripts `schedule.lua` and `dispatch.lua` (a dispatch call often
+//! carries one or two events), `admit.lua` and `decide.lua` (one call per leased fetch or
+//! unleased request). Their helpers are then defined once, not on every call.
 
 mod admit;
 mod decide;
@@ -71,8 +71,10 @@ pub const ADMIT: &str = lua!(
     "admission/states.lua",
     "admit.lua"
 );
-/// `decide.lua`'s own file: it runs after ADMISSION_LIB, as a script or as a Redis Function.
+/// `decide.lua`'s and `admit.lua`'s own files: they run after ADMISSION_LIB, as scripts or as
+/// Redis Functions.
 pub const DECIDE_BODY: &str = lua!("decide.lua");
+pub const ADMIT_BODY: &str = lua!("admit.lua");
 
 /// The scripts' reply codes, one meaning each (`lua/lib.lua` defines the same).
 pub mod reply {
@@ -163,7 +165,7 @@ pub struct Scripts {
     emit: Script,
     void: Script,
     reap: Script,
-    admit: Script,
+    admit: Function,
     decide: Function,
 }
 
@@ -175,7 +177,7 @@ impl Default for Scripts {
             emit: Script::new(EMIT),
             void: Script::new(VOID),
             reap: Script::new(REAP),
-            admit: Script::new(ADMIT),
+            admit: Function::new("admit", ADMISSION_LIB, ADMIT_BODY),
             decide: Function::new("decide", ADMISSION_LIB, DECIDE_BODY),
         }
     }
@@ -184,10 +186,10 @@ impl Default for Scripts {
 impl Scripts {
     /// Loads every script into Redis's script cache (readiness means this has happened).
     pub async fn load<C: ConnectionLike>(&self, con: &mut C) -> Result<()> {
-        for script in [&self.emit, &self.void, &self.reap, &self.admit] {
+        for script in [&self.emit, &self.void, &self.reap] {
             script.prepare_invoke().load_async(con).await?;
         }
-        for function in [&self.schedule, &self.dispatch, &self.decide] {
+        for function in [&self.schedule, &self.dispatch, &self.admit, &self.decide] {
             function.load_script(con).await?;
             // Calls go by the script while the function does not load (an ACL without
             // function|load): a warning, once, says so.
@@ -220,10 +222,10 @@ impl Args for redis::Cmd {
     }
 }
 
-pub(crate) fn push_fields(call: &mut ScriptInvocation<'_>, fields: &Fields) {
-    call.arg(fields.len());
+pub(crate) fn push_fields(call: &mut impl Args, fields: &Fields) {
+    call.push(fields.len());
     for (name, value) in fields {
-        call.arg(name.as_slice()).arg(value.as_slice());
+        call.push(name.as_slice()).push(value.as_slice());
     }
 }
 

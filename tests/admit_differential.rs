@@ -783,19 +783,22 @@ fn loading_the_scripts_deletes_other_pacer_versions_libraries_and_no_one_elses()
     };
     // An older pacer's decide (another body, so another hash in its name), still called by a
     // worker of that version; and libraries that only look alike, or are a user's.
+    // (`pacer_emit_` is no function of pacer's: `emit.lua` runs as a script.)
     const LOOKALIKES: [&str; 4] = [
         "pacer_decide_mine",
         "pacer_decide_0123456789abcdefff",
-        "pacer_admit_0123456789abcdef",
+        "pacer_emit_0123456789abcdef",
         "mylib",
     ];
+    // Another version's admit, loaded by hand as a worker of that version would.
+    const OLDER_ADMIT: &str = "pacer_admit_0123456789abcdef";
     let older = Function::new("decide", "", "return 7");
     let call_older = |con: &mut redis::aio::MultiplexedConnection| -> redis::Value {
         rt.block_on(older.call(con, &[], |_| redis::Cmd::new()))
             .expect("the older version's call")
     };
     assert_eq!(call_older(&mut con), redis::Value::Int(7));
-    for other in LOOKALIKES {
+    for other in LOOKALIKES.into_iter().chain([OLDER_ADMIT]) {
         let _: () = redis::cmd("FUNCTION")
             .arg("LOAD")
             .arg(format!(
@@ -805,20 +808,22 @@ fn loading_the_scripts_deletes_other_pacer_versions_libraries_and_no_one_elses()
             .unwrap();
     }
     assert!(names().contains(older.name()), "{}", names());
-    // A worker of this version starts: the older decide's library goes, nothing else does.
+    // A worker of this version starts: the older decide's and admit's libraries go, nothing
+    // else does.
     let scripts = Scripts::default();
     rt.block_on(scripts.load(&mut con)).unwrap();
     let after = names();
     assert!(!after.contains(older.name()), "{after}");
+    assert!(!after.contains(OLDER_ADMIT), "{after}");
     for kept in LOOKALIKES {
         assert!(after.contains(kept), "{kept}: {after}");
     }
-    // The look-alikes, and this version's three: decide, schedule and dispatch.
-    assert_eq!(after.lines().count(), 7, "{after}");
+    // The look-alikes, and this version's four: schedule, dispatch, admit and decide.
+    assert_eq!(after.lines().count(), 8, "{after}");
     // This version's own library stays, loaded again or not.
     assert_eq!(decide_hourly(&scripts, &rt, &mut con, 4), 4);
     rt.block_on(scripts.load(&mut con)).unwrap();
-    assert_eq!(names().lines().count(), 7, "{}", names());
+    assert_eq!(names().lines().count(), 8, "{}", names());
     assert_eq!(command_calls(&mut redis.con(), "evalsha"), 0);
     // The older worker, still running, loads its library again and its call is answered.
     assert_eq!(call_older(&mut con), redis::Value::Int(7));

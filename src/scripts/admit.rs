@@ -7,7 +7,6 @@ use crate::error::{Error, Result};
 use crate::event::Fields;
 use crate::keys::InboundKeys;
 use redis::aio::ConnectionLike;
-use redis::Value;
 
 /// Where an `admit` call writes, and how long what it records lasts.
 pub struct AdmitTargets<'a> {
@@ -102,16 +101,15 @@ impl Scripts {
             })
             .collect();
         let oldest = items.iter().map(|i| i.entry_ms).min().unwrap_or(0);
-        let mut call = self.admit.prepare_invoke();
+        let mut keys: Vec<&str> = Vec::new();
         if to.forward {
-            call.key(&to.keys.forward);
+            keys.push(&to.keys.forward);
         }
         if to.rejected {
-            call.key(&to.keys.rejected);
+            keys.push(&to.keys.rejected);
         }
-        for key in streams.keys() {
-            call.key(key);
-        }
+        keys.extend(streams.keys().iter().map(String::as_str));
+        let mut call = redis::Cmd::new();
         call.arg(to.decision_ttl_ms)
             .arg(to.max_len)
             .arg(u8::from(to.forward) | (u8::from(to.rejected) << 1))
@@ -132,14 +130,12 @@ impl Scripts {
                 "identities of {}",
                 item.owner
             );
-            call.key(item.decisions);
-            for key in &item.identities {
-                call.key(*key);
-            }
+            keys.push(item.decisions);
+            keys.extend(item.identities.iter().copied());
             call.arg(item.owner).arg(*ack);
             push_fields(&mut call, item.fields);
         }
-        let reply: Value = call.invoke_async(con).await?;
+        let reply = self.admit.call_plain(con, &keys, &call).await?;
         let mut values = Reply::new("admit", reply)?;
         let now_us = values.int()?;
         let mut out = Vec::with_capacity(items.len());
