@@ -16,14 +16,18 @@
 -- ARGV[2]      approximate MAXLEN of the forward and rejected streams (one XTRIM each per call)
 -- ARGV[3]      the outputs written here, bits: 1 the accepted events (to the forward stream),
 --              2 the rejected ones; the caller writes the others
--- ARGV[4]      entries per read: a sliding log whose cap is more than this many entries per
---              command that reading it by entry takes is read by entry, else whole (see `log`)
--- ARGV[5]      the consumer group of the input streams
--- ARGV[6]      s, the number of input streams to acknowledge in
--- ARGV[7]      stale_us: an entry this old with no decision on record may have had one expire:
+-- ARGV[4]      the consumer group of the input streams
+-- ARGV[5]      s, the number of input streams to acknowledge in
+-- ARGV[6]      stale_us: an entry this old with no decision on record may have had one expire:
 --              it is not decided (STALE)
--- ARGV[8]      the oldest entry's milliseconds: when no entry can be too old, none is looked at
--- ARGV[9..]    the rules (admission.lua's read_rules)
+-- ARGV[7]      the oldest entry's milliseconds: when no entry can be too old, none is looked at
+-- ARGV[8]      the rules' digest (of ARGV[10..] as they are when the rules follow)
+-- ARGV[9]      1: the rules follow; 0: they do not (a Redis Function's library may keep them,
+--              admission.lua's rules_by_digest, as decide.lua's does)
+-- ARGV[10]     if they follow: entries per read: a sliding log whose cap is more than this many
+--              entries per command that reading it by entry takes is read by entry, else whole
+--              (see `log`)
+-- ARGV[11..]   if they follow: the rules (admission.lua's read_rules)
 -- then         n, the number of events; then per event:
 --                owner ("<entry id>@<stream>": its field in the decision hash),
 --                its input stream's index among the s (0: the worker acknowledges it),
@@ -37,6 +41,8 @@
 --   DECIDED  an earlier delivery decided it: decision is what it recorded, verdicts ''
 --   STALE    older than stale_us with no decision on record: decision is its age (µs),
 --            nothing charged or recorded, verdicts ''
+-- or, when the rules did not follow and are not kept here, the status reply RESEND: call again
+-- with them (nothing was written).
 -- Entries whose output this call wrote (or an earlier delivery wrote, "A" and "R…") are
 -- acknowledged here where their stream is in reach. Nothing is written until every argument is
 -- checked, and outputs are written before the decisions that record them.
@@ -68,13 +74,12 @@ end
 if math.floor(here / 2) % 2 == 1 then
   rejected, stream_at = KEYS[stream_at], stream_at + 1
 end
-local entries_per_read = num(4, 'entries per read')
-local group, nstreams = ARGV[5], num(6, 'streams')
-local stale, oldest = num(7, 'stale'), num(8, 'oldest')
-local at = 9
-
-local rules, nrules
-rules, nrules, at = read_rules(at, entries_per_read)
+local group, nstreams = ARGV[4], num(5, 'streams')
+local stale, oldest = num(6, 'stale'), num(7, 'oldest')
+local rules, nrules, at = rules_by_digest(8)
+if not rules then
+  return redis.status_reply('RESEND')
+end
 
 -- The checks every event makes, in order: (rule index, key field) for each key of each rule.
 local check_rule, check_field = {}, {}

@@ -18,9 +18,9 @@ mod outputs;
 mod pacing;
 
 pub use admit::{
-    spacing_label, AdmitItem, AdmitReply, AdmitTargets, Admitted, LOG_ENTRIES_PER_READ,
+    spacing_label, AdmitItem, AdmitReply, AdmitTargets, Admitted, ScriptRules, LOG_ENTRIES_PER_READ,
 };
-pub use decide::{DecideCheck, DecideRequest, DecideRules};
+pub use decide::{DecideCheck, DecideRequest};
 pub use function::Function;
 pub use outputs::{EmitCall, EmitItem, Voided};
 pub use pacing::{

@@ -43,7 +43,7 @@ use crate::connection::RedisConn;
 use crate::error::Result;
 use crate::health::Health;
 use crate::keys::OutputKeys;
-use crate::scripts::Scripts;
+use crate::scripts::{ScriptRules, Scripts, LOG_ENTRIES_PER_READ};
 use crate::telemetry;
 use context::Context;
 use placers::Placers;
@@ -99,6 +99,10 @@ impl Worker {
                 .iter()
                 .map(|name| telemetry::RouteMetrics::new(name))
                 .collect(),
+            inbound_rules: cfg
+                .inbound
+                .as_ref()
+                .map(|i| ScriptRules::new(&i.rules, LOG_ENTRIES_PER_READ)),
             cfg,
         };
         Ok(Worker {

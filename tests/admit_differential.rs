@@ -17,8 +17,8 @@ use pacer::event::inbound::{forward_fields, rejected_fields, Decision, InboundEv
 use pacer::event::{Entry, Fields};
 use pacer::keys::InboundKeys;
 use pacer::scripts::{
-    spacing_label, AdmitItem, AdmitTargets, Admitted, DecideCheck, DecideRequest, DecideRules,
-    Function, Scripts, LOG_ENTRIES_PER_READ,
+    spacing_label, AdmitItem, AdmitTargets, Admitted, DecideCheck, DecideRequest, Function,
+    ScriptRules, Scripts, LOG_ENTRIES_PER_READ,
 };
 use pacer::testkit::{command_calls, RedisServer};
 use proptest::prelude::*;
@@ -88,7 +88,7 @@ struct Case {
     rejects_here: bool,
     /// Whether it writes accepted events itself (to the stream "fwd"): decision `A`, else `a`.
     forwards_here: bool,
-    /// Whether it reads sliding logs whole or entry by entry (`AdmitTargets::log_entries_per_read`).
+    /// Whether it reads sliding logs whole or entry by entry (the entries per read of its `ScriptRules`).
     whole_logs: bool,
     /// (sleep before it in µs, events)
     batches: Vec<(u64, Vec<Ev>)>,
@@ -262,15 +262,16 @@ fn run_case(
             group: "pacer",
             acks: &no_acks,
             stale_us: i64::MAX / 4,
-            // The drawn caps are small: read whole by default, by entry with 0.
-            log_entries_per_read: if case.whole_logs {
-                LOG_ENTRIES_PER_READ
-            } else {
-                0
-            },
         };
+        // The drawn caps are small: read whole by default, by entry with 0.
+        let entries_per_read = if case.whole_logs {
+            LOG_ENTRIES_PER_READ
+        } else {
+            0
+        };
+        let script_rules = ScriptRules::new(&rules, entries_per_read);
         let reply = rt
-            .block_on(scripts.admit(con, &to, &rules, &items))
+            .block_on(scripts.admit(con, &to, &script_rules, &items))
             .expect("admit");
         for (((owner, checks, earlier), got), event) in batch.iter().zip(&reply.items).zip(&events)
         {
@@ -469,7 +470,7 @@ fn run_sync_case(
     };
     let rules = inbound_rules(&case);
     let per_read = if *whole_logs { LOG_ENTRIES_PER_READ } else { 0 };
-    let decide_rules = DecideRules::new(&rules, per_read);
+    let decide_rules = ScriptRules::new(&rules, per_read);
     let mut engine = Engine::new(
         rules
             .iter()
@@ -587,7 +588,7 @@ fn decide_books_fetch_turns_a_gap_apart() {
     let gap = lease.turn_gap().as_micros() as i64;
     assert_eq!(gap, 30_000);
     rules[0].lease = Some(lease);
-    let rules = DecideRules::new(&rules, 0);
+    let rules = ScriptRules::new(&rules, 0);
     let fetch = |con: &mut redis::aio::MultiplexedConnection, ask: i64| {
         let request = DecideRequest {
             checks: vec![DecideCheck {
@@ -654,7 +655,7 @@ fn decide_hourly(
 ) -> usize {
     let requests: Vec<_> = (0..n).map(|_| hourly_request()).collect();
     let (_, verdicts) = rt
-        .block_on(scripts.decide(con, &DecideRules::new(&hourly_rule(), 0), &requests))
+        .block_on(scripts.decide(con, &ScriptRules::new(&hourly_rule(), 0), &requests))
         .expect("decide");
     verdicts.iter().filter(|v| v.accepted).count()
 }
@@ -729,14 +730,14 @@ fn decides_library_keeps_the_rules_of_every_config_in_use_and_forgets_the_rest()
     let (rt, mut con) = redis.async_con();
     let scripts = Scripts::default();
     // Config i: one rule of i + 1 an hour (a digest of its own).
-    let configs: Vec<DecideRules> = (0..2100u64)
+    let configs: Vec<ScriptRules> = (0..2100u64)
         .map(|i| {
             let mut rules = hourly_rule();
             rules[0].rule = make(Algorithm::Gcra, &[(i + 1, 3_600_000_000)], 0, None);
-            DecideRules::new(&rules, 0)
+            ScriptRules::new(&rules, 0)
         })
         .collect();
-    let mut decide = |config: &DecideRules| {
+    let mut decide = |config: &ScriptRules| {
         rt.block_on(scripts.decide(&mut con, config, &[hourly_request()]))
             .expect("decide");
     };

@@ -12,9 +12,11 @@ use pacer::event::inbound::{forward_fields, parse_inbound, Decision, InboundEven
 use pacer::event::{Entry, Fields};
 use pacer::keys::hash_tag;
 use pacer::scripts::{
-    AdmitItem, AdmitReply, AdmitTargets, Admitted, Scripts, LOG_ENTRIES_PER_READ,
+    AdmitItem, AdmitReply, AdmitTargets, Admitted, ScriptRules, Scripts, LOG_ENTRIES_PER_READ,
 };
-use pacer::testkit::{free_port, http_get, metric, wait_until, RedisServer, TempDir};
+use pacer::testkit::{
+    command_calls, free_port, http_get, metric, wait_until, RedisServer, TempDir,
+};
 use std::time::Duration;
 
 /// Accepted, and forwarded by the admission call itself (its stream shares the slot here).
@@ -29,7 +31,7 @@ struct Rig {
     cfg: InboundConfig,
     rt: tokio::runtime::Runtime,
     next: u64,
-    /// `AdmitTargets::log_entries_per_read`: 0 reads every sliding log by entry.
+    /// The rules' entries per read (`ScriptRules::new`): 0 reads every sliding log by entry.
     log_entries_per_read: i64,
 }
 
@@ -99,16 +101,17 @@ impl Rig {
             rejected: false,
             decision_ttl_ms: 600_000,
             max_len: 100_000,
-            log_entries_per_read: self.log_entries_per_read,
             group: "pacer",
             acks: &no_acks,
             stale_us: i64::MAX / 4,
         };
         self.rt
-            .block_on(
-                self.scripts
-                    .admit(&mut self.con, &to, &self.cfg.rules, &items),
-            )
+            .block_on(self.scripts.admit(
+                &mut self.con,
+                &to,
+                &ScriptRules::new(&self.cfg.rules, self.log_entries_per_read),
+                &items,
+            ))
             .expect("admit")
     }
 
@@ -197,6 +200,24 @@ fn several_limits_all_hold_at_once_reading_logs(log_entries_per_read: i64) {
     }
     // Another source is not affected.
     assert_eq!(accepted(&rig.burst(20, &[("source", "b")]).1), 5);
+}
+
+/// admit.lua runs as a Redis Function whose library keeps the rules it was sent, by their
+/// digest: the first call is told to send them, the calls after pass none. Admitting is the same
+/// either way (the differential test holds both to the Rust engine).
+#[test]
+fn admits_library_keeps_the_rules_so_later_calls_pass_none() {
+    let mut rig = Rig::new("    - {name: per-source, key: [source], limits: [3/min]}\n");
+    let mut decided = Vec::new();
+    for _ in 0..4 {
+        let e = rig.event(&[("source", "a")]);
+        decided.push(decisions(&rig.admit(&[e])).remove(0));
+    }
+    assert_eq!(accepted(&decided), 3);
+    // The first call: not found, loaded, asked for the rules, sent them (three FCALLs); then
+    // one each. Were the rules not kept, each call would be asked for them again (two each).
+    assert_eq!(command_calls(&mut rig.redis.con(), "fcall"), 3 + 3);
+    assert_eq!(command_calls(&mut rig.redis.con(), "evalsha"), 0);
 }
 
 #[test]

@@ -8,7 +8,7 @@ use crate::config::InboundRule;
 use crate::connection::RedisConn;
 use crate::error::Error;
 use crate::health::Health;
-use crate::scripts::{DecideCheck, DecideRequest, DecideRules, Scripts, LOG_ENTRIES_PER_READ};
+use crate::scripts::{DecideCheck, DecideRequest, ScriptRules, Scripts, LOG_ENTRIES_PER_READ};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot, Semaphore};
@@ -74,7 +74,7 @@ async fn run(
     health: Arc<Health>,
 ) {
     let scripts = Arc::new(Scripts::default());
-    let rules = Arc::new(DecideRules::new(&rules, LOG_ENTRIES_PER_READ));
+    let rules = Arc::new(ScriptRules::new(&rules, LOG_ENTRIES_PER_READ));
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     loop {
         let Ok(permit) = slots.clone().acquire_owned().await else {
@@ -112,7 +112,7 @@ async fn run(
 async fn call(
     scripts: &Scripts,
     con: &mut RedisConn,
-    rules: &DecideRules,
+    rules: &ScriptRules,
     health: &Health,
     jobs: Vec<Job>,
 ) {

@@ -22,10 +22,6 @@ pub struct AdmitTargets<'a> {
     pub decision_ttl_ms: u64,
     /// Output streams are trimmed to about this many entries.
     pub max_len: u64,
-    /// A sliding log is read entry by entry when its cap (largest limit) is more than this many
-    /// entries per command that takes (1 + a limit + min_spacing), else whole.
-    /// [`LOG_ENTRIES_PER_READ`] but in tests, which draw both ways (0: always by entry).
-    pub log_entries_per_read: i64,
     /// The consumer group of the input streams (for acknowledging).
     pub group: &'a str,
     /// Whether the call may acknowledge entries of an input stream (it shares the partition's
@@ -86,7 +82,7 @@ impl Scripts {
         &self,
         con: &mut C,
         to: &AdmitTargets<'_>,
-        rules: &[InboundRule],
+        rules: &ScriptRules,
         items: &[AdmitItem<'_>],
     ) -> Result<AdmitReply> {
         let mut streams = KeyIndex::default();
@@ -109,33 +105,36 @@ impl Scripts {
             keys.push(&to.keys.rejected);
         }
         keys.extend(streams.keys().iter().map(String::as_str));
-        let mut call = redis::Cmd::new();
-        call.arg(to.decision_ttl_ms)
-            .arg(to.max_len)
-            .arg(u8::from(to.forward) | (u8::from(to.rejected) << 1))
-            .arg(to.log_entries_per_read)
-            .arg(to.group)
-            .arg(streams.len())
-            .arg(to.stale_us)
-            .arg(oldest);
-        push_rules(&mut call, rules);
-        let checks: usize = rules.iter().map(|r| r.key.len()).sum();
-        call.arg(items.len());
-        for (item, ack) in items.iter().zip(&ack_at) {
+        for item in items {
             // The script reads the checks from the rules; a caller that built an event's
             // identities some other way is a bug, not an outcome.
             assert_eq!(
                 item.identities.len(),
-                checks,
+                rules.checks,
                 "identities of {}",
                 item.owner
             );
             keys.push(item.decisions);
             keys.extend(item.identities.iter().copied());
-            call.arg(item.owner).arg(*ack);
-            push_fields(&mut call, item.fields);
         }
-        let reply = self.admit.call_plain(con, &keys, &call).await?;
+        let args = |full: bool| {
+            let mut call = redis::Cmd::new();
+            call.arg(to.decision_ttl_ms)
+                .arg(to.max_len)
+                .arg(u8::from(to.forward) | (u8::from(to.rejected) << 1))
+                .arg(to.group)
+                .arg(streams.len())
+                .arg(to.stale_us)
+                .arg(oldest);
+            rules.push(&mut call, full);
+            call.arg(items.len());
+            for (item, ack) in items.iter().zip(&ack_at) {
+                call.arg(item.owner).arg(*ack);
+                push_fields(&mut call, item.fields);
+            }
+            call
+        };
+        let reply = self.admit.call(con, &keys, args).await?;
         let mut values = Reply::new("admit", reply)?;
         let now_us = values.int()?;
         let mut out = Vec::with_capacity(items.len());
@@ -155,6 +154,68 @@ impl Scripts {
         }
         Ok(AdmitReply { now_us, items: out })
     }
+}
+
+/// The rules as `admit.lua` and `decide.lua` take them, made once for the calls that share
+/// them (a worker's, for its life): their arguments, the digest a Redis Function's library
+/// keeps them by (admission.lua's `rules_by_digest`), the checks an event makes, and each rule's
+/// gap between fetch turns.
+pub struct ScriptRules {
+    args: redis::Cmd,
+    digest: String,
+    /// Identities an event or request is checked under: every key field of every rule.
+    checks: usize,
+    /// Per rule, µs; 0 for a rule without a lease (tests decide such: a gap of 0 books a turn
+    /// at now, which reads as none).
+    pub(crate) turn_gaps_us: Vec<i64>,
+}
+
+impl ScriptRules {
+    /// `rules` read with `log_entries_per_read` (admit.lua's: when a sliding log is read by
+    /// entry).
+    pub fn new(rules: &[InboundRule], log_entries_per_read: i64) -> Self {
+        let mut args = redis::Cmd::new();
+        args.arg(log_entries_per_read);
+        push_rules(&mut args, rules);
+        ScriptRules {
+            digest: digest(&args),
+            args,
+            checks: rules.iter().map(|r| r.key.len()).sum(),
+            turn_gaps_us: rules
+                .iter()
+                .map(|r| {
+                    r.lease
+                        .as_ref()
+                        .map_or(0, |l| l.turn_gap().as_micros() as i64)
+                })
+                .collect(),
+        }
+    }
+
+    /// Pushes the digest and whether the rules follow, then (when `full`) the rules.
+    pub(crate) fn push(&self, call: &mut redis::Cmd, full: bool) {
+        call.arg(&self.digest).arg(u8::from(full));
+        if full {
+            for a in self.args.args_iter() {
+                if let redis::Arg::Simple(a) = a {
+                    call.arg(a);
+                }
+            }
+        }
+    }
+}
+
+/// The SHA1 of a call's rule arguments, each length-prefixed (so that no two lists read alike):
+/// what a Function's library keeps them by.
+fn digest(rule_args: &redis::Cmd) -> String {
+    let mut text = String::new();
+    for a in rule_args.args_iter() {
+        if let redis::Arg::Simple(a) = a {
+            text.push_str(&format!("{}:", a.len()));
+            text.push_str(&String::from_utf8_lossy(a));
+        }
+    }
+    redis::Script::new(&text).get_hash().to_string()
 }
 
 /// The rules as `lua/admission.lua`'s `read_rules` reads them (`admit` and `decide` share it).

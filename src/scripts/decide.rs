@@ -1,13 +1,11 @@
 //! Synchronous admission in one call per batch of requests (`decide.lua`): decide, charge,
 //! lease.
 
-use super::admit::push_rules;
+use super::admit::ScriptRules;
 use super::{Reply, Scripts};
 use crate::admission::{Ask, CheckOutcome, Room, SyncVerdict, SPACING};
-use crate::config::InboundRule;
 use crate::error::Result;
 use redis::aio::ConnectionLike;
-use redis::Arg;
 
 /// One check of a synchronous request: an identity under a rule.
 pub struct DecideCheck<'a> {
@@ -36,46 +34,13 @@ pub struct DecideRequest<'a> {
     pub cost: i64,
 }
 
-/// The rules as `decide.lua` takes them, made once for the calls that share them (a worker's,
-/// for its life): their arguments, the digest its function keeps them by, and each rule's gap
-/// between fetch turns.
-pub struct DecideRules {
-    args: redis::Cmd,
-    digest: String,
-    /// Per rule, µs; 0 for a rule without a lease (tests decide such: a gap of 0 books a turn
-    /// at now, which reads as none).
-    turn_gaps_us: Vec<i64>,
-}
-
-impl DecideRules {
-    /// `rules` read with `log_entries_per_read` (admit.lua's: when a sliding log is read by
-    /// entry).
-    pub fn new(rules: &[InboundRule], log_entries_per_read: i64) -> Self {
-        let mut args = redis::Cmd::new();
-        args.arg(log_entries_per_read);
-        push_rules(&mut args, rules);
-        DecideRules {
-            digest: digest(&args),
-            args,
-            turn_gaps_us: rules
-                .iter()
-                .map(|r| {
-                    r.lease
-                        .as_ref()
-                        .map_or(0, |l| l.turn_gap().as_micros() as i64)
-                })
-                .collect(),
-        }
-    }
-}
-
 impl Scripts {
     /// Decides a batch of requests, in order, in one call (all their keys in one slot);
     /// returns Redis's clock and a verdict per request. See `lua/decide.lua`.
     pub async fn decide<C: ConnectionLike>(
         &self,
         con: &mut C,
-        rules: &DecideRules,
+        rules: &ScriptRules,
         requests: &[DecideRequest<'_>],
     ) -> Result<(i64, Vec<SyncVerdict>)> {
         let keys: Vec<&str> = requests
@@ -84,14 +49,7 @@ impl Scripts {
             .collect();
         let args = |full: bool| {
             let mut args = redis::Cmd::new();
-            args.arg(&rules.digest).arg(u8::from(full));
-            if full {
-                for a in rules.args.args_iter() {
-                    if let Arg::Simple(a) = a {
-                        args.arg(a);
-                    }
-                }
-            }
+            rules.push(&mut args, full);
             args.arg(requests.len());
             for r in requests {
                 args.arg(r.cost).arg(r.checks.len());
@@ -145,17 +103,4 @@ impl Scripts {
         }
         Ok((now_us, verdicts))
     }
-}
-
-/// The SHA1 of a call's rule arguments, each length-prefixed (so that no two lists read alike):
-/// what `decide.lua`'s function keeps them by.
-fn digest(rule_args: &redis::Cmd) -> String {
-    let mut text = String::new();
-    for a in rule_args.args_iter() {
-        if let Arg::Simple(a) = a {
-            text.push_str(&format!("{}:", a.len()));
-            text.push_str(&String::from_utf8_lossy(a));
-        }
-    }
-    redis::Script::new(&text).get_hash().to_string()
 }

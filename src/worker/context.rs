@@ -46,6 +46,8 @@ pub(crate) struct Context {
     pub(crate) wrong_kind: std::sync::Mutex<std::collections::BTreeSet<&'static str>>,
     /// Each route's per-event series, by route index.
     pub(crate) route_metrics: Vec<telemetry::RouteMetrics>,
+    /// The inbound rules as `admit.lua` takes them, made once (when there is an inbound flow).
+    pub(crate) inbound_rules: Option<crate::scripts::ScriptRules>,
 }
 
 impl Context {

@@ -24,7 +24,7 @@ use crate::error::Result;
 use crate::event::inbound::{self as ev, Decision, InboundEvent};
 use crate::event::{self, Entry, Fields, Reason, Refused};
 use crate::keys::{InboundKeys, OutputKeys};
-use crate::scripts::{AdmitItem, AdmitReply, AdmitTargets, Admitted, LOG_ENTRIES_PER_READ};
+use crate::scripts::{AdmitItem, AdmitReply, AdmitTargets, Admitted};
 use crate::telemetry::{self, InboundOutcome};
 use futures_util::future::join_all;
 use std::collections::BTreeMap;
@@ -248,6 +248,10 @@ async fn admit_batch(
             fields,
         })
         .collect();
+    let rules = ctx
+        .inbound_rules
+        .as_ref()
+        .expect("a worker with an inbound flow makes its rules");
     let acks = ctx.acks_in_script(keys.slot_key());
     let to = AdmitTargets {
         keys,
@@ -255,7 +259,6 @@ async fn admit_batch(
         rejected: ctx.same_slot(keys.slot_key(), &keys.rejected),
         decision_ttl_ms: cfg.flow.dedupe_ttl.as_millis() as u64,
         max_len: cfg.flow.max_len,
-        log_entries_per_read: LOG_ENTRIES_PER_READ,
         group: &ctx.cfg.worker.group,
         acks: &acks,
         stale_us: cfg.flow.dedupe_ttl.as_micros() as i64,
@@ -266,7 +269,7 @@ async fn admit_batch(
     let mut lagging = Backoff::default();
     loop {
         let mut con = ctx.con.clone();
-        let call = ctx.scripts.admit(&mut con, &to, &cfg.rules, &items);
+        let call = ctx.scripts.admit(&mut con, &to, rules, &items);
         match telemetry::timed("admit", call).await {
             Ok(reply) => {
                 ctx.health.wrote();
