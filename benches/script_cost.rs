@@ -12,8 +12,11 @@
 //! in a call of its own at its slot (as at most rates a worker's timer sends them), counted
 //! alone: there, what a call costs before its first event is most of what an event costs.
 //!
+//! Then the inbound case: events each admitted by `admit.lua` in a call of its own, on two
+//! rules, counted alone.
+//!
 //! `cargo bench --bench script_cost -- [--calls 50] [--per 128] [--fields 2] [--listpack N]
-//! [--paced 200]` (`--paced 0` leaves the paced case out)
+//! [--paced 200] [--admit 200]` (`--paced 0`, `--admit 0` leave those cases out)
 //!
 //! `--per` events per call (a worker's call on one route holds up to 128), `--fields` fields per
 //! event besides pacer's own, `--listpack` Redis's `hash-max-listpack-entries` (0: every
@@ -25,9 +28,11 @@ mod common;
 
 use common::{arg, present};
 use pacer::config::{Config, Overrides};
+use pacer::event::inbound::{forward_fields, parse_inbound};
+use pacer::event::Entry;
 use pacer::scripts::{
-    DispatchItem, Dispatched, EventRef, RouteCall, RouteDispatch, ScheduleItem, Scheduled, Scripts,
-    Writing,
+    AdmitItem, AdmitTargets, DispatchItem, Dispatched, EventRef, RouteCall, RouteDispatch,
+    ScheduleItem, Scheduled, ScriptRules, Scripts, Writing, LOG_ENTRIES_PER_READ,
 };
 use pacer::testkit::{free_port, wait_until, TempDir};
 use std::process::{Child, Command, Stdio};
@@ -240,6 +245,74 @@ fn paced(
     server.dump(dumps + 1) as f64 / dispatched as f64
 }
 
+/// The inbound case: `n` events on two rules (a gcra and a sliding log), each admitted by
+/// `admit.lua` in a call of its own, as a worker reads them at low rates. Returns the
+/// instructions counted over the admit calls alone (between dumps `dumps` and `dumps + 1`) per
+/// event.
+fn admitted_alone(
+    rt: &tokio::runtime::Runtime,
+    con: &mut redis::aio::MultiplexedConnection,
+    scripts: &Scripts,
+    n: usize,
+    (server, dumps): (&Counted, usize),
+) -> f64 {
+    let yaml = "inbound:\n  streams: [inb]\n  forward_stream: fwd\n  rules:\n    - {name: per-key, key: [k], algorithm: gcra, limits: [1000/s], burst: 10}\n    - {name: per-src, key: [src], algorithm: sliding_log, limits: [500/s, 10000/min]}\n";
+    let cfg = Config::parse(yaml, &Overrides::default())
+        .unwrap()
+        .inbound
+        .unwrap();
+    let rules = ScriptRules::new(&cfg.rules, LOG_ENTRIES_PER_READ);
+    let keys = &cfg.keys[0];
+    let no_acks = |_: &str| false;
+    let to = AdmitTargets {
+        keys,
+        forward: true,
+        rejected: true,
+        decision_ttl_ms: 600_000,
+        max_len: 1_000_000,
+        group: GROUP,
+        acks: &no_acks,
+        stale_us: i64::MAX / 4,
+    };
+    let mut admit = |i: usize| {
+        let (k, src) = (format!("key{}", i % 50), format!("s{}", i % 7));
+        let pairs: [(&str, &str); 3] = [
+            ("k", &k),
+            ("src", &src),
+            ("payload", "forty bytes of payload, give or take a few"),
+        ];
+        let entry = Entry {
+            stream: "inb".into(),
+            id: format!("{}-0", 1_000_000 + i),
+            fields: pairs
+                .iter()
+                .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
+                .collect(),
+            deliveries: 1,
+        };
+        let event = parse_inbound(entry, &cfg).expect("a well-formed event");
+        let (owner, hash) = (event.entry.owner(), keys.decisions(&event.entry.id));
+        let fields = forward_fields(&event);
+        let item = AdmitItem {
+            owner: &owner,
+            stream: &event.entry.stream,
+            entry_ms: event.entry.ms(),
+            decisions: &hash,
+            identities: event.identities.iter().map(String::as_str).collect(),
+            fields: &fields,
+        };
+        rt.block_on(scripts.admit(con, &to, &rules, &[item]))
+            .expect("admit")
+    };
+    // The first call, which sends the rules the function then keeps, is not counted.
+    admit(0);
+    server.dump(dumps);
+    for i in 1..=n {
+        admit(i);
+    }
+    server.dump(dumps + 1) as f64 / n as f64
+}
+
 /// Event `i`'s fields: `fields` of them, about forty bytes each.
 fn event_fields(i: usize, fields: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
     (0..fields)
@@ -285,6 +358,7 @@ fn main() {
     let per = arg("--per", 128) as usize;
     let fields = arg("--fields", 2) as usize;
     let paced_events = arg("--paced", 200) as usize;
+    let admit_events = arg("--admit", 200) as usize;
     let listpack = std::env::args()
         .any(|a| a == "--listpack")
         .then(|| arg("--listpack", 128));
@@ -378,13 +452,26 @@ fn main() {
         );
         println!("  redis-server instructions per event             {per_event:>8.0}");
     }
-    // `PACER_CALLGRIND_KEEP=<dir>`: keep the counts of the phases with the schedule calls and
-    // the dispatch calls, per function, for `callgrind_annotate`.
+    // Dumps are numbered in order: the paced phase's took 5 and 6 if it ran.
+    let admit_dump = if dispatch.is_some() { 7 } else { 5 };
+    let admitted = (admit_events > 0)
+        .then(|| admitted_alone(&rt, &mut con, &scripts, admit_events, (&server, admit_dump)));
+    if let Some(per_event) = admitted {
+        println!(
+            "admit.lua under callgrind: {admit_events} events on two rules (gcra, sliding log), each in a call of its own"
+        );
+        println!("  redis-server instructions per event             {per_event:>8.0}");
+    }
+    // `PACER_CALLGRIND_KEEP=<dir>`: keep the counts of the phases with the schedule, dispatch
+    // and admit calls, per function, for `callgrind_annotate`.
     if let Some(keep) = std::env::var_os("PACER_CALLGRIND_KEEP") {
         let keep = std::path::Path::new(&keep);
-        let mut kept = vec![("cg.out.4", "schedule.cg.out")];
+        let mut kept = vec![("cg.out.4".to_string(), "schedule.cg.out")];
         if dispatch.is_some() {
-            kept.push(("cg.out.6", "dispatch.cg.out"));
+            kept.push(("cg.out.6".to_string(), "dispatch.cg.out"));
+        }
+        if admitted.is_some() {
+            kept.push((format!("cg.out.{}", admit_dump + 1), "admit.cg.out"));
         }
         for (from, to) in kept {
             let to = keep.join(to);
