@@ -134,18 +134,7 @@ fn round(
                 max_wait_us: 1_000_000,
             })
             .collect();
-        let acks = |_: &str| true;
-        let call = RouteCall {
-            name: &route.name,
-            keys: &route.keys,
-            bucket: &route.bucket,
-            out: Writing {
-                ttl_ms: 600_000,
-                max_len: 1_000_000,
-                group: GROUP,
-                acks: &acks,
-            },
-        };
+        let call = route_call(route);
         let reply = scripts
             .schedule(con, &call, (600_000_000, 0, 1_000_000), &items)
             .await
@@ -160,6 +149,23 @@ fn round(
         );
         ids.len()
     })
+}
+
+/// A call on `route` as a worker makes it where every input stream is in reach: its records
+/// live 10 minutes, its ready stream is trimmed to about a million entries, and it
+/// acknowledges what it finishes.
+fn route_call(route: &pacer::config::Route) -> RouteCall<'_> {
+    RouteCall {
+        name: &route.name,
+        keys: &route.keys,
+        bucket: &route.bucket,
+        out: Writing {
+            ttl_ms: 600_000,
+            max_len: 1_000_000,
+            group: GROUP,
+            acks: &|_: &str| true,
+        },
+    }
 }
 
 /// The paced phase: `n` events of `fields` fields read and scheduled in one call on `route`,
@@ -177,18 +183,7 @@ fn paced(
     let values: Vec<Vec<(Vec<u8>, Vec<u8>)>> = (0..n).map(|i| event_fields(i, fields)).collect();
     let pairs: Vec<Vec<(&[u8], &[u8])>> = values.iter().map(|v| as_pairs(v)).collect();
     let ids = rt.block_on(add_and_read(con, &values));
-    let acks = |_: &str| true;
-    let call = || RouteCall {
-        name: &route.name,
-        keys: &route.keys,
-        bucket: &route.bucket,
-        out: Writing {
-            ttl_ms: 600_000,
-            max_len: 1_000_000,
-            group: GROUP,
-            acks: &acks,
-        },
-    };
+    let call = || route_call(route);
     let event = |i: usize| EventRef {
         stream: "in",
         entry_id: &ids[i],

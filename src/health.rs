@@ -13,7 +13,7 @@ use metrics::gauge;
 use std::fmt::Display;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tracing::{info, warn};
 
 /// `pacer_ready`: 1 when `/readyz` says ready.
@@ -55,10 +55,15 @@ impl Streak {
         begins
     }
 
-    /// Ends the streak, if one is on: how long it lasted and how many failures it held.
-    fn end(&self) -> Option<(Duration, u64)> {
-        let since = self.since.lock().expect("health lock").take()?;
-        Some((since.elapsed(), self.count.swap(0, Ordering::Relaxed)))
+    /// Ends the streak, if one is on, saying `message` with how long it lasted and how many
+    /// failed calls it held; whether one was on.
+    fn end(&self, message: &str) -> bool {
+        let Some(since) = self.since.lock().expect("health lock").take() else {
+            return false;
+        };
+        let calls = self.count.swap(0, Ordering::Relaxed);
+        info!(after = ?since.elapsed(), failed_calls = calls, "{message}");
+        true
     }
 
     fn on(&self) -> bool {
@@ -70,13 +75,7 @@ impl Health {
     /// A Redis call succeeded.
     pub fn succeeded(&self) {
         if !self.redis_ok.swap(true, Ordering::Relaxed) {
-            if let Some((after, failed)) = self.outage.end() {
-                info!(
-                    ?after,
-                    failed_calls = failed,
-                    "Redis answers again; work resumes"
-                );
-            }
+            self.outage.end("Redis answers again; work resumes");
             self.publish();
         }
     }
@@ -117,12 +116,7 @@ impl Health {
 
     /// A call of the synchronous API succeeded.
     pub fn api_succeeded(&self) {
-        if let Some((after, failed)) = self.api_outage.end() {
-            info!(
-                ?after,
-                failed_calls = failed,
-                "the API's Redis calls answer again"
-            );
+        if self.api_outage.end("the API's Redis calls answer again") {
             self.publish();
         }
     }
@@ -147,12 +141,7 @@ impl Health {
 
     /// A write succeeded (on whichever connection): Redis takes writes, if it refused them.
     pub fn writes_taken(&self) {
-        if let Some((after, refused)) = self.refusal.end() {
-            info!(
-                ?after,
-                refused_calls = refused,
-                "Redis takes writes again; work resumes"
-            );
+        if self.refusal.end("Redis takes writes again; work resumes") {
             self.publish();
         }
     }
