@@ -97,19 +97,27 @@ enum Command {
     },
 }
 
-/// The runtime: `threads` worker threads, or by default one per core this process may use
-/// (which honours a container's CPU quota, and `TOKIO_WORKER_THREADS`).
+/// The runtime: `threads` worker threads, or by default one per core this process may use (as
+/// tokio counts them: `TOKIO_WORKER_THREADS`, else the cores, which honours a container's CPU
+/// quota).
 ///
-/// One thread is tokio's current-thread runtime, not a multi-thread one with one worker. The
-/// latter runs a task just woken before those already queued (its LIFO slot), so an HTTP/2
-/// connection task woken by each answered stream wrote each answer in a syscall of its own (one
-/// `writev` per gRPC decision, by `perf stat`); the former queues it behind the other streams,
-/// and one `writev` carries the answers of several (one per five decisions). On the sync
-/// benchmark that took gRPC's leased closed-loop p99 from 4.7 to 0.7 ms (README).
+/// One thread is tokio's current-thread runtime, not a multi-thread one with one worker, also
+/// when the default comes to one (a pod with one CPU). The latter runs a task just woken before
+/// those already queued (its LIFO slot), so an HTTP/2 connection task woken by each answered
+/// stream wrote each answer in a syscall of its own (one `writev` per gRPC decision, by `perf
+/// stat`); the former queues it behind the other streams, and one `writev` carries the answers
+/// of several (one per five decisions). On the sync benchmark that took gRPC's leased
+/// closed-loop p99 from 4.7 to 0.7 ms (README).
 fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
-    if threads == 0 {
-        return tokio::runtime::Runtime::new();
-    }
+    let threads = match threads {
+        0 => std::env::var("TOKIO_WORKER_THREADS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|&n: &usize| n > 0)
+            .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+            .unwrap_or(1),
+        n => n,
+    };
     if threads == 1 {
         return tokio::runtime::Builder::new_current_thread()
             .enable_all()

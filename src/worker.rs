@@ -122,8 +122,13 @@ impl Worker {
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
         let ctx = self.ctx;
         let rules = ctx.cfg.inbound.as_ref().map_or(0, |i| i.rules.len());
-        let threads = tokio::runtime::Handle::current().metrics().num_workers();
-        info!(consumer = %ctx.consumer, routes = ctx.cfg.outbound.routes.len(), inbound_rules = rules, threads, redis = %ctx.con.target(), "worker starting");
+        let handle = tokio::runtime::Handle::current();
+        let threads = handle.metrics().num_workers();
+        let runtime = match handle.runtime_flavor() {
+            tokio::runtime::RuntimeFlavor::CurrentThread => "current_thread",
+            _ => "multi_thread",
+        };
+        info!(consumer = %ctx.consumer, routes = ctx.cfg.outbound.routes.len(), inbound_rules = rules, threads, runtime = %runtime, redis = %ctx.con.target(), "worker starting");
         if !prepare::prepare(&ctx, &shutdown).await? {
             return Ok(());
         }

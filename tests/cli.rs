@@ -121,22 +121,24 @@ fn queue_gauge(port: u16, route: &str) -> Option<f64> {
 }
 
 /// `worker.threads` sets the runtime's worker threads, as tokio itself counts them; without it
-/// the runtime takes its default (here from TOKIO_WORKER_THREADS, as on any machine).
+/// the runtime takes its default (here from TOKIO_WORKER_THREADS, as on any machine). One
+/// thread, set or by default, is a current-thread runtime (`runtime` in main.rs says why).
 #[test]
 fn worker_threads_sets_the_runtimes_threads() {
     let redis = RedisServer::start();
     let dir = TempDir::new("threads");
     let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    r: {rate: 10/s}\n";
-    for (threads, env, expect) in [
-        ("  threads: 1", None, 1),
-        ("  threads: 3", None, 3),
-        ("  threads: 0", Some("2"), 2),
+    for (threads, env, expect, flavor) in [
+        ("  threads: 1", None, 1, "current_thread"),
+        ("  threads: 3", None, 3, "multi_thread"),
+        ("  threads: 0", Some("2"), 2, "multi_thread"),
+        ("  threads: 0", Some("1"), 1, "current_thread"),
     ] {
         let port = free_port();
         let worker = format!("{WORKER}\n{threads}");
         let cfg = config(
             &dir,
-            &format!("t{expect}.yaml"),
+            &format!("t{expect}{flavor}.yaml"),
             &redis,
             port,
             &worker,
@@ -148,8 +150,10 @@ fn worker_threads_sets_the_runtimes_threads() {
             .collect();
         let pacer = start_wrapped(&[], &env, &cfg, port);
         assert!(
-            pacer.log_text().contains(&format!("threads={expect} ")),
-            "{threads}: {}",
+            pacer
+                .log_text()
+                .contains(&format!("threads={expect} runtime={flavor} ")),
+            "{threads} {env:?}: {}",
             pacer.log_text()
         );
     }
