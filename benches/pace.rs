@@ -96,7 +96,7 @@ fn lateness(bin: &Path, workers: u64, seconds: u64, skew_seconds: u64) {
         workers,
         &|url, port| {
             ports.borrow_mut().push(port);
-            outbound_config(url, port, &routes, 256)
+            outbound_config(url, port, &routes, 256, 0)
         },
         &wrapper,
     );

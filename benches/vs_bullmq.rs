@@ -27,7 +27,14 @@
 //! time both under them and under the script), and the workers' CPU µs per event. Rounds alternate which system goes first; the summary gives the
 //! medians and the median of each round's pacer/BullMQ ratio. Nothing is asserted about speed.
 //!
-//! `cargo bench --bench vs_bullmq -- [--events 20000] [--rounds 3] [--workers 3] [--concurrency 50]`
+//! `cargo bench --bench vs_bullmq -- [--events 20000] [--rounds 3] [--workers 3] [--concurrency 50]
+//! [--threads 1]`
+//!
+//! `--threads` is each pacer worker's `worker.threads`: 1 by default, as config.yaml advises for
+//! several pacer processes on one host (three on this machine's two cores), and as each BullMQ
+//! worker is one node process. On 2026-11-25, one round each, alternating: 1 thread 200k / 190k
+//! events/s on one route, 194k / 198k on ten; the default of one per core (two here, six threads
+//! on two cores) 172k / 164k and 172k / 149k, at the same Redis CPU per event.
 //!
 //! `--concurrency` is each BullMQ Worker's (jobs in flight at once). BullMQ's default is 1, but
 //! more lets ioredis pipeline: here 1 cost about 105-130 µs of Redis CPU per job and 10 to 200
@@ -182,7 +189,7 @@ fn pacer_run(bin: &Path, redis: &RedisServer, workers: u64, events: u64, routes:
         .query(&mut con)
         .unwrap();
     let running = start_workers(bin, &dir, redis, workers, &|url, port| {
-        outbound_config(url, port, &yaml, 512)
+        outbound_config(url, port, &yaml, 512, 1)
     });
     let _: () = redis::cmd("CONFIG")
         .arg("RESETSTAT")

@@ -270,7 +270,7 @@ pub fn outbound_throughput(bin: &Path, workers: u64, events: u64) -> Measured {
         workers,
         events,
         |i| [("route", format!("r{}", i % n)), ("to", i.to_string())],
-        &|url, port| outbound_config(url, port, &routes, 256),
+        &|url, port| outbound_config(url, port, &routes, 256, 0),
         |con| {
             (0..n)
                 .map(|r| xlen(con, &format!("pacer:{{r{r}}}:ready")))
@@ -281,12 +281,13 @@ pub fn outbound_throughput(bin: &Path, workers: u64, events: u64) -> Measured {
 }
 
 /// A worker config with outbound `routes` (YAML lines under `routes:`) reading `in`, in batches
-/// of `--batch`, else `batch`.
-pub fn outbound_config(url: &str, port: u16, routes: &str, batch: u64) -> String {
+/// of `--batch`, else `batch`, on `--threads` runtime threads, else `threads` (0: one per core).
+pub fn outbound_config(url: &str, port: u16, routes: &str, batch: u64, threads: u64) -> String {
     let batch = arg("--batch", batch);
     let wait = arg("--wait-replicas", 0);
+    let threads = arg("--threads", threads);
     format!(
-        "redis: {{url: \"{url}\", wait_replicas: {wait}}}\nmetrics: {{listen: \"127.0.0.1:{port}\"}}\nworker: {{batch: {batch}, max_inflight: 100000}}\noutbound:\n  streams: [\"in\"]\n  routes:\n{routes}"
+        "redis: {{url: \"{url}\", wait_replicas: {wait}}}\nmetrics: {{listen: \"127.0.0.1:{port}\"}}\nworker: {{batch: {batch}, max_inflight: 100000, threads: {threads}}}\noutbound:\n  streams: [\"in\"]\n  routes:\n{routes}"
     )
 }
 
