@@ -314,6 +314,35 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
     refused_grpc(&rt, g, "edge", vec![twice], "the field user is given twice");
     let bad = descriptor(&[("user", "u3"), ("pacer_rule", "nope")]);
     refused_grpc(&rt, g, "edge", vec![bad], "descriptors[0]: no rule named");
+    // A rule named whose key field the descriptor lacks (here misspelt) is refused, not
+    // passed with no limit.
+    let misspelt = descriptor(&[("User", "u7"), ("pacer_rule", "per-user")]);
+    refused_grpc(&rt, g, "edge", vec![misspelt], "descriptors[0]:");
+    // A descriptor's own hits_addend of 0 checks and charges nothing: three of them, then u8
+    // still has its whole burst of 2.
+    let mut peek = descriptor(&[("user", "u8")]);
+    peek.hits_addend = Some(envoy_types::pb::google::protobuf::UInt64Value { value: 0 });
+    for _ in 0..3 {
+        let r = rt
+            .block_on(should_rate_limit(g, "edge", vec![peek.clone()]))
+            .unwrap();
+        assert_eq!(r.overall_code, Code::Ok as i32, "{r:?}");
+    }
+    let r = rt
+        .block_on(should_rate_limit(
+            g,
+            "edge",
+            vec![descriptor(&[("user", "u8")])],
+        ))
+        .unwrap();
+    assert_eq!(
+        r.statuses[0].limit_remaining, 1,
+        "u8 was not charged: {r:?}"
+    );
+    // Checked all the same: a bad one is refused.
+    let mut bad_peek = descriptor(&[("user", "u3"), ("pacer_rule", "nope")]);
+    bad_peek.hits_addend = peek.hits_addend;
+    refused_grpc(&rt, g, "edge", vec![bad_peek], "no rule named");
     // Bounded: more descriptors than Envoy ever sends, or a message past 64 KiB (as over
     // HTTP), is refused before anything is decided.
     let many = vec![descriptor(&[("user", "u9")]); 1025];

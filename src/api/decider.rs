@@ -3,7 +3,7 @@
 //! requests the worker has in hand (`batch`).
 
 use super::batch::Batcher;
-use super::lease::{Fetch, Leases, Slot, Take};
+use super::lease::{Fetch, Leases, Slot, Take, Taken};
 use crate::admission::{Algorithm, Ask, CheckOutcome, SyncVerdict, SPACING};
 use crate::config::{FailPolicy, InboundConfig, Lease, READ_TIMEOUT};
 use crate::connection::RedisConn;
@@ -40,6 +40,11 @@ pub struct Request {
     pub rules: Option<Vec<String>>,
     /// Apply only the rules whose key fields are all given (Envoy's mapping).
     pub only_matching: bool,
+    /// Checked and charged nothing: an Envoy descriptor whose own `hits_addend` is 0. Its
+    /// identities are resolved (a bad one is still refused), and it is allowed: pacer counts no
+    /// refused request, so no limit is ever past its count, which is what envoyproxy/ratelimit
+    /// answers a hit of 0 on (it adds 0 and refuses only a count already over the limit).
+    pub check_only: bool,
 }
 
 /// The limit an answer reports: the binding one when refused, else the one with least room.
@@ -157,13 +162,18 @@ impl Decider {
             }
         }
         let given = |field: &str| req.fields.iter().any(|(k, v)| k == field && !v.is_empty());
+        // A rule named is applied whatever fields were given, so that one it lacks is said
+        // (a gRPC `pacer_rule` whose key entry was misspelt used to pass with no limit).
         let applies = |r: usize| {
             let rule = &rules[r];
-            let named = req.rules.as_ref().is_none_or(|n| n.contains(&rule.name));
-            let matching = !req.only_matching
-                || rule.default_identity.is_some()
-                || rule.key.iter().all(|f| given(f));
-            named && matching
+            match &req.rules {
+                Some(names) => names.contains(&rule.name),
+                None => {
+                    !req.only_matching
+                        || rule.default_identity.is_some()
+                        || rule.key.iter().all(|f| given(f))
+                }
+            }
         };
         let value = |field: &str| {
             let mut values = req.fields.iter().filter(|(k, _)| k == field);
@@ -239,6 +249,15 @@ impl Decider {
                 .by_ref()
                 .take(TOGETHER)
                 .map(|(i, (r, (partition, ids)))| async move {
+                    if r.check_only {
+                        return Ok(Answer {
+                            allowed: true,
+                            retry_us: 0,
+                            limit: None,
+                            via_redis: false,
+                            unchecked: false,
+                        });
+                    }
                     let answer = self.decide_resolved(api, r, partition, ids).await;
                     answer.map_err(|e| (i, e))
                 });
@@ -270,6 +289,8 @@ impl Decider {
         // (single flight, in key order so that two requests never wait on each other), look
         // again (whoever held a lock may have just refilled that lease), and fetch.
         let mut held = Vec::new();
+        // Where each identity's leased tokens came from, to give them back if refused after all.
+        let mut taken = vec![Taken::default(); ids.len()];
         for phase in 0..2 {
             let now = Instant::now();
             let mut missing = Vec::new();
@@ -279,12 +300,15 @@ impl Decider {
                     continue;
                 }
                 match slot.take(req.cost, now) {
-                    Take::Spent(_) => asks[x] = Ask::Covered,
-                    Take::Blocked(wait) => {
-                        self.give_back(&slots, &mut asks, req.cost, now);
+                    (Take::Spent(_), from) => {
+                        asks[x] = Ask::Covered;
+                        taken[x] = from;
+                    }
+                    (Take::Blocked(wait), _) => {
+                        self.give_back(&slots, &mut asks, &taken, now);
                         return Ok(self.refused_locally(api, &ids, x, wait));
                     }
-                    Take::Empty => missing.push(x),
+                    (Take::Empty, _) => missing.push(x),
                 }
             }
             if asks.iter().all(|a| *a == Ask::Covered) {
@@ -318,7 +342,7 @@ impl Decider {
         let verdict = match reply {
             Ok(v) => v,
             Err(e) => {
-                self.give_back(&slots, &mut asks, req.cost, Instant::now());
+                self.give_back(&slots, &mut asks, &taken, Instant::now());
                 return match self.cfg.fail_policy {
                     FailPolicy::FailOpen => Ok(Answer {
                         allowed: true,
@@ -353,7 +377,7 @@ impl Decider {
             }
         }
         if !verdict.accepted {
-            self.give_back(&slots, &mut asks, req.cost, Instant::now());
+            self.give_back(&slots, &mut asks, &taken, Instant::now());
         }
         drop(held);
         Ok(self.answer(api, &ids, &verdict))
@@ -389,10 +413,16 @@ impl Decider {
     }
 
     /// Returns the tokens a request took from its leases, when it is refused after all.
-    fn give_back(&self, slots: &[Option<Arc<Slot>>], asks: &mut [Ask], cost: i64, now: Instant) {
-        for (slot, ask) in slots.iter().zip(asks.iter_mut()) {
+    fn give_back(
+        &self,
+        slots: &[Option<Arc<Slot>>],
+        asks: &mut [Ask],
+        taken: &[Taken],
+        now: Instant,
+    ) {
+        for ((slot, ask), taken) in slots.iter().zip(asks.iter_mut()).zip(taken) {
             if let (Some(slot), Ask::Covered) = (slot, *ask) {
-                slot.give_back(cost, now);
+                slot.give_back(*taken, now);
                 *ask = Ask::Decide;
             }
         }

@@ -5,8 +5,10 @@
 //! **Mapping.** The request's `domain` must be `inbound.api.domain`. Each descriptor is one
 //! request to pacer: its entries are the identity fields (`key` a field name, `value` its
 //! value); the rules applied are those whose key fields the descriptor all carries (or that
-//! have a `default_identity`), or just the rule an entry `pacer_rule: <name>` names. Its cost is
-//! the descriptor's `hits_addend`, else the request's, else 1. Descriptors are decided together
+//! have a `default_identity`), or just the rule an entry `pacer_rule: <name>` names (whose
+//! fields it must then carry). Its cost is the descriptor's `hits_addend`, else the request's,
+//! else 1; a descriptor's own `hits_addend` of 0 is checked (its fields resolved) and charged
+//! nothing, and is `OK` with no limit (`Request::check_only`). Descriptors are decided together
 //! (`Decider::decide_all`: one Redis call for those that need one), each on its own (an allowed
 //! one is charged even when another is over its limit, as in envoyproxy/ratelimit); one that
 //! cannot be decided refuses the request and charges none. A descriptor no rule applies to is
@@ -176,13 +178,18 @@ impl RateLimitService for Envoy {
         }
         let mut requests = Vec::with_capacity(req.descriptors.len());
         for d in &req.descriptors {
+            let own = d.hits_addend.map(|h| h.value);
             let mut one = Request {
                 // Past i64 (`as` would wrap it negative and so to the default of 1) it is
-                // refused like any cost above MAX_COST.
-                cost: match d.hits_addend.map(|h| h.value).filter(|&h| h > 0) {
-                    Some(h) => i64::try_from(h).unwrap_or(i64::MAX),
+                // refused like any cost above MAX_COST. The descriptor's own 0 is a check
+                // that charges nothing (as in envoyproxy/ratelimit); the request's 0 is
+                // proto3's "not set", so 1.
+                cost: match own {
+                    Some(h) if h > 0 => i64::try_from(h).unwrap_or(i64::MAX),
+                    Some(_) => 1,
                     None => i64::from(req.hits_addend.max(1)),
                 },
+                check_only: own == Some(0),
                 only_matching: true,
                 ..Request::default()
             };

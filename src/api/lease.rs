@@ -55,6 +55,9 @@ pub struct Slot {
 /// The tokens of one fetch, spendable until `until`.
 #[derive(Debug, Clone, Copy)]
 struct Batch {
+    /// Which fetch brought them (`State::made`; 0: none), so that tokens given back go to the
+    /// batch they came from and nowhere else.
+    id: u64,
     tokens: i64,
     until: Instant,
     fetched: Instant,
@@ -63,6 +66,7 @@ struct Batch {
 impl Batch {
     fn none(now: Instant) -> Self {
         Batch {
+            id: 0,
             tokens: 0,
             until: now,
             fetched: now,
@@ -88,8 +92,9 @@ struct State {
     next: Batch,
     /// Tokens the next fetch asks for.
     size: i64,
-    /// Refused locally until then.
-    blocked_until: Option<Instant>,
+    /// Requests of at least this cost are refused locally until then (Redis refused one:
+    /// a larger one would wait at least as long, a smaller one may pass sooner).
+    blocked: Option<(Instant, i64)>,
     /// The last fetch was granted less than it asked, or Redis booked its worker a fetch turn:
     /// the identity is at its limit, so when this lease runs out its worker waits until then
     /// rather than fetch again.
@@ -104,7 +109,14 @@ struct State {
     roomy: bool,
     /// Tokens of leases that ended unspent, not yet counted as wasted.
     wasted: i64,
+    /// Batches stored so far: the last one's id.
+    made: u64,
 }
+
+/// Where a request's leased tokens came from: (batch id, tokens) from the lease being spent,
+/// then from the one fetched ahead. What `Slot::give_back` returns them to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Taken([(u64, i64); 2]);
 
 /// What taking tokens from a lease found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,7 +187,7 @@ impl State {
             }
             self.wasted += self.cur.tokens;
             self.cur = self.next;
-            self.next.tokens = 0;
+            self.next = Batch::none(now);
         }
     }
 
@@ -215,25 +227,28 @@ impl Slot {
                 cur: Batch::none(now),
                 next: Batch::none(now),
                 size: 1,
-                blocked_until: None,
+                blocked: None,
                 short_until: None,
                 full_at_turn: false,
                 ahead: false,
                 roomy: false,
                 wasted: 0,
+                made: 0,
             }),
             fetch: tokio::sync::Mutex::new(()),
         }
     }
 
-    /// Takes `cost` tokens if the live leases hold them (the older first).
-    pub fn take(&self, cost: i64, now: Instant) -> Take {
+    /// Takes `cost` tokens if the live leases hold them (the older first), and says where
+    /// they came from (for `give_back`).
+    pub fn take(&self, cost: i64, now: Instant) -> (Take, Taken) {
         let mut s = self.state.lock().expect("lease state");
-        if let Some(until) = s.blocked_until {
-            if now < until {
-                return Take::Blocked(until - now);
+        if let Some((until, at_least)) = s.blocked {
+            if now >= until {
+                s.blocked = None;
+            } else if cost >= at_least {
+                return (Take::Blocked(until - now), Taken::default());
             }
-            s.blocked_until = None;
         }
         s.roll(now);
         let (cur, next) = (s.cur.live(now), s.next.live(now));
@@ -241,12 +256,13 @@ impl Slot {
             let from_cur = cost.min(cur);
             s.cur.tokens -= from_cur;
             s.next.tokens -= cost - from_cur;
-            return Take::Spent(cur + next - cost);
+            let taken = Taken([(s.cur.id, from_cur), (s.next.id, cost - from_cur)]);
+            return (Take::Spent(cur + next - cost), taken);
         }
         if let Some(until) = s.short_until.filter(|&t| now < t) {
-            return Take::Blocked(until - now);
+            return (Take::Blocked(until - now), Taken::default());
         }
-        Take::Empty
+        (Take::Empty, Taken::default())
     }
 
     /// Whether to fetch the next lease now, ahead of need, so that the requests after this one
@@ -257,11 +273,8 @@ impl Slot {
     /// the fetch: answer with `ahead_fetched`, `ahead_refused` or `ahead_dropped`.
     pub fn fetch_ahead(&self, now: Instant) -> bool {
         let mut s = self.state.lock().expect("lease state");
-        let go = !s.ahead
-            && s.low(now)
-            && s.roomy
-            && s.short_until.is_none()
-            && s.blocked_until.is_none();
+        let go =
+            !s.ahead && s.low(now) && s.roomy && s.short_until.is_none() && s.blocked.is_none();
         s.ahead |= go;
         go
     }
@@ -274,14 +287,24 @@ impl Slot {
         self.state.lock().expect("lease state").low(now)
     }
 
-    /// Returns tokens taken for a request Redis then refused on another identity (if the
-    /// lease they came from is still live; else they are wasted, as they would have been).
-    pub fn give_back(&self, n: i64, now: Instant) {
+    /// Returns tokens taken for a request Redis then refused on another identity, each to the
+    /// batch it came from if that is still live; else they are wasted, as they would have
+    /// been. Never to another batch: a token charged in one fixed window and handed to the
+    /// next window's lease would be spent there too, one over that window's count (and a gcra
+    /// token moved to a later lease would outlive its ttl).
+    pub fn give_back(&self, taken: Taken, now: Instant) {
         let mut s = self.state.lock().expect("lease state");
-        if now < s.cur.until {
-            s.cur.tokens += n;
-        } else if now < s.next.until {
-            s.next.tokens += n;
+        for (id, n) in taken.0 {
+            if n == 0 {
+                continue;
+            }
+            if s.cur.id == id && now < s.cur.until {
+                s.cur.tokens += n;
+            } else if s.next.id == id && now < s.next.until {
+                s.next.tokens += n;
+            } else {
+                s.wasted += n;
+            }
         }
     }
 
@@ -315,12 +338,14 @@ impl Slot {
         let mut s = self.state.lock().expect("lease state");
         let wasted = s.wasted + s.cur.tokens + s.next.tokens;
         s.wasted = 0;
+        s.made += 1;
         s.cur = Batch {
+            id: s.made,
             tokens: fetch.granted,
             until,
             fetched,
         };
-        s.next.tokens = 0;
+        s.next = Batch::none(fetched);
         s.at_limit(fetch, (fetched, until), turn, lease);
         Refilled { wasted }
     }
@@ -338,7 +363,9 @@ impl Slot {
         let mut s = self.state.lock().expect("lease state");
         let wasted = s.wasted + s.next.tokens;
         s.wasted = 0;
+        s.made += 1;
         s.next = Batch {
+            id: s.made,
             tokens: fetch.granted + fetch.cost,
             until,
             fetched,
@@ -363,9 +390,11 @@ impl Slot {
     }
 
     /// Redis refused a request of `cost` asking `asked` tokens more, sent at `sent`, and said
-    /// when it would pass: the identity is refused locally until then, or until the fetch turn
-    /// Redis booked (else as long as a fetch at the limit would wait) if that is longer (an
-    /// identity over its limit would otherwise send a call per gcra interval).
+    /// when it would pass: requests of that cost or more on the identity are refused locally
+    /// until then, or until the fetch turn Redis booked (else as long as a fetch at the limit
+    /// would wait) if that is longer (an identity over its limit would otherwise send a call
+    /// per gcra interval). Smaller ones are not: they may pass sooner, and a large request
+    /// refused must not refuse every small one after it.
     pub fn refused(
         &self,
         (asked, cost): (i64, i64),
@@ -376,7 +405,7 @@ impl Slot {
     ) {
         let mut s = self.state.lock().expect("lease state");
         let wait = turn.unwrap_or_else(|| s.short_wait(asked + cost, lease.ttl, lease));
-        s.blocked_until = Some(sent + retry.max(wait));
+        s.blocked = Some((sent + retry.max(wait), cost));
     }
 
     /// The tokens left and the time until the lease that holds the last of them ends.
@@ -389,7 +418,7 @@ impl Slot {
 
     #[cfg(test)]
     fn block(&self, until: Instant) {
-        self.state.lock().expect("lease state").blocked_until = Some(until);
+        self.state.lock().expect("lease state").blocked = Some((until, 1));
     }
 
     fn idle(&self, now: Instant) -> bool {
@@ -397,7 +426,7 @@ impl Slot {
         now >= s.cur.until
             && now >= s.next.until
             && !s.ahead
-            && s.blocked_until.is_none_or(|b| now >= b)
+            && s.blocked.is_none_or(|(b, _)| now >= b)
     }
 }
 
@@ -482,7 +511,7 @@ mod tests {
     fn a_lease_is_spent_until_empty_or_expired() {
         let t0 = Instant::now();
         let s = Slot::new(t0);
-        assert_eq!(s.take(1, t0), Take::Empty);
+        assert_eq!(s.take(1, t0).0, Take::Empty);
         s.refill(
             fetch(3, 3, 1),
             t0,
@@ -490,11 +519,67 @@ mod tests {
             None,
             &lease(),
         );
-        assert_eq!(s.take(2, t0), Take::Spent(1));
-        assert_eq!(s.take(2, t0), Take::Empty, "one left, two asked");
-        assert_eq!(s.take(1, t0), Take::Spent(0));
-        s.give_back(1, t0);
-        assert_eq!(s.take(1, t0 + Duration::from_millis(100)), Take::Empty);
+        assert_eq!(s.take(2, t0).0, Take::Spent(1));
+        assert_eq!(s.take(2, t0).0, Take::Empty, "one left, two asked");
+        let (spent, taken) = s.take(1, t0);
+        assert_eq!(spent, Take::Spent(0));
+        s.give_back(taken, t0);
+        assert_eq!(s.take(1, t0 + Duration::from_millis(100)).0, Take::Empty);
+    }
+
+    /// A token given back goes to the batch it came from while that batch lives, else it is
+    /// wasted: never into a later batch (a fixed window's next window, a later gcra lease).
+    #[test]
+    fn a_token_given_back_goes_to_its_own_batch_or_is_wasted() {
+        let t0 = Instant::now();
+        let l = lease();
+        let ms = Duration::from_millis;
+        let s = Slot::new(t0);
+        s.refill(fetch(3, 3, 1), t0, t0 + l.ttl, None, &l);
+        let (spent, taken) = s.take(1, t0);
+        assert_eq!(spent, Take::Spent(2));
+        // Its batch ends; a new one is fetched; the refused request's token comes back late.
+        s.refill(fetch(3, 3, 1), t0 + l.ttl, t0 + ms(200), None, &l);
+        s.give_back(taken, t0 + l.ttl + ms(1));
+        assert_eq!(
+            s.take(4, t0 + l.ttl + ms(1)).0,
+            Take::Empty,
+            "not into the new batch"
+        );
+        assert_eq!(s.take(3, t0 + l.ttl + ms(1)).0, Take::Spent(0));
+        let r = s.refill(fetch(1, 1, 1), t0 + ms(150), t0 + ms(250), None, &l);
+        assert_eq!(r.wasted, 1, "counted as wasted");
+
+        // The same with a batch fetched ahead: the token is not moved into it.
+        let s = Slot::new(t0);
+        s.refill(fetch(3, 3, 1), t0, t0 + l.ttl, None, &l);
+        s.ahead_fetched(fetch(3, 3, 1), t0 + ms(50), t0 + ms(150), None, &l);
+        let (_, taken) = s.take(1, t0);
+        s.give_back(taken, t0 + l.ttl);
+        assert_eq!(
+            s.left(t0 + l.ttl).0,
+            4,
+            "the batch ahead's own 3 and its request's 1"
+        );
+        // And while its batch lives, it goes back into it.
+        let (_, taken) = s.take(2, t0 + ms(120));
+        s.give_back(taken, t0 + ms(120));
+        assert_eq!(s.left(t0 + ms(120)).0, 4);
+    }
+
+    /// A large request refused blocks requests as large locally, not smaller ones: they spend
+    /// what the lease holds.
+    #[test]
+    fn a_refusal_blocks_requests_as_large_not_smaller_ones() {
+        let t0 = Instant::now();
+        let l = lease();
+        let s = Slot::new(t0);
+        s.refill(fetch(5, 5, 1), t0, t0 + l.ttl, None, &l);
+        s.refused((10, 10), t0, Duration::from_secs(36), None, &l);
+        assert!(matches!(s.take(10, t0).0, Take::Blocked(_)));
+        assert!(matches!(s.take(11, t0).0, Take::Blocked(_)));
+        assert_eq!(s.take(1, t0).0, Take::Spent(4));
+        assert_eq!(s.take(4, t0).0, Take::Spent(0));
     }
 
     #[test]
@@ -508,7 +593,7 @@ mod tests {
             let n = s.next_size(&l, now);
             sizes.push(n);
             s.refill(fetch(n, n, 1), now, now + l.ttl, None, &l);
-            while let Take::Spent(_) = s.take(1, now) {}
+            while let Take::Spent(_) = s.take(1, now).0 {}
             now += Duration::from_millis(10);
         }
         assert_eq!(sizes, [1, 2, 4, 8, 16, 32, 64, 64], "doubles up to max");
@@ -540,7 +625,7 @@ mod tests {
         s.state.lock().unwrap().size = 16;
         s.refill(fetch(16, 16, 1), t0, t0 + l.ttl, None, &l);
         for left in (2..16).rev() {
-            assert_eq!(s.take(1, t0), Take::Spent(left));
+            assert_eq!(s.take(1, t0).0, Take::Spent(left));
             assert_eq!(s.fetch_ahead(t0), left <= 2, "{left} left");
         }
         assert!(!s.fetch_ahead(t0), "claimed once");
@@ -549,15 +634,16 @@ mod tests {
         assert_eq!(wasted.wasted, 0);
         assert!(!s.fetch_ahead(t0 + ms(5)), "one ahead is held");
         assert_eq!(
-            s.take(3, t0 + ms(5)),
+            s.take(3, t0 + ms(5)).0,
             Take::Spent(8),
             "the 2 left, then 1 of 9"
         );
         assert_eq!(s.left(t0 + ms(5)), (8, l.ttl));
         // The current lease ends with tokens: the one ahead takes over, and they are wasted
         // (counted with the next fetch) and the batch halves.
-        s.give_back(1, t0 + ms(5));
-        assert_eq!(s.take(1, t0 + l.ttl), Take::Spent(7));
+        let cur = s.state.lock().unwrap().cur.id;
+        s.give_back(Taken([(cur, 1), (0, 0)]), t0 + ms(5));
+        assert_eq!(s.take(1, t0 + l.ttl).0, Take::Spent(7));
         assert_eq!(s.state.lock().unwrap().size, 8);
         let r = s.refill(fetch(8, 8, 1), t0 + ms(200), t0 + ms(300), None, &l);
         assert_eq!(
@@ -574,7 +660,7 @@ mod tests {
         let spent = |f: Fetch, turn: Option<Duration>| {
             let s = Slot::new(t0);
             s.refill(f, t0, t0 + l.ttl, turn, &l);
-            while let Take::Spent(_) = s.take(1, t0) {}
+            while let Take::Spent(_) = s.take(1, t0).0 {}
             s.fetch_ahead(t0)
         };
         assert!(spent(fetch(1, 1, 1), None), "the control: ample room");
@@ -591,10 +677,10 @@ mod tests {
         // Refused ahead: once spent, the lease waits for the turn Redis booked.
         let s = Slot::new(t0);
         s.refill(fetch(1, 1, 1), t0, t0 + l.ttl, None, &l);
-        assert_eq!(s.take(1, t0), Take::Spent(0));
+        assert_eq!(s.take(1, t0).0, Take::Spent(0));
         assert!(s.fetch_ahead(t0));
         s.ahead_refused(t0, Duration::from_millis(1), Some(Duration::from_millis(4)));
-        assert_eq!(s.take(1, t0), Take::Blocked(Duration::from_millis(4)));
+        assert_eq!(s.take(1, t0).0, Take::Blocked(Duration::from_millis(4)));
     }
 
     #[test]
@@ -620,16 +706,16 @@ mod tests {
         let s = Slot::new(t0);
         let end = t0 + Duration::from_millis(10);
         s.refill(fetch(8, 2, 1), t0, end, None, &lease());
-        assert_eq!(s.take(1, t0), Take::Spent(1));
-        assert_eq!(s.take(1, t0), Take::Spent(0));
-        let Take::Blocked(wait) = s.take(1, t0) else {
+        assert_eq!(s.take(1, t0).0, Take::Spent(1));
+        assert_eq!(s.take(1, t0).0, Take::Spent(0));
+        let Take::Blocked(wait) = s.take(1, t0).0 else {
             panic!("a short lease spent must wait")
         };
         assert!(
             (Duration::from_millis(5)..=Duration::from_millis(10)).contains(&wait),
             "{wait:?}"
         );
-        assert_eq!(s.take(1, t0 + wait), Take::Empty, "then it fetches again");
+        assert_eq!(s.take(1, t0 + wait).0, Take::Empty, "then it fetches again");
         // A full grant fetches again as soon as it is spent.
         s.refill(
             fetch(2, 2, 1),
@@ -638,8 +724,8 @@ mod tests {
             None,
             &lease(),
         );
-        assert_eq!(s.take(2, end), Take::Spent(0));
-        assert_eq!(s.take(1, end), Take::Empty);
+        assert_eq!(s.take(2, end).0, Take::Spent(0));
+        assert_eq!(s.take(1, end).0, Take::Empty);
     }
 
     /// `workers` slots on one simulated gcra bucket (5 tokens per ms, holding `burst`), each
@@ -671,10 +757,10 @@ mod tests {
             let first = step as usize % workers;
             for w in (first..workers).chain(0..first) {
                 let s = &slots[w];
-                while let Take::Spent(_) = s.take(1, now) {
+                while let Take::Spent(_) = s.take(1, now).0 {
                     passed[w] += 1.0;
                 }
-                if s.take(1, now) != Take::Empty {
+                if s.take(1, now).0 != Take::Empty {
                     continue;
                 }
                 calls += 1;
@@ -733,10 +819,10 @@ mod tests {
         let s = Slot::new(t0);
         s.block(t0 + Duration::from_millis(50));
         assert_eq!(
-            s.take(1, t0 + Duration::from_millis(20)),
+            s.take(1, t0 + Duration::from_millis(20)).0,
             Take::Blocked(Duration::from_millis(30))
         );
-        assert_eq!(s.take(1, t0 + Duration::from_millis(50)), Take::Empty);
+        assert_eq!(s.take(1, t0 + Duration::from_millis(50)).0, Take::Empty);
     }
 
     #[test]
