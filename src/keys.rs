@@ -126,7 +126,9 @@ pub fn replication_mark(key: &str) -> String {
 }
 
 /// Why a stream name cannot be used: a `{` that does not open a usable hash tag makes Redis hash
-/// the whole name, which companion keys could not follow.
+/// the whole name, which companion keys could not follow; and a `}` with no `{` would close the
+/// tag of a companion key early (`pacer:{ready}a}:bucket` hashes on `ready`, not on the stream's
+/// slot), so on a cluster every call on both would fail with CROSSSLOT.
 pub fn check_stream_name(name: &str) -> Result<(), String> {
     if name.is_empty() {
         return Err("must not be empty".into());
@@ -134,6 +136,11 @@ pub fn check_stream_name(name: &str) -> Result<(), String> {
     if name.contains('{') && hash_tag(name) == name {
         return Err(format!(
             "{name:?} has a '{{' that opens no hash tag; write a tag like pacer:{{x}}:ready or no braces at all"
+        ));
+    }
+    if !name.contains('{') && name.contains('}') {
+        return Err(format!(
+            "{name:?} has a '}}' but no hash tag; companion keys could not share its slot"
         ));
     }
     Ok(())
@@ -453,5 +460,10 @@ mod tests {
         assert!(check_stream_name("a{b").is_err());
         assert!(check_stream_name("pacer:{x}:ready").is_ok());
         assert!(check_stream_name("").is_err());
+        assert!(check_stream_name("ready}a").is_err());
+        assert!(
+            check_stream_name("a{b}c}").is_ok(),
+            "a usable tag, then a stray brace"
+        );
     }
 }

@@ -275,11 +275,6 @@ pub(super) fn read_inbound(
     for (path, stream) in &named {
         if let Err(e) = keys::check_stream_name(stream) {
             p.push(path, e);
-        } else if !stream.contains('{') && stream.contains('}') {
-            p.push(
-                path,
-                format!("{stream:?} has a '}}' but no hash tag; companion keys could not share its slot"),
-            );
         }
     }
     for (i, s) in flow.streams.iter().enumerate() {
