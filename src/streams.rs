@@ -148,21 +148,37 @@ fn bytes(v: Value, op: &'static str) -> Result<Vec<u8>> {
     }
 }
 
-/// Entries of `stream` pending in `group` for longer than `min_idle`, oldest first, each with
-/// how often it has been delivered (`XPENDING … IDLE`).
+/// One page of `pending_idle`.
+#[derive(Debug, Default)]
+pub struct IdlePage {
+    /// How many entries the page listed, `except`'s included.
+    pub listed: usize,
+    /// The last entry listed: the next page starts after it.
+    pub last: Option<String>,
+    /// The entries listed that other consumers hold, each with how often it was delivered.
+    pub others: Vec<(String, u64)>,
+}
+
+/// Up to `count` entries of `stream` pending in `group` for longer than `min_idle`, oldest first
+/// from `from` (`-`, or `(<id>` to start after one), with how often each has been delivered
+/// (`XPENDING … IDLE`); those `except` holds are listed but not returned. A worker leaves its
+/// own out: what it holds is in its own hands (a dead letter retried, a call waiting on Redis),
+/// and claiming it from itself would hand it over a second time, every round, to a second task
+/// holding a second permit, until the reader had none left.
 pub async fn pending_idle<C: ConnectionLike>(
     con: &mut C,
     stream: &str,
     group: &str,
     min_idle: Duration,
-    count: usize,
-) -> Result<Vec<(String, u64)>> {
+    (from, count): (&str, usize),
+    except: &str,
+) -> Result<IdlePage> {
     let reply: Value = redis::cmd("XPENDING")
         .arg(stream)
         .arg(group)
         .arg("IDLE")
         .arg(min_idle.as_millis() as u64)
-        .arg("-")
+        .arg(from)
         .arg("+")
         .arg(count)
         .query_async(con)
@@ -170,27 +186,28 @@ pub async fn pending_idle<C: ConnectionLike>(
     let Value::Array(rows) = reply else {
         return Err(Error::reply("pending", "expected a list"));
     };
-    let mut out = Vec::with_capacity(rows.len());
+    let shape = || Error::reply("pending", "expected [id, consumer, idle, deliveries]");
+    let mut page = IdlePage {
+        listed: rows.len(),
+        ..IdlePage::default()
+    };
     for row in rows {
         let Value::Array(cols) = row else {
-            return Err(Error::reply(
-                "pending",
-                "expected [id, consumer, idle, deliveries]",
-            ));
+            return Err(shape());
         };
         let mut cols = cols.into_iter();
-        let (Some(id), Some(_consumer), Some(_idle), Some(Value::Int(deliveries))) =
+        let (Some(id), Some(consumer), Some(_idle), Some(Value::Int(deliveries))) =
             (cols.next(), cols.next(), cols.next(), cols.next())
         else {
-            return Err(Error::reply(
-                "pending",
-                "expected [id, consumer, idle, deliveries]",
-            ));
+            return Err(shape());
         };
         let id = String::from_utf8_lossy(&bytes(id, "pending")?).into_owned();
-        out.push((id, deliveries.max(0) as u64));
+        if bytes(consumer, "pending")? != except.as_bytes() {
+            page.others.push((id.clone(), deliveries.max(0) as u64));
+        }
+        page.last = Some(id);
     }
-    Ok(out)
+    Ok(page)
 }
 
 /// Whether entry `id` of `stream` is still pending in `group` with `consumer` (`XPENDING` over

@@ -668,6 +668,78 @@ fn a_dead_letter_stream_of_the_wrong_kind_holds_its_entries_until_it_is_fixed() 
     assert!(log.contains("succeed again"), "{log}");
 }
 
+/// Entries a worker holds itself past `claim_idle` (dead letters waiting on a dead-letter
+/// stream of the wrong kind) are not claimed by that worker from itself. It used to: every
+/// claim round handed each one over again, to one more task holding one more permit, until
+/// the reader had none left and read nothing more. Here 4 held entries and rounds every 0.75 s
+/// would have taken all 20 permits within about 4 s.
+#[test]
+fn a_worker_never_claims_what_it_holds_itself_and_keeps_reading() {
+    let redis = RedisServer::start();
+    overwrite_with_string(&redis, "pacer:dead");
+    let (_dir, pacer) = outbound_worker(
+        &redis,
+        "self-claim",
+        "  batch: 4\n  max_inflight: 20\n  claim_idle: 1500ms",
+        "    fast: {rate: 100/ms, burst: 1000, max_wait: 100ms}\n",
+    );
+    let bad: Vec<_> = (0..4).map(|_| event(&[("to", "nowhere")])).collect();
+    let mut ids = push(&redis, "in", &bad);
+    assert!(wait_until(Duration::from_secs(5), || pacer
+        .log_text()
+        .contains("a key holds the wrong kind of value")));
+    // Past four claim rounds with the bad entries idle the whole time.
+    std::thread::sleep(Duration::from_secs(5));
+    let good: Vec<_> = (0..5)
+        .map(|i| event(&[("route", "fast"), ("n", &i.to_string())]))
+        .collect();
+    ids.extend(push(&redis, "in", &good));
+    assert!(
+        wait_until(Duration::from_secs(5), || read(
+            &redis,
+            "pacer:{fast}:ready"
+        )
+        .len()
+            == 5),
+        "the reader stopped: {} ready\n{}",
+        read(&redis, "pacer:{fast}:ready").len(),
+        pacer.log_text()
+    );
+    // Each held entry was delivered once: never claimed again.
+    let rows: redis::Value = redis::cmd("XPENDING")
+        .arg("in")
+        .arg("pacer")
+        .arg("-")
+        .arg("+")
+        .arg(100)
+        .query(&mut redis.con())
+        .unwrap();
+    let redis::Value::Array(rows) = rows else {
+        panic!("XPENDING: {rows:?}")
+    };
+    assert_eq!(rows.len(), 4, "the four bad ones are held");
+    for row in rows {
+        let redis::Value::Array(cols) = row else {
+            panic!("{row:?}")
+        };
+        assert_eq!(cols[3], redis::Value::Int(1), "delivered once: {cols:?}");
+    }
+    assert!(
+        !pacer.log_text().contains("claimed entries"),
+        "{}",
+        pacer.log_text()
+    );
+    let _: () = redis::cmd("DEL")
+        .arg("pacer:dead")
+        .query(&mut redis.con())
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(5), || {
+        pending(&redis, "in", "pacer") == 0
+    }));
+    let outputs = ["pacer:{fast}:ready", "pacer:rejected", "pacer:dead"];
+    assert_each_once(&redis, &ids, &outputs, "in");
+}
+
 /// An inbound output (the rejected stream, then the forward stream) overwritten with a string,
 /// under `fail_policy: fail_open`. The admission call used to fail on it, so fail_policy decided
 /// every event and forwarded all of them unchecked; and the reader waited on the held outputs,

@@ -1,5 +1,6 @@
 //! Claiming: every `claim_idle / 2`, the entries other consumers left pending longer than
-//! `claim_idle` (a killed, stuck or drained worker) are claimed and finished through the same
+//! `claim_idle` (a killed, stuck or drained worker) are claimed (never the worker's own: see
+//! `streams::pending_idle`) and finished through the same
 //! path as a new batch, where a recorded decision is carried on, not taken again. Every few
 //! rounds the group's departed consumers are deleted.
 
@@ -40,13 +41,17 @@ pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: Canc
             reap(&ctx).await;
         }
         for stream in &ctx.streams {
+            // Each round lists from where the last one ended, so entries this worker holds
+            // itself (listed, not claimed) never fill every page.
+            let mut from = "-".to_string();
             for _ in 0..CLAIM_ROUNDS {
                 let mut permits = tokio::select! {
                     _ = shutdown.cancelled() => return,
                     p = ctx.permits.clone().acquire_many_owned(batch as u32) => p.expect("never closed"),
                 };
-                let claimed = telemetry::timed("claim", claim(&ctx, stream, idle, batch)).await;
-                let (listed, entries) = match claimed {
+                let claimed =
+                    telemetry::timed("claim", claim(&ctx, stream, idle, (&from, batch))).await;
+                let (listed, last, entries) = match claimed {
                     Ok(c) => {
                         failures.succeed();
                         c
@@ -69,27 +74,31 @@ pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: Canc
                     drop(permits);
                     reader::handle(&ctx, entries, held, &placers, &shutdown).await;
                 }
-                if listed < batch {
-                    break;
+                match last {
+                    Some(last) if listed >= batch => from = format!("({last}"),
+                    _ => break,
                 }
             }
         }
     }
 }
 
-/// Lists up to `count` entries of `stream` idle longer than `idle` and claims them; returns how
-/// many were listed and the entries this worker won.
+/// Lists up to `count` entries of `stream` idle longer than `idle`, from `from`, and claims
+/// those other consumers hold; returns how many were listed, the last listed, and the entries
+/// this worker won.
 async fn claim(
     ctx: &Context,
     stream: &Arc<str>,
     idle: Duration,
-    count: usize,
-) -> Result<(usize, Vec<Entry>)> {
+    (from, count): (&str, usize),
+) -> Result<(usize, Option<String>, Vec<Entry>)> {
     let mut con = ctx.con.clone();
     let group = &ctx.cfg.worker.group;
-    let listed = streams::pending_idle(&mut con, stream, group, idle, count).await?;
+    let page =
+        streams::pending_idle(&mut con, stream, group, idle, (from, count), &ctx.consumer).await?;
+    let listed = page.others;
     if listed.is_empty() {
-        return Ok((0, Vec::new()));
+        return Ok((page.listed, page.last, Vec::new()));
     }
     let mut entries = streams::claim(&mut con, stream, group, &ctx.consumer, idle, &listed).await?;
     // An entry deleted from the stream while pending (a producer trimmed it) is gone: Redis 7
@@ -128,7 +137,7 @@ async fn claim(
             "pending entries were deleted from the input stream before they were finished (trimmed by a producer?); they are lost to pacer"
         );
     }
-    Ok((listed.len(), entries))
+    Ok((page.listed, page.last, entries))
 }
 
 /// Deletes consumers of departed workers (each run joins under a new name) once they hold
