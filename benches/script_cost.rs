@@ -132,6 +132,7 @@ fn round(
                 claim: None,
                 expect: None,
                 max_wait_us: 1_000_000,
+                deadline_us: 0,
             })
             .collect();
         let call = route_call(route);
@@ -198,6 +199,7 @@ fn paced(
             claim: None,
             expect: None,
             max_wait_us,
+            deadline_us: 0,
         })
         .collect();
     let reply = rt

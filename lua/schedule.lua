@@ -31,9 +31,12 @@
 --             the s (0: the worker acknowledges), and that stream's name
 -- then per event, grouped by decision hash in that order:
 --   entry     its input entry id
---   extra     "" for the defaults, else "<cost>,<max_wait_us>,<claim index>,<expect>" where
---             cost defaults to 1, max_wait_us to ARGV[9], claim (its id claim's index, if it
---             carries an id) to 0, and expect (a decision on record it may replace) to ""
+--   extra     "" for the defaults, else "<cost>,<max_wait_us>,<claim index>,<deadline_us>,
+--             <expect>" where cost defaults to 1, max_wait_us to ARGV[9], claim (its id
+--             claim's index, if it carries an id) to 0, deadline_us (Redis µs by which it must
+--             go: a late event passed on to its fallback has only what is left of its first
+--             route's wait) to 0 for none, and expect (a decision on record it may replace) to
+--             ""
 --   nfields, name1, value1, ...   its own fields, carried to the ready entry
 -- Returns { now_us, tat_us, then per event a code and a value, then end_us } (lib.lua's codes),
 -- events in the order given; now_us is the route's time the call decided at (Redis's clock, or
@@ -83,12 +86,13 @@ for k = 1, h do
       bad('events run past the arguments')
     end
     if extra ~= '' then
-      local cost, wait, claim, expect = string.match(extra, '^(%d+),(%d+),(%d+),(.*)$')
-      cost, wait, claim = tonumber(cost), tonumber(wait), tonumber(claim)
-      if not (cost and wait and claim) or cost < 1 or claim > c then
+      local cost, wait, claim, deadline, expect =
+        string.match(extra, '^(%d+),(%d+),(%d+),(%d+),(.*)$')
+      cost, wait, claim, deadline = tonumber(cost), tonumber(wait), tonumber(claim), tonumber(deadline)
+      if not (cost and wait and claim and deadline) or cost < 1 or claim > c then
         bad('extra ' .. extra)
       end
-      ev_extra[i] = { cost, wait, claim, expect }
+      ev_extra[i] = { cost, wait, claim, expect, deadline }
     end
     ev_fields[i] = at + 2
     at = fields_end(at + 2)
@@ -138,6 +142,10 @@ for k = 1, h do
     local cost, wait, claim, expect = 1, default_wait, 0, ''
     if x then
       cost, wait, claim, expect = x[1], x[2], x[3], x[4]
+      if x[5] > 0 then
+        -- What is left of the wait it was first given: none left, and nothing takes it.
+        wait = math.min(wait, x[5] - t)
+      end
     end
     -- What is on record, or what an earlier copy of this entry in the call made of it.
     local had = seen[entry]

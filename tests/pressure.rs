@@ -7,7 +7,9 @@
 mod common;
 
 use common::pressure::*;
+use common::{assert_each_once, config, read, start};
 use pacer::pacing::LATE_US;
+use pacer::testkit::{free_port, wait_until, RedisServer, TempDir};
 use std::time::Duration;
 
 /// A backlog of 4 × R events on a route of R/s with burst 1 drains at the route's rate: every
@@ -44,6 +46,66 @@ fn a_stalled_worker_gets_back_to_the_rate() {
         counted.iter().all(|n| *n as f64 >= 0.80 * s.rate as f64),
         "seconds after the stall: {:?}",
         s.after
+    );
+}
+
+/// The same stall on a route with a fallback: an event slotted before the stall that misses
+/// its slot goes to the fallback with only what is left of its wait, not a whole max_wait
+/// again (it went out up to 3.4 s after it was produced, with a max_wait of 1 s, found by
+/// review). Events produced before the pause were read and decided within milliseconds, so
+/// from their entry id to their ready entry is their wait, give or take that.
+#[test]
+fn a_stall_never_stretches_a_wait_past_max_wait_through_a_fallback() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("waits-fallback");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    r: {rate: 10/s, burst: 1, max_wait: 1s, fallbacks: [f]}\n    f: {rate: 10/s, burst: 1, max_wait: 1s}\n";
+    let worker = "  batch: 512\n  max_inflight: 200000\n  claim_idle: 90s\n  drain: 1s";
+    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
+    let pacer = start(&cfg, port);
+    // Twice the primary's rate, so that both routes hold slotted events when it stops.
+    let feeder = feed(redis.url(), 20, 6.0);
+    std::thread::sleep(Duration::from_secs(2));
+    let paused_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    pacer.signal("STOP");
+    std::thread::sleep(Duration::from_millis(2500));
+    pacer.signal("CONT");
+    let ids = feeder.join().unwrap();
+    let outputs = [READY, "pacer:{f}:ready", "pacer:rejected", "pacer:dead"];
+    let mut con = redis.con();
+    let done = wait_until(Duration::from_secs(60), || {
+        entries(&mut con, &outputs) >= ids.len()
+    });
+    assert!(done, "not every entry ended:\n{}", pacer.log_text());
+    assert_each_once(&redis, &ids, &outputs, "in");
+    let mut late = Vec::new();
+    let mut checked = 0;
+    for stream in [READY, "pacer:{f}:ready"] {
+        for e in read(&redis, stream) {
+            let source: String = e.field("pacer_source_id").unwrap().to_string();
+            let produced = pacer::event::entry_ms(&source);
+            // Decided before the pause (read within 100 ms of being produced).
+            if produced >= paused_ms - 200 {
+                continue;
+            }
+            checked += 1;
+            if e.ms - produced > 1000 + LATE_US / 1000 + 100 {
+                late.push((stream, source, e.ms - produced));
+            }
+        }
+    }
+    assert!(checked > 20, "{checked} checked");
+    assert!(late.is_empty(), "went out past their max_wait: {late:?}");
+    assert!(
+        !read(&redis, "pacer:{f}:ready").is_empty(),
+        "the fallback took some"
+    );
+    assert!(
+        !read(&redis, "pacer:rejected").is_empty(),
+        "a 2.5 s stall on a 1 s wait must reject some"
     );
 }
 

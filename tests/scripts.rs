@@ -160,6 +160,7 @@ impl Rig {
                 claim: e.id,
                 expect: None,
                 max_wait_us,
+                deadline_us: 0,
             })
             .collect();
         let acks = self.acks;

@@ -50,6 +50,9 @@ pub struct ScheduleItem<'a> {
     /// The decision this one may replace (an unreadable one on record), else none.
     pub expect: Option<&'a str>,
     pub max_wait_us: i64,
+    /// Redis µs by which it must go whatever `max_wait_us` says (0: none): an event passed on
+    /// late to a fallback has only what is left of the wait it was first given.
+    pub deadline_us: i64,
 }
 
 /// What `schedule` decided for one event.
@@ -223,15 +226,17 @@ impl Scripts {
             let plain = item.event.cost == 1
                 && item.max_wait_us == max_wait_us
                 && claim_at[i] == 0
+                && item.deadline_us == 0
                 && item.expect.is_none();
             if plain {
                 args.arg("");
             } else {
                 args.arg(format!(
-                    "{},{},{},{}",
+                    "{},{},{},{},{}",
                     item.event.cost,
                     item.max_wait_us.max(0),
                     claim_at[i],
+                    item.deadline_us.max(0),
                     item.expect.unwrap_or("")
                 ));
             }

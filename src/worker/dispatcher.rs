@@ -449,7 +449,7 @@ impl State {
                         s.event,
                         &ctx,
                         route.index,
-                        wait_us,
+                        (wait_us, s.deadline_us - crate::pacing::LATE_US),
                         s.permit,
                     ));
                 }

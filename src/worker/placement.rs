@@ -32,6 +32,9 @@ pub(crate) struct Placing {
     /// Its decision vanished while this worker held it: it may be decided anew only if the
     /// group still says this worker holds it (see `still_held`).
     pub(crate) check_held: bool,
+    /// Redis µs by which it must go (its first decision's time plus its wait), once a route
+    /// that slotted it could not meet the slot: its fallbacks get only what is left.
+    deadline_us: Option<i64>,
     pub(crate) permit: OwnedSemaphorePermit,
 }
 
@@ -43,6 +46,7 @@ impl Placing {
             best_wait_us: None,
             expect: None,
             check_held: false,
+            deadline_us: None,
             permit,
         }
     }
@@ -75,18 +79,21 @@ impl Placing {
         }
     }
 
-    /// The same event after `route` gave it up (its wait there would be `wait_us`): on to the
-    /// route after it.
+    /// The same event after `route`, where it slept, gave it up at dispatch (its wait there
+    /// would be `wait_us`; it had to go by `deadline_us`, Redis µs, without the lateness
+    /// tolerance): on to the route after it, with only what is left of its wait. Given its whole
+    /// wait again, a late event waited up to twice its `max_wait`.
     pub(crate) fn after(
         event: OutboundEvent,
         ctx: &Context,
         route: usize,
-        wait_us: i64,
+        (wait_us, deadline_us): (i64, i64),
         permit: OwnedSemaphorePermit,
     ) -> Self {
         let mut p = Placing::again_on(event, ctx, route, permit);
         p.offered(wait_us);
         p.next += 1;
+        p.deadline_us = Some(deadline_us);
         p
     }
 
@@ -227,7 +234,10 @@ fn decided(
     acked: bool,
     placed: &mut Placed,
 ) {
-    let max_wait = max_wait_us(route, &p.event);
+    // As `schedule.lua` takes it: what is left by the event's deadline, if it has one.
+    let max_wait = p.deadline_us.map_or(max_wait_us(route, &p.event), |d| {
+        max_wait_us(route, &p.event).min(d - reply.now_us)
+    });
     match outcome {
         Scheduled::Dispatched { .. } => {
             let metrics = &ctx.route_metrics[route.index];
@@ -469,6 +479,7 @@ async fn schedule_on(
                 claim: p.event.event_id.as_deref(),
                 expect: p.expect.as_deref(),
                 max_wait_us: max_wait_us(route, &p.event),
+                deadline_us: p.deadline_us.unwrap_or(0),
             })
             .collect();
         let acks = ctx.acks_in_script(&route.keys.ready);
