@@ -1,8 +1,8 @@
 //! Claiming: every `claim_idle / 2`, the entries other consumers left pending longer than
 //! `claim_idle` (a killed, stuck or drained worker) are claimed (never the worker's own: see
-//! `streams::pending_idle`) and finished through the same
-//! path as a new batch, where a recorded decision is carried on, not taken again. Every few
-//! rounds the group's departed consumers are deleted.
+//! `streams::pending_idle`) and finished through the same path as a new batch, where a
+//! recorded decision is carried on, not taken again. Every few rounds the group's departed
+//! consumers are deleted.
 
 use super::context::Context;
 use super::placers::Placers;
