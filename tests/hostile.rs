@@ -227,24 +227,10 @@ fn entries_trimmed_while_pending_are_counted_and_the_rest_end_once() {
     let still_pending = pending(&redis, "in", "pacer");
     assert!(still_pending >= 1, "the killed worker left entries pending");
     // The producer deletes two of the pending entries.
-    let pel: redis::Value = redis::cmd("XPENDING")
-        .arg("in")
-        .arg("pacer")
-        .arg("-")
-        .arg("+")
-        .arg(100)
-        .query(&mut redis.con())
-        .unwrap();
-    let redis::Value::Array(rows) = pel else {
-        panic!("XPENDING reply")
-    };
-    let pending_ids: Vec<String> = rows
+    let pending_ids: Vec<String> = pending_rows(&redis, "in")
         .iter()
-        .filter_map(|r| match r {
-            redis::Value::Array(f) => match f.first() {
-                Some(redis::Value::BulkString(b)) => Some(String::from_utf8_lossy(b).into()),
-                _ => None,
-            },
+        .filter_map(|r| match r.first() {
+            Some(redis::Value::BulkString(b)) => Some(String::from_utf8_lossy(b).into()),
             _ => None,
         })
         .collect();
@@ -382,6 +368,27 @@ fn outbound_worker(
     let cfg = config(&dir, "c.yaml", redis, port, worker, &body);
     let pacer = start(&cfg, port);
     (dir, pacer)
+}
+
+/// The first 100 entries pending in `stream`'s group `pacer`: [id, consumer, idle, deliveries].
+fn pending_rows(redis: &RedisServer, stream: &str) -> Vec<Vec<redis::Value>> {
+    let reply: redis::Value = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg("pacer")
+        .arg("-")
+        .arg("+")
+        .arg(100)
+        .query(&mut redis.con())
+        .unwrap();
+    let redis::Value::Array(rows) = reply else {
+        panic!("XPENDING: {reply:?}")
+    };
+    rows.into_iter()
+        .map(|row| match row {
+            redis::Value::Array(cols) => cols,
+            other => panic!("XPENDING row: {other:?}"),
+        })
+        .collect()
 }
 
 /// Replaces `key`, whatever it held, by a string: a key pacer uses written by something else.
@@ -706,22 +713,9 @@ fn a_worker_never_claims_what_it_holds_itself_and_keeps_reading() {
         pacer.log_text()
     );
     // Each held entry was delivered once: never claimed again.
-    let rows: redis::Value = redis::cmd("XPENDING")
-        .arg("in")
-        .arg("pacer")
-        .arg("-")
-        .arg("+")
-        .arg(100)
-        .query(&mut redis.con())
-        .unwrap();
-    let redis::Value::Array(rows) = rows else {
-        panic!("XPENDING: {rows:?}")
-    };
+    let rows = pending_rows(&redis, "in");
     assert_eq!(rows.len(), 4, "the four bad ones are held");
-    for row in rows {
-        let redis::Value::Array(cols) = row else {
-            panic!("{row:?}")
-        };
+    for cols in rows {
         assert_eq!(cols[3], redis::Value::Int(1), "delivered once: {cols:?}");
     }
     assert!(
