@@ -24,8 +24,8 @@ pub use decide::{DecideCheck, DecideRequest};
 pub use function::Function;
 pub use outputs::{EmitCall, EmitItem, Voided};
 pub use pacing::{
-    DispatchItem, DispatchReply, Dispatched, EventRef, RouteCall, RouteDispatch, ScheduleItem,
-    ScheduleReply, Scheduled,
+    call_len, DispatchItem, DispatchReply, Dispatched, EventRef, RouteCall, RouteDispatch,
+    ScheduleItem, ScheduleReply, Scheduled, MAX_CALL_BYTES,
 };
 
 use crate::error::{Error, Result};

@@ -29,6 +29,12 @@ impl Payload {
         self.iter().count()
     }
 
+    /// Bytes it takes packed (names, values and their lengths): about what a call carrying
+    /// its fields sends, read without walking them.
+    pub fn packed_len(&self) -> usize {
+        self.0.len()
+    }
+
     /// Bytes of names and values (what `max_event_bytes` counts).
     pub fn size(&self) -> usize {
         self.iter().map(|(k, v)| k.len() + v.len()).sum()

@@ -42,6 +42,28 @@ impl<'a> EventRef<'a> {
     }
 }
 
+/// Most bytes of event fields one `schedule` or `dispatch` call carries. At the 64 KiB
+/// `max_event_bytes` default the calls' event counts bind first (128 and 1,024 events); at its
+/// 16 MiB maximum 128 events would make a 2 GiB call, which Redis (one thread) copies into Lua
+/// strings and again into the ready stream while every other call, the due dispatches
+/// included, waits.
+pub const MAX_CALL_BYTES: usize = 64 << 20;
+
+/// How many of `sizes` (events' bytes, in order) one call takes from the first: at most
+/// `most`, and no more than `MAX_CALL_BYTES` in all, but always one.
+pub fn call_len(sizes: impl IntoIterator<Item = usize>, most: usize) -> usize {
+    let mut bytes = 0;
+    let mut n = 0;
+    for size in sizes.into_iter().take(most) {
+        bytes += size;
+        if n > 0 && bytes > MAX_CALL_BYTES {
+            break;
+        }
+        n += 1;
+    }
+    n
+}
+
 /// One event offered to a route by `schedule`.
 pub struct ScheduleItem<'a> {
     pub event: EventRef<'a>,
@@ -346,5 +368,36 @@ impl Scripts {
             end_us: values.int()?,
             items: out,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_call_takes_at_most_its_count_and_its_bytes_but_always_one() {
+        let mb = 1 << 20;
+        assert_eq!(
+            call_len([10; 200], 128),
+            128,
+            "small events: the count binds"
+        );
+        assert_eq!(
+            call_len([16 * mb; 10], 128),
+            4,
+            "16 MiB events: four fill 64 MiB"
+        );
+        assert_eq!(
+            call_len([100 * mb, 1], 128),
+            1,
+            "one over the bytes still goes alone"
+        );
+        assert_eq!(
+            call_len([1, 100 * mb], 128),
+            1,
+            "the large one waits for the next call"
+        );
+        assert_eq!(call_len(std::iter::empty(), 128), 0);
     }
 }

@@ -35,7 +35,9 @@ use super::waker::Waker;
 use crate::backoff::Backoff;
 use crate::event::OutboundEvent;
 use crate::marker::Marker;
-use crate::scripts::{DispatchItem, DispatchReply, Dispatched, EventRef, RouteDispatch};
+use crate::scripts::{
+    call_len, DispatchItem, DispatchReply, Dispatched, EventRef, RouteDispatch, MAX_CALL_BYTES,
+};
 use crate::telemetry;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -240,23 +242,29 @@ impl State {
     }
 
     /// Starts dispatch calls for routes whose keys share a slot, each in its own task (their
-    /// answers come back to the loop): as few calls as `MAX_CALL` allows (no call holds more
-    /// events), each route in one.
+    /// answers come back to the loop): as few calls as `MAX_CALL` and `MAX_CALL_BYTES` allow
+    /// (no call holds more events or bytes), each route in one.
     fn call(&mut self, groups: Groups) {
         let mut batch: Groups = Vec::new();
-        let mut size = 0;
+        let (mut size, mut bytes) = (0, 0);
+        let len = |s: &Sleeper| s.event.carried.packed_len();
         for (route, mut group) in groups {
             let o = self.out.entry(route).or_default();
-            if group.len() > MAX_CALL {
+            let fits = call_len(group.iter().map(len), MAX_CALL);
+            if group.len() > fits {
                 // The rest wait for an answer (they are due, so they go right after).
-                o.waiting.extend(group.split_off(MAX_CALL));
+                o.waiting.extend(group.split_off(fits));
             }
             o.calls += 1;
-            if size + group.len() > MAX_CALL && !batch.is_empty() {
+            let weight: usize = group.iter().map(len).sum();
+            if (size + group.len() > MAX_CALL || bytes + weight > MAX_CALL_BYTES)
+                && !batch.is_empty()
+            {
                 self.send(std::mem::take(&mut batch));
-                size = 0;
+                (size, bytes) = (0, 0);
             }
             size += group.len();
+            bytes += weight;
             batch.push((route, group));
         }
         if !batch.is_empty() {

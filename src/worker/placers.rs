@@ -10,6 +10,7 @@ use super::dispatcher::Sleeper;
 use super::outputs::{self, Finished};
 use super::placement::{self, Placing};
 use crate::fault;
+use crate::scripts::call_len;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -92,9 +93,11 @@ async fn run(
             };
             group = held;
         }
-        // A group over MAX_CALL (one large read) goes in several calls.
+        // A group over MAX_CALL events or MAX_CALL_BYTES (one large read) goes in several
+        // calls.
         while !group.is_empty() {
-            let rest = group.split_off(group.len().min(MAX_CALL));
+            let sizes = group.iter().map(|p| p.event.carried.packed_len());
+            let rest = group.split_off(call_len(sizes, MAX_CALL));
             let Some(placed) = placement::place_on(&ctx, route, group, &stop).await else {
                 // Shutdown while Redis failed: these entries stay pending.
                 return;
