@@ -49,19 +49,17 @@ impl<'a> EventRef<'a> {
 /// included, waits.
 pub const MAX_CALL_BYTES: usize = 64 << 20;
 
-/// How many of `sizes` (events' bytes, in order) one call takes from the first: at most
-/// `most`, and no more than `MAX_CALL_BYTES` in all, but always one.
-pub fn call_len(sizes: impl IntoIterator<Item = usize>, most: usize) -> usize {
-    let mut bytes = 0;
-    let mut n = 0;
+/// How many of `sizes` (events' bytes, in order) one call takes from the first, and their
+/// bytes: at most `most`, and no more than `MAX_CALL_BYTES` in all, but always one.
+pub fn call_len(sizes: impl IntoIterator<Item = usize>, most: usize) -> (usize, usize) {
+    let (mut n, mut bytes) = (0, 0);
     for size in sizes.into_iter().take(most) {
-        bytes += size;
-        if n > 0 && bytes > MAX_CALL_BYTES {
+        if n > 0 && bytes + size > MAX_CALL_BYTES {
             break;
         }
-        n += 1;
+        (n, bytes) = (n + 1, bytes + size);
     }
-    n
+    (n, bytes)
 }
 
 /// One event offered to a route by `schedule`.
@@ -380,24 +378,24 @@ mod tests {
         let mb = 1 << 20;
         assert_eq!(
             call_len([10; 200], 128),
-            128,
+            (128, 1280),
             "small events: the count binds"
         );
         assert_eq!(
             call_len([16 * mb; 10], 128),
-            4,
+            (4, 64 * mb),
             "16 MiB events: four fill 64 MiB"
         );
         assert_eq!(
             call_len([100 * mb, 1], 128),
-            1,
+            (1, 100 * mb),
             "one over the bytes still goes alone"
         );
         assert_eq!(
             call_len([1, 100 * mb], 128),
-            1,
+            (1, 1),
             "the large one waits for the next call"
         );
-        assert_eq!(call_len(std::iter::empty(), 128), 0);
+        assert_eq!(call_len(std::iter::empty(), 128), (0, 0));
     }
 }

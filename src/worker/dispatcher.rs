@@ -250,13 +250,12 @@ impl State {
         let len = |s: &Sleeper| s.event.carried.packed_len();
         for (route, mut group) in groups {
             let o = self.out.entry(route).or_default();
-            let fits = call_len(group.iter().map(len), MAX_CALL);
+            let (fits, weight) = call_len(group.iter().map(len), MAX_CALL);
             if group.len() > fits {
                 // The rest wait for an answer (they are due, so they go right after).
                 o.waiting.extend(group.split_off(fits));
             }
             o.calls += 1;
-            let weight: usize = group.iter().map(len).sum();
             if (size + group.len() > MAX_CALL || bytes + weight > MAX_CALL_BYTES)
                 && !batch.is_empty()
             {

@@ -97,7 +97,7 @@ async fn run(
         // calls.
         while !group.is_empty() {
             let sizes = group.iter().map(|p| p.event.carried.packed_len());
-            let rest = group.split_off(call_len(sizes, MAX_CALL));
+            let rest = group.split_off(call_len(sizes, MAX_CALL).0);
             let Some(placed) = placement::place_on(&ctx, route, group, &stop).await else {
                 // Shutdown while Redis failed: these entries stay pending.
                 return;
