@@ -24,8 +24,11 @@
 //! BullMQ's.) Within it:
 //! events/s, Redis CPU µs per event (`INFO cpu`, user + sys), Redis commands per event and each
 //! command's calls and µs (`INFO commandstats`, which counts the calls scripts make, and their
-//! time both under them and under the script), and the workers' CPU µs per event. Rounds alternate which system goes first; the summary gives the
-//! medians and the median of each round's pacer/BullMQ ratio. Nothing is asserted about speed.
+//! time both under them and under the script), and the workers' CPU µs per event. Before the
+//! window, the preload's Redis CPU per event is counted too (`enqueue µs/ev`: pacer's XADD,
+//! BullMQ's addBulk), for a second ratio over an event's whole life in Redis. Rounds alternate
+//! which system goes first; the summary gives the medians and the median of each round's
+//! pacer/BullMQ ratio. Nothing is asserted about speed.
 //!
 //! `cargo bench --bench vs_bullmq -- [--events 20000] [--rounds 3] [--workers 3] [--concurrency 50]
 //! [--threads 1]`
@@ -67,6 +70,9 @@ struct Run {
     per_second: f64,
     seconds: f64,
     redis_us: f64,
+    /// Redis CPU µs per event spent putting the events in (XADD; BullMQ's addBulk), before the
+    /// window.
+    enqueue_us: f64,
     worker_us: f64,
     commands: f64,
     /// Command name -> (calls, µs) per event, the benchmark's own left out.
@@ -149,6 +155,7 @@ fn figures(
     con: &mut redis::Connection,
     events: u64,
     seconds: f64,
+    enqueue_cpu: f64,
     redis_cpu: f64,
     worker_cpu: f64,
     own: &[&str],
@@ -164,6 +171,7 @@ fn figures(
         per_second: n / seconds,
         seconds,
         redis_us: redis_cpu * 1e6 / n,
+        enqueue_us: enqueue_cpu * 1e6 / n,
         worker_us: worker_cpu * 1e6 / n,
         commands: per_command.values().map(|(c, _)| c).sum(),
         per_command,
@@ -183,7 +191,9 @@ fn pacer_run(bin: &Path, redis: &RedisServer, workers: u64, events: u64, routes:
         .map(|r| format!("    r{r}: {{rate: 1000/ms, burst: 1000000}}\n"))
         .collect();
     let fields = |i: u64| [("route", format!("r{}", i % routes)), ("to", i.to_string())];
+    let enqueue0 = cpu_seconds(&mut con);
     preload(&mut con, events, fields);
+    let enqueue = cpu_seconds(&mut con) - enqueue0;
     let _: () = redis::cmd("XGROUP")
         .arg(&["CREATE", "in", "pacer", "$"])
         .query(&mut con)
@@ -225,7 +235,7 @@ fn pacer_run(bin: &Path, redis: &RedisServer, workers: u64, events: u64, routes:
     // and the window's opening (its XADD is one event's, counted).
     let mut own = BENCH_OWN.to_vec();
     own.push("xgroup|setid");
-    figures(&mut con, events, seconds, cpu, worker_cpu, &own)
+    figures(&mut con, events, seconds, enqueue, cpu, worker_cpu, &own)
 }
 
 /// A `node worker.js work` process: whether it said `ready`, the completions it last reported
@@ -299,6 +309,7 @@ fn bullmq_run(
 ) -> Run {
     let mut con = redis.con();
     reset(&mut con);
+    let enqueue0 = cpu_seconds(&mut con);
     let status = Command::new("node")
         .arg(bullmq_dir().join("worker.js"))
         .args([
@@ -311,6 +322,7 @@ fn bullmq_run(
         .status()
         .unwrap();
     assert!(status.success(), "the BullMQ preload failed");
+    let enqueue = cpu_seconds(&mut con) - enqueue0;
     let mut running: Vec<NodeWorker> = (0..workers)
         .map(|_| NodeWorker::start(&redis.url(), routes, concurrency))
         .collect();
@@ -353,6 +365,7 @@ fn bullmq_run(
         &mut con,
         events,
         seconds,
+        enqueue,
         cpu,
         worker_cpu,
         &["info", "config"],
@@ -369,17 +382,22 @@ fn commandstats(run: &Run) -> String {
         .join(" ")
 }
 
+/// Redis CPU µs over an event's whole life: put in, then worked.
+fn end_to_end(r: &Run) -> f64 {
+    r.enqueue_us + r.redis_us
+}
+
 fn row(name: &str, r: &Run) {
     println!(
-        "  {name:<8} {:>10.0} {:>12.1} {:>10.2} {:>12.1} {:>8.2}",
-        r.per_second, r.redis_us, r.commands, r.worker_us, r.seconds
+        "  {name:<8} {:>10.0} {:>12.1} {:>10.2} {:>12.1} {:>8.2} {:>14.1}",
+        r.per_second, r.redis_us, r.commands, r.worker_us, r.seconds, r.enqueue_us
     );
 }
 
 fn header() {
     println!(
-        "  {:<8} {:>10} {:>12} {:>10} {:>12} {:>8}",
-        "", "events/s", "Redis µs/ev", "cmds/ev", "worker µs/ev", "seconds"
+        "  {:<8} {:>10} {:>12} {:>10} {:>12} {:>8} {:>14}",
+        "", "events/s", "Redis µs/ev", "cmds/ev", "worker µs/ev", "seconds", "enqueue µs/ev"
     );
 }
 
@@ -441,9 +459,10 @@ fn main() {
             row("pacer", &p);
             row("BullMQ", &b);
             println!(
-                "  pacer/BullMQ: {:.2}x events/s, {:.2}x Redis CPU per event",
+                "  pacer/BullMQ: {:.2}x events/s, {:.2}x Redis CPU per event; {:.2}x with the enqueue",
                 p.per_second / b.per_second,
-                p.redis_us / b.redis_us
+                p.redis_us / b.redis_us,
+                end_to_end(&p) / end_to_end(&b)
             );
             println!(
                 "  pacer commandstats (calls/µs per event): {}",
@@ -467,6 +486,7 @@ fn main() {
             per_second: med(runs, |r| r.per_second),
             seconds: med(runs, |r| r.seconds),
             redis_us: med(runs, |r| r.redis_us),
+            enqueue_us: med(runs, |r| r.enqueue_us),
             worker_us: med(runs, |r| r.worker_us),
             commands: med(runs, |r| r.commands),
             per_command: BTreeMap::new(),
@@ -482,6 +502,10 @@ fn main() {
             ratio(|r| r.per_second),
             ratio(|r| r.redis_us),
             ratio(|r| r.commands)
+        );
+        println!(
+            "  with the enqueue (Redis CPU from the producer's call to the ready entry or the completed job): {:.2}x per event",
+            ratio(end_to_end)
         );
         let rng = |runs: &[Run], f: fn(&Run) -> f64| {
             let v: Vec<f64> = runs.iter().map(f).collect();
