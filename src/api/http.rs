@@ -214,20 +214,39 @@ pub fn parse(body: &[u8]) -> Result<Request, String> {
             problems.push(format!("{k}: given twice"));
             continue;
         }
-        // The text was read as JSON once: it reads again.
-        let value = || serde_json::from_str::<Value>(raw.get()).unwrap_or(Value::Null);
+        // The text passed as JSON once, but its first reading only checked the syntax: a lone
+        // surrogate (\ud800) or a number past a double (1e400) fails here, and is named, not
+        // read as absent (a cost of 1e400 was taken as the default 1).
+        let value = |problems: &mut Vec<String>| match serde_json::from_str::<Value>(raw.get()) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                problems.push(format!("{k}: {}", unreadable(&e)));
+                None
+            }
+        };
         match k.as_str() {
             "fields" => {
                 fields = true;
                 match serde_json::from_str::<Members<Value>>(raw.get()) {
                     Ok(Members(f)) => read_fields(f, &mut req, &mut problems),
+                    Err(e) if raw.get().starts_with('{') => {
+                        problems.push(format!("fields: {}", unreadable(&e)))
+                    }
                     Err(_) => {
                         problems.push("fields: expected an object of field names to values".into())
                     }
                 }
             }
-            "cost" => read_cost(value(), &mut req, &mut problems),
-            "rules" => read_rules(value(), &mut req, &mut problems),
+            "cost" => {
+                if let Some(v) = value(&mut problems) {
+                    read_cost(v, &mut req, &mut problems)
+                }
+            }
+            "rules" => {
+                if let Some(v) = value(&mut problems) {
+                    read_rules(v, &mut req, &mut problems)
+                }
+            }
             _ => problems.push(format!("unknown key {k:?} (expected fields, cost, rules)")),
         }
     }
@@ -239,6 +258,14 @@ pub fn parse(body: &[u8]) -> Result<Request, String> {
     } else {
         Err(named(problems))
     }
+}
+
+/// Why a member whose syntax is JSON could not be read, without serde's position (counted from
+/// the member's own start, which would mislead).
+fn unreadable(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    let reason = text.split(" at line ").next().unwrap_or(&text);
+    format!("cannot be read ({reason})")
 }
 
 /// The most problems an answer names: a 64 KiB body of 9,000 unknown keys was answered with
@@ -406,6 +433,35 @@ mod tests {
         }
         let big = parse(br#"{"fields": {"source": 18446744073709551615}}"#).unwrap();
         assert_eq!(big.fields[0].1, "18446744073709551615");
+    }
+
+    #[test]
+    fn a_value_json_can_spell_but_not_hold_is_named_not_dropped() {
+        // Each passes a syntax check and fails to read: a lone surrogate, a number past a
+        // double. A cost of 1e400 was read as absent (cost 1), a rules list with a lone
+        // surrogate as no list (every rule).
+        for (body, want) in [
+            (
+                r#"{"fields": {"source": "\ud800"}}"#,
+                "fields: cannot be read (",
+            ),
+            (
+                r#"{"fields": {"source": 1e400}}"#,
+                "fields: cannot be read (number out of range",
+            ),
+            (
+                r#"{"fields": {"source": "a"}, "cost": 1e400}"#,
+                "cost: cannot be read (number out of range",
+            ),
+            (
+                r#"{"fields": {"source": "a"}, "rules": ["\udc00"]}"#,
+                "rules: cannot be read (",
+            ),
+        ] {
+            let e = parse(body.as_bytes()).unwrap_err();
+            assert!(e.starts_with(want), "{body}: {e}");
+            assert!(!e.contains("line 1"), "{body}: {e}");
+        }
     }
 
     #[test]
