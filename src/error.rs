@@ -13,6 +13,16 @@ pub enum Error {
     /// would not help.
     #[error(transparent)]
     Connect(#[from] crate::connection::ConnectError),
+    /// Another live worker reads the group under this worker's consumer name: the two would
+    /// take each other's pending entries for their own, and neither would claim the other's.
+    #[error("consumer name {consumer:?} is in use: another worker read {stream} under it while this one watched (idle {before_ms} ms, then {after_ms} ms {waited_ms} ms later); give each worker its own worker.consumer, or leave it empty for hostname-pid")]
+    ConsumerInUse {
+        consumer: String,
+        stream: String,
+        before_ms: i64,
+        after_ms: i64,
+        waited_ms: i64,
+    },
     /// `redis.wait_replicas` not met: fewer replicas than wanted confirmed a write in time.
     #[error("{got} of the {wanted} replicas redis.wait_replicas asks for confirmed the writes on {key}'s node within wait_timeout")]
     ReplicasShort { wanted: u32, got: u32, key: String },
@@ -54,6 +64,7 @@ impl Error {
             Error::Redis(e) => crate::connection::is_fatal(e),
             Error::Connect(e) => e.is_fatal(),
             Error::Reply { .. } | Error::ReplicasShort { .. } => false,
+            Error::ConsumerInUse { .. } => true,
         }
     }
 

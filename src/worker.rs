@@ -129,6 +129,9 @@ impl Worker {
             _ => "multi_thread",
         };
         info!(consumer = %ctx.consumer, routes = ctx.cfg.outbound.routes.len(), inbound_rules = rules, threads, runtime = %runtime, redis = %ctx.con.target(), "worker starting");
+        // Before `prepare`, which makes the worker ready: a worker refused its name never says
+        // it is ready.
+        prepare::check_name_free(&ctx, &shutdown).await?;
         if !prepare::prepare(&ctx, &shutdown).await? {
             return Ok(());
         }

@@ -716,3 +716,56 @@ fn a_poison_inbound_entry_is_dead_lettered_and_voided() {
     assert!(values.iter().any(|v| v.starts_with('A')), "{values:?}");
     assert!(values.iter().any(|v| v.starts_with('v')), "{values:?}");
 }
+
+#[test]
+fn a_worker_under_a_live_workers_consumer_name_refuses_to_start_and_a_restart_does_not() {
+    use common::pressure::{feed, push_events, READY};
+    let redis = RedisServer::start();
+    let dir = TempDir::new("same-name");
+    let worker = "  batch: 32\n  drain: 1s\n  consumer: same";
+    let body =
+        "outbound:\n  streams: [\"in\"]\n  routes:\n    r: {rate: 500/s, burst: 1, max_wait: 5s}\n";
+    let first_port = free_port();
+    let first_cfg = config(&dir, "a.yaml", &redis, first_port, worker, body);
+    let mut first = start(&first_cfg, first_port);
+    // Redis marks a consumer seen when it delivers it entries: traffic makes the first worker
+    // show itself.
+    let fed = feed(redis.url(), 100, 3.0);
+    std::thread::sleep(Duration::from_millis(300));
+    // The same file copied to a second worker: it must not join as the same consumer.
+    let second_port = free_port();
+    let second_cfg = config(&dir, "b.yaml", &redis, second_port, worker, body);
+    let mut second = Pacer::run(bin(), &second_cfg, &[]);
+    let code = second.wait_for(Duration::from_secs(15));
+    let log = second.log_text();
+    assert_eq!(code, Some(1), "the second worker ran on:\n{log}");
+    assert!(
+        log.contains("consumer name \"same\" is in use") && log.contains("worker.consumer"),
+        "{log}"
+    );
+    let mut ids = fed.join().unwrap();
+    assert_eq!(
+        first.wait_for(Duration::from_millis(100)),
+        None,
+        "the first worker is left alone:\n{}",
+        first.log_text()
+    );
+    // A worker put back under the name of one killed a moment ago (a restart) starts, and takes
+    // up what its predecessor held: 1,500 events take the route three seconds.
+    ids.extend(push_events(&redis, 1500, "same"));
+    assert!(wait_until(Duration::from_secs(5), || pending(
+        &redis, "in", "pacer"
+    ) > 0));
+    first.signal("KILL");
+    let _ = first.wait_for(Duration::from_secs(5));
+    let started = Instant::now();
+    let restarted = start(&first_cfg, first_port);
+    println!("restarted under the same name in {:?}", started.elapsed());
+    assert!(
+        wait_until(Duration::from_secs(20), || pending(&redis, "in", "pacer")
+            == 0),
+        "still pending:\n{}",
+        restarted.log_text()
+    );
+    assert_each_once(&redis, &ids, &[READY, "pacer:rejected", "pacer:dead"], "in");
+}

@@ -4,15 +4,17 @@
 
 use super::context::Context;
 use super::monitor;
+use super::reader::READ_BLOCK;
 use crate::backoff::Backoff;
 use crate::config::RedisMode;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::keys::InboundKeys;
 use crate::streams;
 use crate::telemetry;
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info};
+use tracing::{debug, error, info};
 
 /// Creates the consumer groups, learns whether Redis is a cluster and loads the scripts,
 /// retrying until Redis answers. Ok(false) if shutdown came first; an error if Redis refuses
@@ -39,6 +41,76 @@ pub(super) async fn prepare(ctx: &Context, shutdown: &CancellationToken) -> Resu
                     _ = tokio::time::sleep(delay) => {}
                 }
             }
+        }
+    }
+}
+
+/// How long a starting worker watches its consumer name when the group saw it moments ago: two
+/// of the reader's blocking reads and some, so that a live worker under that name reads within it.
+const NAME_WATCH: Duration = Duration::from_millis(2 * READ_BLOCK.as_millis() as u64 + 200);
+/// How much younger than expected the name's idle time must be after the watch to count as read
+/// again (the two XINFO calls' own time, rounded to Redis's milliseconds).
+const NAME_SLACK_MS: i64 = 100;
+
+/// Refuses to start under a consumer name another live worker reads with (a fixed
+/// `worker.consumer` copied to several workers): the claimer never takes a consumer's own
+/// entries, so the pending entries of either one, once it died, would never be claimed; and each
+/// would recover the other's at start. Redis refreshes a consumer's idle time on every read; a
+/// live worker reads every `READ_BLOCK` at most while it has room. So a name read moments ago is
+/// watched for `NAME_WATCH`: read again meanwhile, another worker has it; not, it was this
+/// worker's predecessor (a restart), whose pending entries are this worker's to take up.
+///
+/// Only at start, and only what the group shows: two workers starting together under a new name,
+/// or one so full that it stopped reading, are not seen. A failing XINFO (Redis down at start, no
+/// group yet, an ACL user without it) skips the check.
+pub(super) async fn check_name_free(ctx: &Context, shutdown: &CancellationToken) -> Result<()> {
+    let mut recent = Vec::new();
+    for stream in &ctx.streams {
+        if let Some(ms) = name_idle(ctx, stream).await {
+            if ms < NAME_WATCH.as_millis() as i64 {
+                recent.push((stream.clone(), ms));
+            }
+        }
+    }
+    if recent.is_empty() {
+        return Ok(());
+    }
+    info!(consumer = %ctx.consumer, watch = ?NAME_WATCH, "this consumer name read moments ago: watching that no other worker reads under it");
+    let started = Instant::now();
+    tokio::select! {
+        _ = shutdown.cancelled() => return Ok(()),
+        _ = tokio::time::sleep(NAME_WATCH) => {}
+    }
+    for (stream, before_ms) in recent {
+        let waited_ms = started.elapsed().as_millis() as i64;
+        match name_idle(ctx, &stream).await {
+            Some(after_ms) if after_ms + NAME_SLACK_MS < before_ms + waited_ms => {
+                return Err(Error::ConsumerInUse {
+                    consumer: ctx.consumer.clone(),
+                    stream: stream.to_string(),
+                    before_ms,
+                    after_ms,
+                    waited_ms,
+                });
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Milliseconds since the group last saw this worker's consumer name read `stream`, if it
+/// knows the name.
+async fn name_idle(ctx: &Context, stream: &str) -> Option<i64> {
+    let mut con = ctx.con.clone();
+    match streams::consumers(&mut con, stream, &ctx.cfg.worker.group).await {
+        Ok(list) => list
+            .into_iter()
+            .find(|c| c.name == ctx.consumer)
+            .map(|c| c.idle_ms),
+        Err(e) => {
+            debug!(%stream, error = %e, "reading the group's consumers failed; not checking the consumer name");
+            None
         }
     }
 }

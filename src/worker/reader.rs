@@ -42,7 +42,12 @@ pub(super) async fn run(
     // nothing else would see them before `claim_idle`, so the reader then reads its own pending
     // entries after this id before it reads new ones again.
     let mut last_seen: Option<String> = None;
-    let mut recover = false;
+    // At start too: what this consumer name holds pending is a predecessor's under the same name
+    // (a restart with a fixed `worker.consumer`, or a container restarted in its pod, whose
+    // hostname and pid 1 make the same default name). The claimer never takes a worker's own
+    // entries, so nothing else would: a lone worker restarted after kill -9 left 1,287 of them
+    // pending for good.
+    let mut recover = true;
     // The stream's key holds another kind of value: said once, until a read succeeds again.
     let mut wrong_type = false;
     while !shutdown.is_cancelled() {
@@ -78,7 +83,7 @@ pub(super) async fn run(
                     if entries.is_empty() {
                         recover = false;
                     } else {
-                        info!(%stream, entries = entries.len(), "taking up entries a lost read delivered");
+                        info!(%stream, entries = entries.len(), "taking up entries this consumer holds pending (a lost read's, or a predecessor's under this name)");
                     }
                 }
                 if let Some(newest) = entries.last() {
