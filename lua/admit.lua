@@ -13,7 +13,8 @@
 --              then its identities' limiter keys, one per check: every key field of every
 --              rule, rule by rule, in the order the rules list them
 -- ARGV[1]      decision time to live, ms (each decision hash lives that long after a write)
--- ARGV[2]      approximate MAXLEN of the forward and rejected streams (one XTRIM each per call)
+-- ARGV[2]      the forward and rejected streams' length: each is trimmed to about it once per
+--              call that wrote it, never below what a consumer group on it needs (lib.lua trim)
 -- ARGV[3]      the outputs written here, bits: 1 the accepted events (to the forward stream),
 --              2 the rejected ones; the caller writes the others
 -- ARGV[4]      the consumer group of the input streams
@@ -305,10 +306,10 @@ end
 
 -- One trim per stream written, not a MAXLEN on every XADD (each is more arguments to convert).
 if wrote_forward then
-  redis.call('XTRIM', forward, 'MAXLEN', '~', maxlen)
+  trim(forward, maxlen)
 end
 if wrote_rejected then
-  redis.call('XTRIM', rejected, 'MAXLEN', '~', maxlen)
+  trim(rejected, maxlen)
 end
 save_states()
 for _, h in ipairs(hashes) do

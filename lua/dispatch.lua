@@ -13,7 +13,7 @@
 -- KEYS[2r - 1], KEYS[2r]  route r's bucket (hash: tat, dtat, last; µs) and ready stream (r = 1..R)
 -- KEYS[2R + 1..]  h decision hashes, then s input streams this call may acknowledge (in its slot)
 -- ARGV[1]     decision time to live, ms
--- ARGV[2]     approximate MAXLEN of the ready streams
+-- ARGV[2]     the ready streams' length (lib.lua trim: about it, never below what a group needs)
 -- ARGV[3]     the consumer group of the input streams
 -- ARGV[4..6]  R, h, s
 -- then per route: interval_us, tolerance_us, its name (the ready entries' pacer_route), and n,

@@ -7,7 +7,7 @@
 -- KEYS[2..]   h write-once hashes in the output stream's slot (field: input entry id), then s
 --             input streams this call may acknowledge (in its slot)
 -- ARGV[1]     record time to live, ms
--- ARGV[2]     approximate MAXLEN of the output stream
+-- ARGV[2]     the output stream's length (lib.lua trim: about it, never below what a group needs)
 -- ARGV[3]     the consumer group of the input streams
 -- ARGV[4..6]  h, s, n (the number of entries); then per entry:
 --               hash      index of its write-once hash (1..h)
@@ -49,12 +49,14 @@ local gone = check_groups(2 + h, s, group)
 local written = records(2, h, ev_hash, ev_entry)
 
 local out, acks = {}, lists(s)
+local wrote = false
 for i = 1, n do
   local e = ev[i]
   if written.get(e.hash, e.entry) then
     out[i] = 0
   else
-    redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '*', unpack(ARGV, e.fields + 1, e.stop - 1))
+    redis.call('XADD', KEYS[1], '*', unpack(ARGV, e.fields + 1, e.stop - 1))
+    wrote = true
     written.set(e.hash, e.entry, '1')
     out[i] = 1
   end
@@ -64,5 +66,8 @@ for i = 1, n do
   end
 end
 written.save(ttl)
+if wrote then
+  trim(KEYS[1], maxlen)
+end
 ack_all(2 + h, group, acks, gone)
 return out

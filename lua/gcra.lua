@@ -120,13 +120,14 @@ end
 
 -- Ends a pacing call's writes to a route (KEYS[bucket] its bucket, KEYS[bucket + 1] its ready
 -- stream): the bucket if the call changed it, and one trim of the ready stream if the call wrote
--- to it (once per call rather than per entry: each MAXLEN is more arguments to convert).
+-- to it (once per call rather than per entry: each MAXLEN is more arguments to convert; and
+-- lib.lua's trim keeps what a consumer group of the stream still needs).
 local function save_route(bucket, now, tat, dtat, last, changed, wrote, maxlen)
   if changed then
     save_bucket(KEYS[bucket], now, tat, dtat, last)
   end
   if wrote then
-    redis.call('XTRIM', KEYS[bucket + 1], 'MAXLEN', '~', maxlen)
+    trim(KEYS[bucket + 1], maxlen)
   end
 end
 

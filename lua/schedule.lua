@@ -17,7 +17,7 @@
 -- ARGV[1]     interval_us: microseconds one unit of cost occupies
 -- ARGV[2]     tolerance_us: (burst - 1) * interval
 -- ARGV[3]     decision time to live, ms (also the id claims')
--- ARGV[4]     approximate MAXLEN of the ready stream
+-- ARGV[4]     the ready stream's length (lib.lua trim: about it, never below what a group needs)
 -- ARGV[5]     the consumer group of the input streams
 -- ARGV[6]     stale_us: an entry this old with no decision on record may have had one expire:
 --             it is not decided (STALE)

@@ -850,6 +850,117 @@ fn shared_streams_are_written_once_per_input_entry() {
     assert_eq!(len, 3);
 }
 
+/// Output streams are trimmed to about max_len (1,000 here), but never below what a consumer
+/// group on them still needs: its oldest pending entry and what it was not delivered yet. Before,
+/// a plain MAXLEN deleted accepted events pacer's own outbound had not read (found by review:
+/// 786 of 1,000 forwarded with max_len 100 ended nowhere).
+#[test]
+fn an_output_stream_is_trimmed_but_never_below_what_a_group_needs() {
+    let mut rig = Rig::new("10/s", 1);
+    let no = |_: &str| false;
+    let f: Fields = vec![(b"n".to_vec(), b"1".to_vec())];
+    let rt = &rig.rt;
+    let con = &mut rig.con;
+    let q = |con: &mut redis::aio::MultiplexedConnection, cmd: &mut redis::Cmd| -> redis::Value {
+        rt.block_on(cmd.query_async(con)).unwrap()
+    };
+    let xlen = |con: &mut redis::aio::MultiplexedConnection, stream: &str| -> usize {
+        rt.block_on(redis::cmd("XLEN").arg(stream).query_async(con))
+            .unwrap()
+    };
+    // "free": no group; "held": a group that read 300 and acknowledged 200; "unread": a group
+    // that never read.
+    q(
+        con,
+        redis::cmd("XGROUP").arg(&["CREATE", "held", "senders", "0", "MKSTREAM"]),
+    );
+    q(
+        con,
+        redis::cmd("XGROUP").arg(&["CREATE", "unread", "senders", "0", "MKSTREAM"]),
+    );
+    let emit =
+        |con: &mut redis::aio::MultiplexedConnection, stream: &str, from: usize, n: usize| {
+            let keys = OutputKeys::new(stream);
+            let call = EmitCall {
+                keys: &keys,
+                out: writing(&no),
+            };
+            let ids: Vec<String> = (from..from + n).map(|i| format!("{}-0", i + 1)).collect();
+            let items: Vec<EmitItem> = ids
+                .iter()
+                .map(|id| EmitItem {
+                    source_stream: "in",
+                    source_id: id,
+                    fields: &f,
+                })
+                .collect();
+            rt.block_on(rig.scripts.emit(con, &call, &items)).unwrap();
+        };
+    for stream in ["free", "held", "unread"] {
+        emit(con, stream, 0, 300);
+    }
+    let read: Vec<String> = {
+        let reply: redis::streams::StreamReadReply = rt
+            .block_on(
+                redis::cmd("XREADGROUP")
+                    .arg(&[
+                        "GROUP", "senders", "c", "COUNT", "300", "STREAMS", "held", ">",
+                    ])
+                    .query_async(con),
+            )
+            .unwrap();
+        reply.keys[0].ids.iter().map(|e| e.id.clone()).collect()
+    };
+    assert_eq!(read.len(), 300);
+    let mut ack = redis::cmd("XACK");
+    ack.arg("held").arg("senders");
+    for id in &read[..200] {
+        ack.arg(id);
+    }
+    q(con, &mut ack);
+    let oldest_pending = read[200].clone();
+    for stream in ["free", "held", "unread"] {
+        for from in (300..3000).step_by(100) {
+            emit(con, stream, from, 100);
+        }
+    }
+    let free = xlen(con, "free");
+    assert!((1000..=1200).contains(&free), "free holds {free}");
+    assert_eq!(
+        xlen(con, "unread"),
+        3000,
+        "nothing was delivered to its group"
+    );
+    let held = xlen(con, "held");
+    let first: redis::streams::StreamRangeReply = rt
+        .block_on(
+            redis::cmd("XRANGE")
+                .arg(&["held", "-", "+", "COUNT", "1"])
+                .query_async(con),
+        )
+        .unwrap();
+    let first = first.ids[0].id.clone();
+    let below = |a: &str, b: &str| {
+        let p = |id: &str| -> (u64, u64) {
+            let (ms, seq) = id.split_once('-').unwrap();
+            (ms.parse().unwrap(), seq.parse().unwrap())
+        };
+        p(a) < p(b)
+    };
+    assert!(
+        !below(&oldest_pending, &first),
+        "the oldest pending entry {oldest_pending} was trimmed (first now {first})"
+    );
+    assert!(
+        held >= 2800,
+        "held keeps its pending entry and all after: {held}"
+    );
+    assert!(
+        held <= 2900,
+        "what the group was done with is trimmed: {held}"
+    );
+}
+
 /// A poison entry's decisions are voided before it is dead-lettered: a sleeping worker can no
 /// longer dispatch it, while outcomes already final (dispatched, passed over) are left as they
 /// are for the caller to honour, and the owner of its id is reported.

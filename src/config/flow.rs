@@ -18,7 +18,8 @@ pub struct Flow {
     pub streams: Vec<String>,
     pub rejected_stream: String,
     pub dead_letter_stream: String,
-    /// Output streams are trimmed to about this many entries (`MAXLEN ~`).
+    /// Output streams are trimmed to about this many entries, never below what a consumer group
+    /// on them still needs (`lib.lua` `trim`).
     pub max_len: u64,
     /// How long decisions and markers live: the window in which a redelivered entry or a
     /// repeated event id is recognised, and the age past which an entry with nothing on record
