@@ -16,10 +16,11 @@
 //! tests.
 
 mod cluster;
+mod renewing;
 mod sentinel;
 
 use crate::config::{RedisConfig, RedisMode, TlsConfig};
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManagerConfig};
 use redis::cluster::{ClusterClientBuilder, ClusterConfig};
 use redis::{
     ClientTlsConfig, Cmd, ConnectionInfo, ErrorKind, IntoConnectionInfo, Pipeline, RedisError,
@@ -116,10 +117,16 @@ pub fn fatal(err: &RedisError) -> Option<Fatal> {
     if matches!(err.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM")) {
         return Some(Fatal::Auth);
     }
+    // The URL's database does not exist on the server (`/99` where `databases` is 16): retried
+    // forever as "Redis does not answer" until found by review.
+    let text = err.to_string();
+    if text.contains("DB index is out of range") {
+        return Some(Fatal::Setup);
+    }
     // Only errors of the connection itself: a server's reply (a script's error, say) may say
     // anything.
     let from_server = matches!(err.kind(), ErrorKind::Server(_) | ErrorKind::Extension);
-    if !from_server && is_tls_failure(&err.to_string()) {
+    if !from_server && is_tls_failure(&text) {
         return Some(Fatal::Tls);
     }
     None
@@ -183,7 +190,7 @@ pub struct RedisConn {
 
 #[derive(Clone)]
 enum Inner {
-    Standalone(ConnectionManager),
+    Standalone(renewing::Renewing),
     Cluster(cluster::ClusterConn),
     Sentinel(sentinel::SentinelConn),
 }
@@ -234,9 +241,10 @@ impl RedisConn {
                     None => redis::Client::open(info),
                 }
                 .map_err(|e| setup(e.to_string()))?;
-                let con = ConnectionManager::new_lazy_with_config(
+                let con = renewing::Renewing::new(
                     client,
                     manager_config(cfg.timeout, response_timeout),
+                    target.clone(),
                 )
                 .map_err(|e| setup(e.to_string()))?;
                 Inner::Standalone(con)
@@ -319,7 +327,8 @@ impl RedisConn {
             .arg(60_000)
             .cmd("WAIT")
             .arg(replicas)
-            .arg(timeout.as_millis() as u64);
+            // Whole milliseconds, rounded up: WAIT's 0 blocks forever.
+            .arg(timeout.as_micros().div_ceil(1000).max(1) as u64);
         let replies = match &mut self.inner {
             Inner::Cluster(con) => con.pipeline_to_master_of(key, pipe, 2).await?,
             _ => pipe.query_async(self).await?,
@@ -385,7 +394,7 @@ fn slot_owner(reply: &Value, slot: u16) -> Option<String> {
 impl ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match &mut self.inner {
-            Inner::Standalone(con) => con.req_packed_command(cmd),
+            Inner::Standalone(con) => Box::pin(con.req_command(cmd)),
             Inner::Cluster(con) => Box::pin(con.req_command(cmd)),
             Inner::Sentinel(con) => Box::pin(con.req_command(cmd)),
         }
@@ -398,7 +407,7 @@ impl ConnectionLike for RedisConn {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         match &mut self.inner {
-            Inner::Standalone(con) => con.req_packed_commands(pipeline, offset, count),
+            Inner::Standalone(con) => Box::pin(con.req_pipeline(pipeline, offset, count)),
             Inner::Cluster(con) => con.req_packed_commands(pipeline, offset, count),
             Inner::Sentinel(con) => Box::pin(con.req_pipeline(pipeline, offset, count)),
         }

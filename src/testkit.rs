@@ -10,11 +10,13 @@
 
 mod clock_shift;
 mod cluster;
+mod proxy;
 mod sentinel;
 mod tls;
 
 pub use clock_shift::ClockShift;
 pub use cluster::{Cluster, ClusterNode, NodeInfo};
+pub use proxy::BlackHoleProxy;
 pub use sentinel::{master_port_of, Sentinels};
 pub use tls::TlsFiles;
 

@@ -599,3 +599,59 @@ async fn a_redis_down_at_start_is_waited_for() {
     eprintln!("Redis started after the connection: first success after {took:?}");
     drop(server);
 }
+
+/// A connection that stops answering without closing (a NAT entry dropped, a proxy holding a
+/// dead peer's connection) is replaced after two timeouts in a row. redis-rs's manager retried
+/// it until the kernel gave up on the socket (found by review: a worker behind one stayed not
+/// ready for over a minute while new connections to the same address worked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_black_holed_connection_is_replaced() {
+    let server = RedisServer::start();
+    let proxy = pacer::testkit::BlackHoleProxy::start(server.port);
+    let cfg = redis_config(&format!(
+        "{{url: \"redis://127.0.0.1:{}\", timeout: 300ms}}",
+        proxy.port()
+    ));
+    let mut con = conn(&cfg);
+    con.check().await.expect("through the proxy");
+    proxy.black_hole();
+    let started = Instant::now();
+    let mut failed = 0;
+    let mut answered = false;
+    // Bounded: twenty tries of at most 300 ms each.
+    for _ in 0..20 {
+        match con.check().await {
+            Ok(()) => {
+                answered = true;
+                break;
+            }
+            Err(e) => {
+                assert!(!e.is_fatal(), "{e}");
+                failed += 1;
+            }
+        }
+    }
+    assert!(answered, "still no answer after {failed} calls");
+    assert!(
+        failed >= 2,
+        "the first calls went into the black hole: {failed}"
+    );
+    eprintln!(
+        "answered again after {failed} timed-out calls, {:?}",
+        started.elapsed()
+    );
+}
+
+/// A URL's database the server does not have cannot heal: fatal, so a worker exits at start
+/// saying so. It was retried forever as "Redis does not answer" (found by review).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_the_server_lacks_is_fatal() {
+    let server = RedisServer::start();
+    let cfg = redis_config(&format!(
+        "{{url: \"redis://127.0.0.1:{}/99\", timeout: 500ms}}",
+        server.port
+    ));
+    let e = conn(&cfg).check().await.unwrap_err();
+    assert!(e.is_fatal(), "{e}");
+    assert!(e.to_string().contains("DB index is out of range"), "{e}");
+}

@@ -313,10 +313,14 @@ pub(super) fn read_redis(p: &mut Problems, v: Option<Value>, overrides: &Overrid
     let wait_replicas = p.integer("redis.wait_replicas", &raw.wait_replicas, 0, 0, 100) as u32;
     let written = !matches!(raw.wait_timeout, None | Some(Value::Null));
     let wait_timeout = p.duration("redis.wait_timeout", &raw.wait_timeout, timeout / 2);
-    if wait_timeout.is_zero() && written && !p.said("redis.wait_timeout") {
-        // WAIT's timeout 0 blocks forever: never what a paced write wants. (Unwritten, it is
-        // zero only with a zero redis.timeout, said there.)
-        p.push("redis.wait_timeout", "must be more than 0");
+    if wait_timeout < Duration::from_millis(1) && written && !p.said("redis.wait_timeout") {
+        // WAIT counts whole milliseconds, and its timeout 0 blocks forever: never what a paced
+        // write wants (900us passed, and became WAIT 1 0 on the shared connection). Unwritten,
+        // the WAIT call rounds a default under 1 ms up.
+        p.push(
+            "redis.wait_timeout",
+            "must be at least 1ms (WAIT counts whole milliseconds; 0 would block forever)",
+        );
     } else if wait_timeout >= timeout && !timeout.is_zero() {
         p.push(
             "redis.wait_timeout",

@@ -15,8 +15,8 @@
 //! (and writes it took meanwhile are lost then). So a background task also asks the sentinels
 //! every `RECHECK_EVERY` and switches as soon as they name another master.
 
+use super::renewing::Renewing;
 use crate::config::{RedisConfig, SentinelConfig};
-use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
     Cmd, ConnectionInfo, ErrorKind, Pipeline, RedisError, RedisResult, ServerErrorKind,
@@ -63,7 +63,9 @@ struct State {
 struct Master {
     /// `host:port`, to tell a real switch from a lookup naming the same master again.
     addr: String,
-    con: ConnectionManager,
+    /// Made anew in place when it times out in a row (black-holed): the sentinels naming the
+    /// same master again would keep it.
+    con: Renewing,
 }
 
 impl SentinelConn {
@@ -122,8 +124,8 @@ impl SentinelConn {
     }
 
     pub(super) async fn req_command(&self, cmd: &Cmd) -> RedisResult<Value> {
-        let mut con = self.master().await?;
-        let result = con.req_packed_command(cmd).await;
+        let con = self.master().await?;
+        let result = con.req_command(cmd).await;
         match &result {
             Err(e) => self.suspect(e),
             // Error replies may also come back inside `Ok`, for `query_async` to extract.
@@ -139,8 +141,8 @@ impl SentinelConn {
         offset: usize,
         count: usize,
     ) -> RedisResult<Vec<Value>> {
-        let mut con = self.master().await?;
-        let result = con.req_packed_commands(pipeline, offset, count).await;
+        let con = self.master().await?;
+        let result = con.req_pipeline(pipeline, offset, count).await;
         match &result {
             Err(e) => self.suspect(e),
             Ok(values) => {
@@ -159,7 +161,7 @@ impl SentinelConn {
 
     /// The master's connection: the current one, or, when it is suspect (or there is none yet),
     /// whatever the sentinels name now.
-    async fn master(&self) -> RedisResult<ConnectionManager> {
+    async fn master(&self) -> RedisResult<Renewing> {
         let (current, due) = {
             let state = self.shared.state.lock().expect("not poisoned");
             let due = state.current.is_none()
@@ -226,9 +228,10 @@ impl SentinelConn {
                 return Ok(master.clone());
             }
         }
-        let con = ConnectionManager::new_lazy_with_config(
+        let con = Renewing::new(
             found,
             super::manager_config(self.shared.connect_timeout, self.shared.response_timeout),
+            format!("master {addr} of {}", self.shared.master_name),
         )?;
         match &state.current {
             Some(old) => {
