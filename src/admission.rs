@@ -108,10 +108,44 @@ pub struct Rule {
     pub count_rejected: bool,
 }
 
+/// A window in the largest unit that divides it: `1h`, `15m`, `10s`, `250ms`, `7us`.
+fn compact_window(us: i64) -> String {
+    for (unit, name) in [
+        (3_600_000_000, "h"),
+        (60_000_000, "m"),
+        (1_000_000, "s"),
+        (1_000, "ms"),
+    ] {
+        if us % unit == 0 {
+            return format!("{}{name}", us / unit);
+        }
+    }
+    format!("{us}us")
+}
+
 /// The `limit` index a failed check reports when `min_spacing` binds.
 pub const SPACING: usize = usize::MAX;
 
 impl Rule {
+    /// The rule's part of its identities' key names: the algorithm's short name and, where the
+    /// state holds numbers per limit (gcra, fixed_window), each limit's window (`gcra.1m.1h`).
+    /// A state of another shape read as absent: two configs of one rule with different limits
+    /// (a rolling deploy) each reset the other's state on every call, and neither limit held
+    /// (found by review: 20 admitted against 5/min). With the windows in the name each keeps
+    /// its own, and a changed window starts afresh, as a changed algorithm does.
+    pub fn key_part(&self) -> String {
+        let base = self.algorithm.key_part();
+        if self.algorithm == Algorithm::SlidingLog {
+            return base.to_string();
+        }
+        let mut part = base.to_string();
+        for l in &self.limits {
+            part.push('.');
+            part.push_str(&compact_window(l.window_us));
+        }
+        part
+    }
+
     /// How long an identity's state matters after its last charge: every key of this rule
     /// expires no later than this after its last use.
     ///
@@ -390,6 +424,35 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn key_part_names_the_windows_where_the_state_is_per_limit() {
+        let rule = |algorithm, windows: &[u64]| Rule {
+            algorithm,
+            limits: windows
+                .iter()
+                .map(|&w| Limit::new(5, w, None, "l"))
+                .collect(),
+            spacing_us: 0,
+            count_rejected: false,
+        };
+        let (m, h) = (60_000_000, 3_600_000_000);
+        assert_eq!(rule(Algorithm::Gcra, &[m, h]).key_part(), "gcra.1m.1h");
+        assert_eq!(
+            rule(Algorithm::FixedWindow, &[250_000, 7]).key_part(),
+            "fw.250ms.7us"
+        );
+        assert_eq!(rule(Algorithm::SlidingLog, &[m, h]).key_part(), "log");
+        // One more limit, or the same in another order: another key.
+        assert_ne!(
+            rule(Algorithm::Gcra, &[m]).key_part(),
+            rule(Algorithm::Gcra, &[m, h]).key_part()
+        );
+        assert_ne!(
+            rule(Algorithm::Gcra, &[h, m]).key_part(),
+            rule(Algorithm::Gcra, &[m, h]).key_part()
+        );
+    }
 
     /// A rule of `(count, window_us)` limits (also for the algorithms' own tests).
     pub(crate) fn rule(algorithm: Algorithm, limits: &[(u64, u64)], spacing_us: i64) -> Rule {

@@ -226,8 +226,7 @@ fn run_case(
             for (r, rule) in rules.iter().enumerate() {
                 for field in &rule.key {
                     let value = [b'a' + v.next().unwrap()];
-                    let key =
-                        keys.identity(&rule.name, rule.rule.algorithm.key_part(), field, &value);
+                    let key = keys.identity(&rule.name, &rule.rule.key_part(), field, &value);
                     checks.push((r, field.clone(), key));
                 }
             }
@@ -500,12 +499,8 @@ fn run_sync_case(
             for (r, rule) in rules.iter().enumerate() {
                 for (f, field) in rule.key.iter().enumerate() {
                     let &(value, ask) = v.next().unwrap();
-                    let key = keys.identity(
-                        &rule.name,
-                        rule.rule.algorithm.key_part(),
-                        field,
-                        &[b'a' + value],
-                    );
+                    let key =
+                        keys.identity(&rule.name, &rule.rule.key_part(), field, &[b'a' + value]);
                     // Only gcra and fixed_window lease.
                     let ask = match ask {
                         0 => Ask::Decide,

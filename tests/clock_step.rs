@@ -88,3 +88,55 @@ fn redis_clock_steps_keep_the_rate_without_spinning_or_late_dispatches() {
         cpu[1]
     );
 }
+
+/// An inbound fixed window across Redis's clock stepped back 120 s: the window on record is
+/// newer than the clock's and still counts, so the limit holds. It was read as empty, and
+/// admitted a whole limit again (found by review: 6 accepted against 3/min).
+#[test]
+fn a_fixed_window_holds_its_limit_when_redis_s_clock_steps_back() {
+    let shift = ClockShift::build();
+    let redis = RedisServer::start_shifted(&shift);
+    let dir = TempDir::new("clock-step-in");
+    let port = free_port();
+    let body = inbound_body("{name: fw, key: [source], algorithm: fixed_window, limits: [3/min]}");
+    let worker = "  batch: 16\n  drain: 500ms";
+    let cfg = config(&dir, "w.yaml", &redis, port, worker, &body);
+    let pacer = start(&cfg, port);
+    let events = |tag: &str| -> Vec<_> {
+        (0..5)
+            .map(|i| event(&[("source", "s"), ("call", &format!("{tag}-{i}"))]))
+            .collect()
+    };
+    let settled = |n: usize| {
+        wait_until(Duration::from_secs(10), || {
+            lengths(&redis, &["pacer:accepted", "pacer:in-rejected"])
+                .iter()
+                .sum::<usize>()
+                == n
+                && pending(&redis, "pacer:in", "pacer") == 0
+        })
+    };
+    push(&redis, "pacer:in", &events("before"));
+    assert!(settled(5), "{}", pacer.log_text());
+    assert_eq!(lengths(&redis, &["pacer:accepted"]), [3]);
+    let before_ms = redis_time_ms(&redis);
+    shift.set_ms(-120_000);
+    // The shim reads the shift at most every 5 ms: the step is on once TIME shows it.
+    assert!(wait_until(Duration::from_secs(2), || redis_time_ms(&redis)
+        < before_ms - 100_000));
+    push(&redis, "pacer:in", &events("after"));
+    assert!(settled(10), "{}", pacer.log_text());
+    assert_eq!(
+        lengths(&redis, &["pacer:accepted"]),
+        [3],
+        "3/min across a step back"
+    );
+    let retry: i64 = read(&redis, "pacer:in-rejected")
+        .last()
+        .and_then(|r| r.field("pacer_retry_after_ms")?.parse().ok())
+        .unwrap();
+    assert!(
+        retry > 60_000,
+        "the window on record ends past the step: {retry} ms"
+    );
+}

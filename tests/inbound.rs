@@ -301,7 +301,7 @@ fn gcra_holds_rate_and_burst_exactly_with_retry_after_in_milliseconds_and_one_ke
         .arg("pacer:in:{fwd}:g:*")
         .query(&mut rig.sync())
         .unwrap();
-    assert_eq!(keys, vec!["pacer:in:{fwd}:g:gcra:source=a".to_string()]);
+    assert_eq!(keys, vec!["pacer:in:{fwd}:g:gcra.1s:source=a".to_string()]);
     let state: Vec<u8> = redis::cmd("GET")
         .arg(&keys[0])
         .query(&mut rig.sync())

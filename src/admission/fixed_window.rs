@@ -25,6 +25,18 @@ impl State {
     }
 }
 
+/// A limit's window now and what it has counted. A window on record newer than the clock's (the
+/// clock stepped back) is still the current one: read as empty, it admitted a whole limit again
+/// on every step back.
+fn current_window((window, count): (i64, i64), now_us: i64, window_us: i64) -> (i64, i64) {
+    let current = now_us.div_euclid(window_us);
+    if window >= current {
+        (window, count)
+    } else {
+        (current, 0)
+    }
+}
+
 pub fn check(s: &State, now_us: i64, rule: &Rule) -> Check {
     check_n(s, now_us, rule, 1)
 }
@@ -32,9 +44,8 @@ pub fn check(s: &State, now_us: i64, rule: &Rule) -> Check {
 /// Whether `cost` more events fit the current windows (a cost above a limit never does).
 pub fn check_n(s: &State, now_us: i64, rule: &Rule, cost: i64) -> Check {
     let mut verdict = spacing_check(s.last, now_us, rule.spacing_us);
-    for (i, (limit, &(window, count))) in rule.limits.iter().zip(&s.windows).enumerate() {
-        let current = now_us.div_euclid(limit.window_us);
-        let used = if window == current { count } else { 0 };
+    for (i, (limit, &counted)) in rule.limits.iter().zip(&s.windows).enumerate() {
+        let (current, used) = current_window(counted, now_us, limit.window_us);
         if used + cost > limit.count {
             verdict = verdict.and(Check {
                 retry_us: (current + 1) * limit.window_us - now_us,
@@ -53,7 +64,7 @@ pub fn charge(s: &mut State, now_us: i64, rule: &Rule) {
 pub fn charge_n(s: &mut State, now_us: i64, rule: &Rule, cost: i64) {
     for (limit, w) in rule.limits.iter().zip(s.windows.iter_mut()) {
         let current = now_us.div_euclid(limit.window_us);
-        if w.0 != current {
+        if w.0 < current {
             *w = (current, 0);
         }
         w.1 += cost;
@@ -77,9 +88,8 @@ pub fn ttl_ms(s: &State, now_us: i64, rule: &Rule) -> i64 {
 /// The room left in the current windows, for the limit with the least, and when it ends.
 pub fn room(s: &State, now_us: i64, rule: &Rule) -> Room {
     let mut room = Room::UNLIMITED;
-    for (i, (limit, &(window, count))) in rule.limits.iter().zip(&s.windows).enumerate() {
-        let current = now_us.div_euclid(limit.window_us);
-        let used = if window == current { count } else { 0 };
+    for (i, (limit, &counted)) in rule.limits.iter().zip(&s.windows).enumerate() {
+        let (current, used) = current_window(counted, now_us, limit.window_us);
         let end = (current + 1) * limit.window_us - now_us;
         room = room.tighter(Room::of(limit.count - used, i, end));
     }
@@ -130,5 +140,28 @@ mod tests {
         }
         assert_eq!(accepted.len(), 20, "10 per window, 20 within 21 µs");
         assert_eq!(ttl_ms(&s, 2_000_019, &r), 1_000);
+    }
+
+    #[test]
+    fn a_window_on_record_ahead_of_a_clock_stepped_back_still_counts() {
+        let r = Rule {
+            algorithm: Algorithm::FixedWindow,
+            limits: vec![Limit::new(3, 60_000_000, None, "l")],
+            spacing_us: 0,
+            count_rejected: false,
+        };
+        let mut s = State::empty(&r);
+        for t in [200_000_000, 200_000_001, 200_000_002] {
+            assert!(check(&s, t, &r).passed());
+            charge(&mut s, t, &r);
+        }
+        // 120 s back: window 1 by the clock, window 3 on record.
+        let back = 80_000_000;
+        let c = check(&s, back, &r);
+        assert!(!c.passed());
+        assert_eq!(back + c.retry_us, 240_000_000, "the window on record's end");
+        assert_eq!(room(&s, back, &r).remaining, 0);
+        // Once the clock is past it, a new window.
+        assert!(check(&s, 240_000_000, &r).passed());
     }
 }

@@ -258,6 +258,10 @@ pub(super) fn read_rules(p: &mut Problems, v: Option<Value>) -> Vec<InboundRule>
                 let d = p.duration(&at, some, Duration::ZERO);
                 if d.is_zero() && !p.said(&at) {
                     p.push(at, "must be more than 0 (or left out)");
+                } else if d < Duration::from_micros(1) && !p.said(&at) {
+                    // Spacing is kept in whole microseconds: 500ns became 0, and the rule
+                    // limited nothing.
+                    p.push(at, "must be at least 1us (spacing is kept in microseconds)");
                 }
                 d
             }
@@ -320,6 +324,17 @@ pub(super) fn read_rules(p: &mut Problems, v: Option<Value>) -> Vec<InboundRule>
                 let d = p.string(&join(&path, "default_identity"), some, None);
                 if d.is_empty() {
                     p.push(join(&path, "default_identity"), "must not be empty");
+                } else if d.len() > crate::event::inbound::MAX_IDENTITY_BYTES {
+                    // Checked per event otherwise: every event without the field was
+                    // dead-lettered, its detail blaming a field it did not have.
+                    p.push(
+                        join(&path, "default_identity"),
+                        format!(
+                            "is {} bytes; an identity is at most {}",
+                            d.len(),
+                            crate::event::inbound::MAX_IDENTITY_BYTES
+                        ),
+                    );
                 }
                 Some(d)
             }

@@ -128,12 +128,7 @@ pub fn resolve<'v>(
             Identity {
                 rule: r,
                 field: f,
-                key: keys.identity(
-                    &rule.name,
-                    rule.rule.algorithm.key_part(),
-                    &rule.key[f],
-                    value,
-                ),
+                key: keys.identity(&rule.name, &rule.rule.key_part(), &rule.key[f], value),
             }
         })
         .collect();
@@ -290,7 +285,7 @@ inbound:
             vec![
                 "pacer:in:{pacer:accepted}:per-ip-user:log:ip=10.0.0.1",
                 "pacer:in:{pacer:accepted}:per-ip-user:log:user=u%FF",
-                "pacer:in:{pacer:accepted}:per-tenant:gcra:tenant=anonymous",
+                "pacer:in:{pacer:accepted}:per-tenant:gcra.1s:tenant=anonymous",
             ]
         );
         assert_eq!(e.carried.len(), 2, "pacer_ fields are pacer's own");
