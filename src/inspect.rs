@@ -202,7 +202,7 @@ impl fmt::Display for Inspection {
             for c in &s.consumers {
                 writeln!(
                     f,
-                    "  consumer {:<30} pending {:>6}   last seen {} ago",
+                    "  consumer {:<30} pending {:>6}   last delivery {} ago",
                     c.name,
                     c.pending,
                     secs(c.idle_ms)

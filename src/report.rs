@@ -121,9 +121,23 @@ pub struct Report {
     pub since: Option<Duration>,
     pub until_ms: i64,
     pub routes: Vec<RouteReport>,
+    /// The outbound flow's dead letters by reason (none read when the config has no outbound).
     pub dead_letters: BTreeMap<String, usize>,
+    /// The inbound flow's outcomes, when the config has one.
+    pub inbound: Option<InboundReport>,
     /// Output streams that could not be read, and why (a key of another kind).
     pub problems: Vec<String>,
+}
+
+/// What the inbound flow's outputs show.
+#[derive(Debug, Clone, Default)]
+pub struct InboundReport {
+    /// Entries on the forward stream(s) that inbound admission wrote (`pacer_source_stream`
+    /// one of its input streams): a forward stream may be fed by others too.
+    pub forwarded: usize,
+    /// Rejected entries by the rule that refused them.
+    pub rejected: BTreeMap<String, usize>,
+    pub dead_letters: BTreeMap<String, usize>,
 }
 
 /// Reads the output streams of `cfg` (only entries written within `since` before now, by
@@ -143,10 +157,17 @@ pub async fn report<C: ConnectionLike>(
         until_ms,
         ..Report::default()
     };
-    let rejected = cfg.outbound.flow.rejected_stream.as_str();
-    let read = read_from(con, rejected, &start).await;
-    let rejected = unless_wrong_type(read, rejected, "stream", &mut report.problems)?;
-    let rejected = rejected.unwrap_or_default();
+    // Each flow's outputs, and only a configured flow's: an inbound-only config reported the
+    // outbound defaults' streams, and nothing of its own (found by review).
+    let outbound = !cfg.outbound.flow.streams.is_empty();
+    let rejected = if outbound {
+        let rejected = cfg.outbound.flow.rejected_stream.as_str();
+        let read = read_from(con, rejected, &start).await;
+        let rejected = unless_wrong_type(read, rejected, "stream", &mut report.problems)?;
+        rejected.unwrap_or_default()
+    } else {
+        Vec::new()
+    };
     for route in cfg.outbound.routes.values() {
         let read = read_from(con, &route.keys.ready, &start).await;
         let Some(entries) =
@@ -181,15 +202,67 @@ pub async fn report<C: ConnectionLike>(
             lateness_max_ms: late.last().copied(),
         });
     }
-    let dead = cfg.outbound.flow.dead_letter_stream.as_str();
-    let read = read_from(con, dead, &start).await;
-    let dead = unless_wrong_type(read, dead, "stream", &mut report.problems)?;
-    for e in dead.unwrap_or_default() {
-        *report
-            .dead_letters
-            .entry(e.field("pacer_reason").unwrap_or("?").to_string())
-            .or_default() += 1;
+    let inbound_streams: Vec<&str> = cfg
+        .inbound
+        .iter()
+        .flat_map(|i| i.flow.streams.iter().map(String::as_str))
+        .collect();
+    let from_inbound = |e: &OutputEntry| {
+        e.field("pacer_source_stream")
+            .is_some_and(|s| inbound_streams.contains(&s))
+    };
+    let mut inbound_report = cfg.inbound.as_ref().map(|_| InboundReport::default());
+    if let (Some(i), Some(r)) = (&cfg.inbound, &mut inbound_report) {
+        let mut forward: Vec<&str> = i.keys.iter().map(|k| k.forward.as_str()).collect();
+        let mut rejected: Vec<&str> = i.keys.iter().map(|k| k.rejected.as_str()).collect();
+        forward.dedup();
+        rejected.dedup();
+        for stream in forward {
+            let read = read_from(con, stream, &start).await;
+            let entries = unless_wrong_type(read, stream, "stream", &mut report.problems)?;
+            r.forwarded += entries
+                .unwrap_or_default()
+                .iter()
+                .filter(|e| from_inbound(e))
+                .count();
+        }
+        for stream in rejected {
+            let read = read_from(con, stream, &start).await;
+            let entries = unless_wrong_type(read, stream, "stream", &mut report.problems)?;
+            for e in entries
+                .unwrap_or_default()
+                .iter()
+                .filter(|e| from_inbound(e))
+            {
+                *r.rejected
+                    .entry(e.field("pacer_rule").unwrap_or("?").to_string())
+                    .or_default() += 1;
+            }
+        }
     }
+    // Dead letters by the flow their entry came from (the two flows may share one stream).
+    let mut dead_streams: Vec<&str> = Vec::new();
+    if outbound {
+        dead_streams.push(&cfg.outbound.flow.dead_letter_stream);
+    }
+    if let Some(i) = &cfg.inbound {
+        if !dead_streams.contains(&i.flow.dead_letter_stream.as_str()) {
+            dead_streams.push(&i.flow.dead_letter_stream);
+        }
+    }
+    for dead in dead_streams {
+        let read = read_from(con, dead, &start).await;
+        let entries = unless_wrong_type(read, dead, "stream", &mut report.problems)?;
+        for e in entries.unwrap_or_default() {
+            let reason = e.field("pacer_reason").unwrap_or("?").to_string();
+            match &mut inbound_report {
+                Some(r) if from_inbound(&e) => *r.dead_letters.entry(reason).or_default() += 1,
+                _ if outbound => *report.dead_letters.entry(reason).or_default() += 1,
+                _ => {}
+            }
+        }
+    }
+    report.inbound = inbound_report;
     Ok(report)
 }
 
@@ -208,53 +281,63 @@ impl fmt::Display for Report {
                 "every entry the output streams hold (trimmed to about max_len; --since scopes it)"
             )?,
         }
-        writeln!(
-            f,
-            "{:<14} {:>8} {:>6} {:>10} {:>9} {:>8} {:>14} {:>10} {:>18}",
-            "route",
-            "rate",
-            "burst",
-            "dispatched",
-            "rerouted",
-            "rejected",
-            "max in 1s/limit",
-            "min gap ms",
-            "late p50/p99/max"
-        )?;
-        for r in &self.routes {
+        let counts = |m: &BTreeMap<String, usize>| -> String {
+            if m.is_empty() {
+                "none".into()
+            } else {
+                m.iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        };
+        // The outbound flow's table and dead letters, when the config has routes.
+        if !self.routes.is_empty() {
             writeln!(
                 f,
                 "{:<14} {:>8} {:>6} {:>10} {:>9} {:>8} {:>14} {:>10} {:>18}",
-                r.route,
-                r.rate,
-                r.burst,
-                r.dispatched,
-                r.rerouted_in,
-                r.rejected,
-                format!("{}/{}", r.max_per_second, r.limit_per_second),
-                opt(r.min_gap_ms),
-                format!(
-                    "{}/{}/{}",
-                    opt(r.lateness_p50_ms),
-                    opt(r.lateness_p99_ms),
-                    opt(r.lateness_max_ms)
-                ),
+                "route",
+                "rate",
+                "burst",
+                "dispatched",
+                "rerouted",
+                "rejected",
+                "max in 1s/limit",
+                "min gap ms",
+                "late p50/p99/max"
+            )?;
+            for r in &self.routes {
+                writeln!(
+                    f,
+                    "{:<14} {:>8} {:>6} {:>10} {:>9} {:>8} {:>14} {:>10} {:>18}",
+                    r.route,
+                    r.rate,
+                    r.burst,
+                    r.dispatched,
+                    r.rerouted_in,
+                    r.rejected,
+                    format!("{}/{}", r.max_per_second, r.limit_per_second),
+                    opt(r.min_gap_ms),
+                    format!(
+                        "{}/{}/{}",
+                        opt(r.lateness_p50_ms),
+                        opt(r.lateness_p99_ms),
+                        opt(r.lateness_max_ms)
+                    ),
+                )?;
+            }
+            writeln!(f, "dead letters: {}", counts(&self.dead_letters))?;
+        }
+        if let Some(i) = &self.inbound {
+            writeln!(
+                f,
+                "inbound: forwarded {}, rejected {} (by rule: {}), dead letters: {}",
+                i.forwarded,
+                i.rejected.values().sum::<usize>(),
+                counts(&i.rejected),
+                counts(&i.dead_letters)
             )?;
         }
-        let dead: Vec<String> = self
-            .dead_letters
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect();
-        writeln!(
-            f,
-            "dead letters: {}",
-            if dead.is_empty() {
-                "none".into()
-            } else {
-                dead.join(", ")
-            }
-        )?;
         for p in &self.problems {
             writeln!(f, "cannot read: {p}")?;
         }

@@ -347,7 +347,9 @@ pub async fn group_info<C: ConnectionLike>(
 pub struct ConsumerInfo {
     pub name: String,
     pub pending: i64,
-    /// Milliseconds since the consumer last read or claimed.
+    /// Milliseconds since Redis last delivered the consumer entries (a read that got some, or a
+    /// claim): on Redis 7.0 a blocking read that finds nothing does not count, so an idle live
+    /// worker's grows.
     pub idle_ms: i64,
 }
 

@@ -495,6 +495,11 @@ pub fn init_tracing(format: LogFormat) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
+        // A log line that cannot be written (stderr piped to `head`, a log shipper gone) is
+        // dropped. tracing-subscriber would say so with eprintln!, which panics on a closed
+        // stderr: found by review, pacer died (exit 101) or, panicking in its signal task,
+        // never acted on SIGTERM.
+        .log_internal_errors(false)
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),

@@ -330,6 +330,45 @@ fn report_since_counts_only_what_was_written_within_it() {
     );
 }
 
+/// An inbound-only config: `report` counts its flow (forwarded, rejected by rule, dead letters
+/// by reason) and reads none of the outbound defaults' streams. It printed the outbound
+/// defaults' dead letters (another config's) and nothing of its own (found by review).
+#[test]
+fn report_counts_the_inbound_flow_and_only_configured_streams() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("report-in");
+    let port = free_port();
+    let body = "inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  rejected_stream: \"pacer:in-rejected\"\n  dead_letter_stream: \"in:dead\"\n  rules:\n    - {name: per-source, key: [source], limits: [1/min]}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let _pacer = start(&cfg, port);
+    // Another flow's dead letter on the outbound default: not this config's.
+    push(
+        &redis,
+        "pacer:dead",
+        &[event(&[("pacer_reason", "unknown_route")])],
+    );
+    let events = [
+        event(&[("source", "a"), ("n", "1")]),
+        event(&[("source", "a"), ("n", "2")]),
+        event(&[("n", "3")]),
+    ];
+    push(&redis, "pacer:in", &events);
+    assert!(wait_until(Duration::from_secs(10), || lengths(
+        &redis,
+        &["pacer:accepted", "pacer:in-rejected", "in:dead"]
+    ) == [1, 1, 1]));
+    let out = pacer(&cfg, &["report"]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(
+        text.contains(
+            "inbound: forwarded 1, rejected 1 (by rule: per-source=1), dead letters: missing_key=1"
+        ),
+        "{text}"
+    );
+    assert!(!text.contains("unknown_route"), "{text}");
+}
+
 /// Keys written by something else: `inspect` and `report` show what they can read and name
 /// each key they cannot, instead of failing on the first (they printed only Redis's WRONGTYPE,
 /// three times over).
@@ -588,4 +627,68 @@ fn every_output_carries_the_fields_the_readme_lists() {
     for field in ["pacer_truncated", "pacer_rule", "pacer_limit", "pacer_key"] {
         assert!(optional_seen.contains(field), "{field} was never written");
     }
+}
+
+/// stderr closed under pacer (its log piped to `head`, a log shipper gone): the lines are lost,
+/// the work and SIGTERM are not. A failed log write used to panic (tracing-subscriber reports
+/// it with eprintln!): exit 101 at the first line, or a signal task dead before it cancelled.
+#[test]
+fn a_closed_stderr_costs_neither_the_work_nor_sigterm() {
+    let mut redis = RedisServer::start();
+    let dir = TempDir::new("closed-stderr");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    r: {rate: 1000/s, burst: 100}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let mut child = Command::new(bin())
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .env_remove("PACER_REDIS_URL")
+        .env_remove("PACER_CONFIG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("running pacer");
+    // Nobody reads its stderr any more: every log line now fails with EPIPE.
+    drop(child.stderr.take());
+    assert!(
+        wait_until(Duration::from_secs(15), || matches!(
+            http_get(port, "/readyz"),
+            Some((200, _))
+        )),
+        "not ready: {:?}",
+        child.try_wait()
+    );
+    let events: Vec<_> = (0..20)
+        .map(|i| event(&[("route", "r"), ("n", &i.to_string())]))
+        .collect();
+    push(&redis, "in", &events);
+    assert!(wait_until(Duration::from_secs(10), || lengths(
+        &redis,
+        &["pacer:{r}:ready"]
+    ) == [20]));
+    // Redis gone: warnings to write, into the closed pipe.
+    redis.kill();
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "pacer exited: {:?}",
+        child.try_wait()
+    );
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut status = None;
+    while std::time::Instant::now() < deadline && status.is_none() {
+        status = child.try_wait().unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if status.is_none() {
+        let _ = child.kill();
+    }
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(0),
+        "SIGTERM drains and exits 0"
+    );
 }

@@ -88,6 +88,13 @@ fn three_workers_hold_the_rate_reroute_reject_and_place_every_entry_once() {
         assert_eq!(r.field("pacer_reason"), Some("queue_full"));
         let retry: i64 = r.field("pacer_retry_after_ms").unwrap().parse().unwrap();
         assert!(retry > 0, "retry_after must say when a slot frees up");
+        // The detail says the same wait, rounded the same way (it read 1000 ms against a
+        // retry_after of 1001, as if the wait fitted a max_wait of 1s).
+        let detail = r.field("pacer_detail").unwrap();
+        assert!(
+            detail.ends_with(&format!("was {retry} ms")),
+            "{detail} / {retry}"
+        );
     }
     // Waits respected: no dispatched event waited longer than its route's max_wait.
     for e in read(&redis, "pacer:{primary}:ready") {

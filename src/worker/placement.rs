@@ -352,15 +352,17 @@ fn decided(
 /// No route could take the event within its wait: reject it with the shortest wait offered.
 fn reject_full(p: Placing, done: &mut Finished) {
     let wait_us = p.best_wait_us.unwrap_or(0).max(0);
+    // Rounded up, as retry_after is: rounded down, a wait of 1000.4 ms read "1000 ms" against
+    // a max_wait of 1s, as if it fitted.
+    let retry_after_ms = (wait_us as u64).div_ceil(1000) as i64;
     let detail = format!(
-        "no route could take it within its wait; the shortest wait offered was {} ms",
-        wait_us / 1000
+        "no route could take it within its wait; the shortest wait offered was {retry_after_ms} ms"
     );
     done.rejected.push(Rejection {
         event: p.event,
         reason: Reason::QueueFull,
         detail,
-        retry_after_ms: (wait_us as u64).div_ceil(1000) as i64,
+        retry_after_ms,
     });
 }
 
