@@ -30,6 +30,10 @@ pub struct Health {
     /// Redis answers but refuses pacer's writes (out of memory, failing to persist, short of
     /// replicas): only a write that succeeds ends it, not the reads that go on succeeding.
     refusal: Streak,
+    /// Writes held because fewer replicas than `redis.wait_replicas` confirmed them: only a
+    /// confirmation ends it (the calls themselves succeed meanwhile, and would end any other
+    /// streak with every call).
+    replicas: Streak,
     /// The synchronous API's calls failing, on a connection of their own: followed apart from
     /// the worker's, or a broken API connection beside a healthy stream flow would flip
     /// readiness and the log with each call of either.
@@ -114,6 +118,23 @@ impl Health {
         }
     }
 
+    /// Fewer replicas than `redis.wait_replicas` confirmed a write: not ready until enough do.
+    pub fn replicas_short(&self) {
+        if self.replicas.add() {
+            self.publish();
+        }
+    }
+
+    /// Enough replicas confirmed a write.
+    pub fn replicas_confirmed(&self) {
+        if self
+            .replicas
+            .end("the replicas confirm pacer's writes again; work resumes")
+        {
+            self.publish();
+        }
+    }
+
     /// A call of the synchronous API succeeded.
     pub fn api_succeeded(&self) {
         if self.api_outage.end("the API's Redis calls answer again") {
@@ -178,6 +199,8 @@ impl Health {
             Some("Redis does not answer the API's calls")
         } else if self.refusal.on() {
             Some("Redis refuses writes (out of memory, failing to persist, or short of replicas: see the log)")
+        } else if self.replicas.on() {
+            Some("fewer replicas than redis.wait_replicas confirm pacer's writes (see the log)")
         } else if !self.scripts_loaded.load(Ordering::Relaxed) {
             Some("the scripts are not loaded yet")
         } else if !self.groups_ok.load(Ordering::Relaxed) {
@@ -220,6 +243,26 @@ mod tests {
         assert!(h.ready());
         h.set_groups_ok(false);
         assert!(h.why_not().unwrap().contains("group"));
+    }
+
+    #[test]
+    fn replicas_short_hold_readiness_until_they_confirm_whatever_else_succeeds() {
+        let h = Health::default();
+        h.succeeded();
+        h.set_scripts_loaded(true);
+        h.set_groups_ok(true);
+        h.set_keys_kept(true);
+        h.replicas_short();
+        assert!(h.why_not().unwrap().contains("wait_replicas"));
+        // The calls succeed meanwhile (their writes are made, only not confirmed).
+        h.wrote();
+        h.succeeded();
+        assert!(
+            !h.ready(),
+            "was 200 while every write was held (found by review)"
+        );
+        h.replicas_confirmed();
+        assert!(h.ready());
     }
 
     #[test]

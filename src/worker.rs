@@ -135,6 +135,7 @@ impl Worker {
         if !prepare::prepare(&ctx, &shutdown).await? {
             return Ok(());
         }
+        prepare::check_permissions(&ctx).await?;
         let hard_stop = CancellationToken::new();
         let (tx, rx) = mpsc::unbounded_channel();
         let placers = Placers::start(&ctx, tx, &shutdown);

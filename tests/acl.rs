@@ -231,3 +231,46 @@ fn the_readme_acl_user_runs_every_flow() {
         );
     }
 }
+
+/// A user missing a command pacer needs later (XCLAIM, only used once a worker dies) or an
+/// output stream's key (here the rejected stream, outside `~pacer*`) is refused at start, with
+/// the command named: such a NOPERM surfaced only when first needed, one warning while a dead
+/// worker's entries stayed pending for good, or a call retried forever (found by review).
+#[test]
+fn a_user_without_a_command_or_key_pacer_needs_is_refused_at_start() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("acl-short");
+    let body = "outbound:\n  streams: [\"pacer:out\"]\n  routes:\n    r: {rate: 10/s}\n";
+    for (user, drop_word, rejected, expect) in [
+        (
+            "noclaim",
+            Some("+xclaim"),
+            "pacer:rejected",
+            "XCLAIM pacer:out",
+        ),
+        ("nokey", None, "rej", "XTRIM rej"),
+    ] {
+        let mut setuser = redis::cmd("ACL");
+        for w in readme_acl_line() {
+            if Some(w.as_str()) == drop_word {
+                continue;
+            }
+            setuser.arg(if w == "pacer" { user.to_string() } else { w });
+        }
+        let _: () = setuser.query(&mut redis.con()).unwrap();
+        let port = free_port();
+        let text = format!(
+            "redis:\n  url: \"redis://{user}:{PASSWORD}@127.0.0.1:{}\"\n  timeout: 500ms\nmetrics:\n  listen: 127.0.0.1:{port}\nworker:\n  consumer: {user}\n{body}  rejected_stream: \"{rejected}\"\n",
+            redis.port
+        );
+        let cfg = dir.write(&format!("{user}.yaml"), &text);
+        let mut pacer = pacer::testkit::Pacer::run(bin(), &cfg, &[]);
+        let code = pacer.wait_for(Duration::from_secs(15));
+        let log = pacer.log_text();
+        assert_eq!(code, Some(1), "{user}: ran on:\n{log}");
+        assert!(
+            log.contains(expect) && log.contains("NoPerm"),
+            "{user}: {log}"
+        );
+    }
+}

@@ -71,9 +71,11 @@ impl Context {
             .wait_replicas(key, wanted, self.cfg.redis.wait_timeout)
             .await?;
         if got >= wanted {
+            self.health.replicas_confirmed();
             return Ok(());
         }
         telemetry::replication_short();
+        self.health.replicas_short();
         Err(Error::ReplicasShort {
             wanted,
             got,

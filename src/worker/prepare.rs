@@ -99,6 +99,104 @@ pub(super) async fn check_name_free(ctx: &Context, shutdown: &CancellationToken)
     Ok(())
 }
 
+/// Most permission probes in flight at once (one per stream; thousands of routes are thousands
+/// of ready streams).
+const PROBES_AT_ONCE: usize = 64;
+
+/// Refuses to start when the Redis user may not run a command pacer needs later on a key it
+/// needs it on: each is tried once, harmlessly (claiming and acknowledging an id no stream
+/// holds, trimming an output stream to 2^32 entries). Such a NOPERM used to surface only when
+/// the call was first needed: a user without XCLAIM left a dead worker's entries pending for
+/// good behind one warning, ready all along; one without an output stream's key was retried
+/// forever (found by review). Other errors (a key of another kind, say) are the calls' own
+/// business later, not this check's.
+pub(super) async fn check_permissions(ctx: &Context) -> Result<()> {
+    use futures_util::stream::{self, StreamExt};
+    let group = &ctx.cfg.worker.group;
+    let mut probes: Vec<redis::Cmd> = Vec::new();
+    for stream in &ctx.streams {
+        let mut claim = redis::cmd("XCLAIM");
+        claim
+            .arg(&**stream)
+            .arg(group)
+            .arg(&ctx.consumer)
+            .arg(0)
+            .arg("0-1")
+            .arg("JUSTID");
+        probes.push(claim);
+        let mut ack = redis::cmd("XACK");
+        ack.arg(&**stream).arg(group).arg("0-1");
+        probes.push(ack);
+        let mut pending = redis::cmd("XPENDING");
+        pending
+            .arg(&**stream)
+            .arg(group)
+            .arg("IDLE")
+            .arg(0)
+            .arg("-")
+            .arg("+")
+            .arg(1);
+        probes.push(pending);
+        let mut groups = redis::cmd("XINFO");
+        groups.arg("GROUPS").arg(&**stream);
+        probes.push(groups);
+    }
+    let mut outputs: Vec<&str> = Vec::new();
+    if !ctx.cfg.outbound.flow.streams.is_empty() {
+        outputs.push(&ctx.cfg.outbound.flow.rejected_stream);
+        outputs.push(&ctx.cfg.outbound.flow.dead_letter_stream);
+        outputs.extend(
+            ctx.cfg
+                .outbound
+                .routes
+                .values()
+                .map(|r| r.keys.ready.as_str()),
+        );
+    }
+    if let Some(i) = &ctx.cfg.inbound {
+        outputs.push(&i.flow.dead_letter_stream);
+        for k in &i.keys {
+            outputs.push(&k.forward);
+            outputs.push(&k.rejected);
+        }
+    }
+    outputs.sort_unstable();
+    outputs.dedup();
+    for key in outputs {
+        let mut trim = redis::cmd("XTRIM");
+        trim.arg(key).arg("MAXLEN").arg(u32::MAX);
+        probes.push(trim);
+    }
+    let mut results = stream::iter(probes)
+        .map(|cmd| {
+            let mut con = ctx.con.clone();
+            async move {
+                let result = cmd.query_async::<redis::Value>(&mut con).await;
+                (cmd, result)
+            }
+        })
+        .buffer_unordered(PROBES_AT_ONCE);
+    while let Some((cmd, result)) = results.next().await {
+        if let Err(e) = result {
+            if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm)
+                || e.code() == Some("NOPERM")
+            {
+                let args: Vec<String> = cmd
+                    .args_iter()
+                    .take(3)
+                    .filter_map(|a| match a {
+                        redis::Arg::Simple(b) => Some(String::from_utf8_lossy(b).into_owned()),
+                        _ => None,
+                    })
+                    .collect();
+                error!(command = %args.join(" "), error = %e, "the Redis user may not run a command pacer needs on a key it needs it on: grant it (see the README's ACL SETUSER line)");
+                return Err(Error::Redis(e));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Milliseconds since the group last saw this worker's consumer name read `stream`, if it
 /// knows the name.
 async fn name_idle(ctx: &Context, stream: &str) -> Option<i64> {
