@@ -338,8 +338,9 @@ fn numeric_config() -> impl Strategy<Value = String> {
         )
     };
     let redis = (
-        d(&["1ms", "1s", "365d"]),
-        d(&["1ns", "1us", "500us"]),
+        d(&["2ms", "1s", "365d"]),
+        // Its least (WAIT counts whole milliseconds), under every valid timeout.
+        d(&["1ms"]),
         n(&["0", "3", "100"]),
     );
     let worker = (
@@ -370,7 +371,7 @@ fn numeric_config() -> impl Strategy<Value = String> {
         n(&["1", "3000"]),
         n(&["1", "3", "20"]),
     );
-    let rules = (r(), n(&["1", "1000000"]), r(), d(&["1ns", "100ms", "365d"]));
+    let rules = (r(), n(&["1", "1000000"]), r(), d(&["1us", "100ms", "365d"]));
     (redis, worker, outbound, routes, inbound, rules).prop_map(
         |(
             (t, wt, wr),

@@ -297,9 +297,9 @@ inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  rej
     let lowest = (
         "  batch: 1\n  max_inflight: 1\n  claim_idle: 1001ms\n  max_deliveries: 1\n  drain: 0s",
         "outbound:\n  streams: [\"in\"]\n  max_len: 100\n  dedupe_ttl: 1002ms\n  max_event_bytes: 64\n  max_event_fields: 1\n  max_age: 1ms\n  routes:\n    a: {rate: 1/h, burst: 1, max_wait: 0s, max_age: 1ms, fallbacks: [b]}\n    b: {rate: 1/h, burst: 1, max_wait: 0s}\n\
-inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  rejected_stream: \"pacer:in-rejected\"\n  max_len: 100\n  dedupe_ttl: 1002ms\n  max_event_bytes: 64\n  max_event_fields: 1\n  limiter_attempts: 1\n  rules:\n    - {name: g, key: [source], algorithm: gcra, limits: [1/h], burst: 1}\n    - {name: l, key: [source], algorithm: sliding_log, limits: [1/h], min_spacing: 1ns}\n    - {name: f, key: [source], algorithm: fixed_window, limits: [1/h]}\n",
+inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  rejected_stream: \"pacer:in-rejected\"\n  max_len: 100\n  dedupe_ttl: 1002ms\n  max_event_bytes: 64\n  max_event_fields: 1\n  limiter_attempts: 1\n  rules:\n    - {name: g, key: [source], algorithm: gcra, limits: [1/h], burst: 1}\n    - {name: l, key: [source], algorithm: sliding_log, limits: [1/h], min_spacing: 1us}\n    - {name: f, key: [source], algorithm: fixed_window, limits: [1/h]}\n",
         // The shortest timeout that still lets a loaded machine's calls through.
-        "  timeout: 50ms\n  wait_timeout: 1ns\n",
+        "  timeout: 50ms\n  wait_timeout: 1ms\n",
     );
     for (label, (worker, body, redis_extra)) in [("highest", highest), ("lowest", lowest)] {
         let redis = RedisServer::start();
@@ -800,5 +800,64 @@ fn an_inbound_output_of_the_wrong_kind_holds_its_events_and_the_limits_still_hol
         assert_eq!(lengths(&redis, &[fwd, rej]), [8, 10], "{broken} broken");
         assert_each_once(&redis, &ids, &[fwd, rej], "pacer:in");
         assert!(pacer.log_text().contains("succeed again"));
+    }
+}
+
+/// Inbound events near the 16 MiB max_event_bytes go in admission calls of at most 64 MiB
+/// (`MAX_CALL_BYTES`), as outbound ones do: six of 12 MiB in one batch took one 72 MiB call,
+/// holding Redis while every other worker waited (found by review). Each is still decided
+/// once and forwarded whole.
+#[test]
+fn huge_inbound_events_are_admitted_in_calls_of_bounded_size() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("huge-in");
+    let port = free_port();
+    let body = "inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  rejected_stream: \"pacer:in-rejected\"\n  max_event_bytes: 16777216\n  rules:\n    - {name: all, key: [source], limits: [1000/s]}\n";
+    let cfg = config(
+        &dir,
+        "c.yaml",
+        &redis,
+        port,
+        "  batch: 16\n  drain: 1s",
+        body,
+    );
+    // Time for a 64 MiB call on a slow machine (a call over redis.timeout is retried).
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, text.replace("timeout: 500ms", "timeout: 5s")).unwrap();
+    // All six in the stream before the worker starts: one read, one batch.
+    pacer::testkit::create_group(&mut redis.con(), "pacer:in", "pacer");
+    let big = vec![b'x'; 12 << 20];
+    let events: Vec<Vec<(String, Vec<u8>)>> = (0..6)
+        .map(|i| {
+            vec![
+                ("source".to_string(), b"s".to_vec()),
+                ("n".to_string(), i.to_string().into_bytes()),
+                ("blob".to_string(), big.clone()),
+            ]
+        })
+        .collect();
+    push(&redis, "pacer:in", &events);
+    let pacer = start(&cfg, port);
+    assert!(
+        wait_until(Duration::from_secs(60), || lengths(
+            &redis,
+            &["pacer:accepted"]
+        ) == [6]
+            && pending(&redis, "pacer:in", "pacer") == 0),
+        "{}",
+        pacer.log_text()
+    );
+    // The worker's own count of its admission calls (Redis's FCALL count holds others); it
+    // records a call just after Redis ran it, so it is waited for.
+    let calls = || {
+        pacer::testkit::metric_at(
+            port,
+            "pacer_redis_command_duration_seconds_count{op=\"admit\"}",
+        )
+    };
+    wait_until(Duration::from_secs(5), || calls() >= 2.0);
+    assert_eq!(calls(), 2.0, "admission calls for 72 MiB");
+    for e in read(&redis, "pacer:accepted") {
+        assert_eq!(e.field("blob").map(str::len), Some(12 << 20));
     }
 }

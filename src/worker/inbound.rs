@@ -24,7 +24,7 @@ use crate::error::Result;
 use crate::event::inbound::{self as ev, Decision, InboundEvent};
 use crate::event::{self, Entry, Fields, Reason, Refused};
 use crate::keys::{InboundKeys, OutputKeys};
-use crate::scripts::{AdmitItem, AdmitReply, AdmitTargets, Admitted};
+use crate::scripts::{call_len, AdmitItem, AdmitReply, AdmitTargets, Admitted};
 use crate::telemetry::{self, InboundOutcome};
 use futures_util::future::join_all;
 use std::collections::BTreeMap;
@@ -156,10 +156,22 @@ async fn decide(
         }
     }
 
-    if !fresh.is_empty() {
-        // Per rule: events it passed, events it failed.
-        let mut verdicts_by_rule = vec![(0, 0); cfg.rules.len()];
-        let fields: Vec<Fields> = fresh.iter().map(ev::forward_fields).collect();
+    // Per rule: events it passed, events it failed.
+    let mut verdicts_by_rule = vec![(0, 0); cfg.rules.len()];
+    let mut rest_fields: Vec<Fields> = fresh.iter().map(ev::forward_fields).collect();
+    let mut rest = fresh;
+    while !rest.is_empty() {
+        // At most MAX_CALL_BYTES of fields a call, as the outbound calls: a batch of 512
+        // events at the 16 MiB max_event_bytes would be one call of 8 GiB, holding Redis (one
+        // thread) while every other worker's calls wait (found by review).
+        let sizes = rest_fields
+            .iter()
+            .map(|f| f.iter().map(|(k, v)| k.len() + v.len() + 16).sum::<usize>());
+        let (n, _) = call_len(sizes, rest.len());
+        let tail = rest.split_off(n);
+        let tail_fields = rest_fields.split_off(n);
+        let fresh = std::mem::replace(&mut rest, tail);
+        let fields = std::mem::replace(&mut rest_fields, tail_fields);
         match admit_batch(ctx, cfg, keys, &fresh, &fields, stop).await? {
             Ok(reply) => {
                 for (e, item) in fresh.into_iter().zip(reply.items) {
@@ -196,9 +208,6 @@ async fn decide(
                         }
                     }
                 }
-                for (rule, (passed, failed)) in cfg.rules.iter().zip(verdicts_by_rule) {
-                    telemetry::inbound_decisions(&rule.name, rule.shadow, passed, failed);
-                }
             }
             Err(e) => {
                 let policy = cfg.fail_policy;
@@ -214,6 +223,11 @@ async fn decide(
                     decided.push((e, prev.unwrap_or_else(|| decision.clone())));
                 }
             }
+        }
+    }
+    if verdicts_by_rule.iter().any(|&(p, f)| p + f > 0) {
+        for (rule, (passed, failed)) in cfg.rules.iter().zip(verdicts_by_rule) {
+            telemetry::inbound_decisions(&rule.name, rule.shadow, passed, failed);
         }
     }
     if !decided.is_empty() {
