@@ -216,6 +216,8 @@ local out, o = { now }, 1
 local wrote_forward, wrote_rejected = false, false
 local record, recorded = {}, {}
 local passed = {}
+-- Per check of the event at hand: what it said before anything was charged.
+local first_retry, first_lim = {}, {}
 local all_passed = string.rep('1', nrules)
 for i = 1, n do
   local earlier = on_record[hash[i]][owner[i]]
@@ -239,6 +241,7 @@ for i = 1, n do
       local rule = rules[r]
       local st = state_of(KEYS[base + x], rule)
       local retry, lim = st.alg.check(st, rule, 1)
+      first_retry[x], first_lim[x] = retry, lim
       if retry > 0 then
         if not failed then
           failed = true
@@ -253,6 +256,38 @@ for i = 1, n do
       end
     end
     local accepted = binding == nil
+    -- Then charge.
+    for x = 1, nchecks do
+      local r = check_rule[x]
+      local rule = rules[r]
+      local ok = accepted and (not failed or passed[r] == '1')
+      if ok or rule.count_rejected then
+        local st = states[KEYS[base + x]]
+        st.alg.charge(st, rule, ok, 1)
+      end
+    end
+    if not accepted then
+      -- A count_rejected rule charged this refused attempt too: checked again, so that
+      -- retry_after is when a client waiting that long finds room (src/admission.rs, `admit`).
+      -- Rules that charge nothing keep their first answer.
+      local again, again_lim, again_x = 0, 0, nil
+      for x = 1, nchecks do
+        local rule = rules[check_rule[x]]
+        if not rule.shadow then
+          local retry, lim = first_retry[x], first_lim[x]
+          if rule.count_rejected then
+            local st = states[KEYS[base + x]]
+            retry, lim = st.alg.check(st, rule, 1)
+          end
+          if retry > again then
+            again, again_lim, again_x = retry, lim, x
+          end
+        end
+      end
+      if again_x then
+        best, best_lim, binding = again, again_lim, again_x
+      end
+    end
     local decision = forward and 'A' or 'a'
     if not accepted then
       local rule = rules[check_rule[binding]]
@@ -271,16 +306,6 @@ for i = 1, n do
         ack(i)
       else
         decision = 'r' .. tail
-      end
-    end
-    -- Then charge.
-    for x = 1, nchecks do
-      local r = check_rule[x]
-      local rule = rules[r]
-      local ok = accepted and (not failed or passed[r] == '1')
-      if ok or rule.count_rejected then
-        local st = states[KEYS[base + x]]
-        st.alg.charge(st, rule, ok, 1)
       end
     end
     if accepted and forward then

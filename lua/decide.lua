@@ -102,6 +102,7 @@ for q = 1, n do
   local units = cost[q]
   -- Check everything first.
   local passed, rule_passed = {}, {}
+  local first_retry, first_lim = {}, {}
   local best, best_lim, binding = 0, 0, 0
   for y = from, to do
     passed[y] = true
@@ -110,6 +111,7 @@ for q = 1, n do
       local rule = rules[r]
       local st = state(y)
       local retry, lim = st.alg.check(st, rule, units)
+      first_retry[y], first_lim[y] = retry, lim
       if retry > 0 then
         passed[y], rule_passed[r] = false, false
         if not rule.shadow and retry > best then
@@ -128,6 +130,27 @@ for q = 1, n do
         local st = state(y)
         st.alg.charge(st, rule, ok, units)
       end
+    end
+  end
+  if not accepted then
+    -- A count_rejected rule charged this refused request too: checked again, so that
+    -- retry_after is when a caller waiting that long finds room (src/admission/decide.rs).
+    local again, again_lim, again_at = 0, 0, 0
+    for y = from, to do
+      local rule = rules[check_rule[y]]
+      if ask[y] >= 0 and not rule.shadow then
+        local retry, lim = first_retry[y], first_lim[y]
+        if rule.count_rejected then
+          local st = state(y)
+          retry, lim = st.alg.check(st, rule, units)
+        end
+        if retry > again then
+          again, again_lim, again_at = retry, lim, y - from + 1
+        end
+      end
+    end
+    if again_at > 0 then
+      best, best_lim, binding = again, again_lim, again_at
     end
   end
   local o = #out

@@ -413,6 +413,31 @@ impl Engine {
                 state.charge(now_us, rule, accepted && passed[*r]);
             }
         }
+        if !accepted {
+            // A count_rejected rule charged this refused attempt too: its room comes later than
+            // its check said, so it is checked again, and retry_after is when a client waiting
+            // that long finds room (found by review: one waiting exactly retry_after was refused
+            // every time). Rules that charge nothing keep their first answer.
+            let mut after = None;
+            for (i, ((r, identity), first)) in checks.iter().zip(&results).enumerate() {
+                let rule = &self.rules[*r];
+                if rule.shadow {
+                    continue;
+                }
+                let check = if rule.rule.count_rejected {
+                    self.check_at(now_us, *r, identity, 1)
+                } else {
+                    *first
+                };
+                if !check.passed()
+                    && after
+                        .is_none_or(|(_, _, b): (usize, usize, Check)| check.retry_us > b.retry_us)
+                {
+                    after = Some((*r, i, check));
+                }
+            }
+            binding = after.or(binding);
+        }
         Verdict {
             accepted,
             binding,
@@ -518,5 +543,38 @@ mod tests {
         assert_eq!(v.passed, vec![false]);
         // The would-be rejection charged nothing: the next token comes at 1 s, not 2 s.
         assert_eq!(e.admit(1_000_000, &id).passed, vec![true]);
+    }
+
+    #[test]
+    fn with_count_rejected_a_client_waiting_retry_after_finds_room() {
+        for algorithm in [
+            Algorithm::SlidingLog,
+            Algorithm::Gcra,
+            Algorithm::FixedWindow,
+        ] {
+            let mut r = rule(algorithm, &[(2, 1_000_000)], 0);
+            r.count_rejected = true;
+            let mut e = Engine::new(vec![EngineRule {
+                rule: r,
+                shadow: false,
+            }]);
+            let id = vec![(0, "s".to_string())];
+            assert!(e.admit(0, &id).accepted);
+            assert!(e.admit(1, &id).accepted);
+            // Refused, and charged: each wait of retry_after then finds room (the retry was
+            // the room before the charge: a client waiting it was refused every time).
+            let mut t = 100_000;
+            let mut refused = 0;
+            for _ in 0..5 {
+                let v = e.admit(t, &id);
+                if v.accepted {
+                    break;
+                }
+                refused += 1;
+                let (_, _, check) = v.binding.expect("a binding check");
+                t += check.retry_us;
+            }
+            assert_eq!(refused, 1, "{algorithm:?}: refused {refused} times");
+        }
     }
 }

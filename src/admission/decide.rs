@@ -60,11 +60,13 @@ impl Engine {
         let mut rule_passed = vec![true; self.rules.len()];
         let mut passed = vec![true; checks.len()];
         let mut best: Option<(usize, Check)> = None;
+        let mut first: Vec<Option<Check>> = vec![None; checks.len()];
         for (x, (r, identity, ask)) in checks.iter().enumerate() {
             if *ask == Ask::Covered {
                 continue;
             }
             let check = self.check_at(now_us, *r, identity, cost);
+            first[x] = Some(check);
             let rule = &self.rules[*r];
             if !check.passed() {
                 passed[x] = false;
@@ -89,6 +91,27 @@ impl Engine {
                     .expect("loaded");
                 state.charge_n(now_us, rule, ok, cost);
             }
+        }
+        if !accepted {
+            // A count_rejected rule charged this refused request too: checked again, so that
+            // retry_after is when a caller waiting that long finds room (as `Engine::admit`).
+            let mut after: Option<(usize, Check)> = None;
+            for (x, (r, identity, _)) in checks.iter().enumerate() {
+                let Some(check) = first[x] else { continue };
+                let rule = &self.rules[*r];
+                if rule.shadow {
+                    continue;
+                }
+                let check = if rule.rule.count_rejected {
+                    self.check_at(now_us, *r, identity, cost)
+                } else {
+                    check
+                };
+                if !check.passed() && after.is_none_or(|(_, b)| check.retry_us > b.retry_us) {
+                    after = Some((x, check));
+                }
+            }
+            best = after.or(best);
         }
         for (x, (r, identity, ask)) in checks.iter().enumerate() {
             if *ask == Ask::Covered {
@@ -129,6 +152,39 @@ impl Engine {
             retry_us: best.map_or(0, |(_, c)| c.retry_us),
             binding: best.map(|(x, c)| (x, c.limit)),
             checks: outcomes,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::rule;
+    use super::super::{Algorithm, EngineRule};
+    use super::*;
+
+    #[test]
+    fn with_count_rejected_a_caller_waiting_retry_after_finds_room() {
+        for algorithm in [Algorithm::SlidingLog, Algorithm::Gcra, Algorithm::FixedWindow] {
+            let mut r = rule(algorithm, &[(2, 1_000_000)], 0);
+            r.count_rejected = true;
+            let mut e = Engine::new(vec![EngineRule {
+                rule: r,
+                shadow: false,
+            }]);
+            let id = vec![(0, "s".to_string(), Ask::Decide)];
+            assert!(e.decide(0, &id, 1).accepted);
+            assert!(e.decide(1, &id, 1).accepted);
+            let mut t = 100_000;
+            let mut refused = 0;
+            for _ in 0..5 {
+                let v = e.decide(t, &id, 1);
+                if v.accepted {
+                    break;
+                }
+                refused += 1;
+                t += v.retry_us;
+            }
+            assert_eq!(refused, 1, "{algorithm:?}: refused {refused} times");
         }
     }
 }
