@@ -138,6 +138,11 @@ fn main() -> ExitCode {
         | Command::Produce { config, .. } => (&config.config, None),
     };
     let mut overrides = Overrides::from_env();
+    if !matches!(cli.command, Command::Run(_) | Command::CheckConfig(_)) {
+        // PACER_METRICS_LISTEN is `run`'s (its --help says so): a bad one must not stop
+        // `inspect`, `report` or `produce`, which serve no metrics.
+        overrides.metrics_listen = None;
+    }
     if let Some(value) = metrics_flag {
         // The flag wins over the environment.
         overrides.metrics_listen = Some(Sourced {
@@ -196,6 +201,12 @@ async fn async_main(command: Command, cfg: Config) -> anyhow::Result<ExitCode> {
             bad_every,
             ..
         } => {
+            // `--routes 'a, b'` names a and b: the spaces are the shell's, not the route's.
+            let routes: Vec<String> = routes
+                .iter()
+                .map(|r| r.trim().to_string())
+                .filter(|r| !r.is_empty())
+                .collect();
             let routes = if routes.is_empty() {
                 cfg.outbound.routes.keys().cloned().collect()
             } else {

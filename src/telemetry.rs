@@ -490,8 +490,18 @@ pub enum LogFormat {
 /// means once (`Health`), where redis-rs wrote 586 lines in 5 s of one cluster failover.
 pub fn init_tracing(format: LogFormat) {
     use std::io::IsTerminal;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,redis=error"));
+    const DEFAULT: &str = "info,redis=error";
+    // A RUST_LOG that does not parse (`pacer=loud`) falls back to the default, said on stderr
+    // once, rather than log nothing. (A bare word parses: as a target, `verbose` keeps only
+    // that target's lines, which is what RUST_LOG means.)
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(text) if !text.trim().is_empty() => tracing_subscriber::EnvFilter::try_new(&text)
+            .unwrap_or_else(|e| {
+                eprintln!("pacer: RUST_LOG={text:?} does not parse ({e}); logging at {DEFAULT}");
+                tracing_subscriber::EnvFilter::new(DEFAULT)
+            }),
+        _ => tracing_subscriber::EnvFilter::new(DEFAULT),
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())

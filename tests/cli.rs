@@ -463,6 +463,18 @@ fn produce_refuses_an_unknown_route_and_help_names_the_environment() {
     let ok = pacer(&cfg, &["produce", "--routes", "a", "--count", "3"]);
     assert!(ok.status.success(), "{ok:?}");
     assert_eq!(read(&redis, "in").len(), 3);
+    // Names as a shell list writes them ('a, a'), and a PACER_METRICS_LISTEN that is run's
+    // business, not produce's: both were refused.
+    let spaced = Command::new(bin())
+        .args(["produce", "--routes", "a, a", "--count", "2", "--config"])
+        .arg(&cfg)
+        .env_remove("PACER_REDIS_URL")
+        .env_remove("PACER_CONFIG")
+        .env("PACER_METRICS_LISTEN", "not an address")
+        .output()
+        .unwrap();
+    assert!(spaced.status.success(), "{spaced:?}");
+    assert_eq!(read(&redis, "in").len(), 5);
 
     let help = Command::new(bin()).arg("--help").output().unwrap();
     let help = stdout(&help);

@@ -377,7 +377,14 @@ fn read_urls(p: &mut Problems, path: &str, mode: RedisMode, urls: &[RedisUrl]) -
         let info = match url.as_str().into_connection_info() {
             Ok(info) => info,
             Err(e) => {
-                p.push(path, format!("not a usable Redis URL{which}: {e}"));
+                // A host:port without its scheme is the usual slip; redis-rs says only that it
+                // did not parse.
+                let hint = if url.as_str().contains("://") {
+                    ""
+                } else {
+                    " (write it as redis://host:port, or rediss:// for TLS)"
+                };
+                p.push(path, format!("not a usable Redis URL{which}: {e}{hint}"));
                 continue;
             }
         };
