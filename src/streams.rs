@@ -32,6 +32,16 @@ pub async fn is_cluster<C: ConnectionLike>(con: &mut C) -> Result<bool> {
     Ok(info.contains("cluster_enabled:1"))
 }
 
+/// How many masters serve slots in the cluster this node belongs to (`cluster_size`).
+pub async fn cluster_masters<C: ConnectionLike>(con: &mut C) -> Result<u64> {
+    let info: String = redis::cmd("CLUSTER").arg("INFO").query_async(con).await?;
+    Ok(info
+        .lines()
+        .find_map(|l| l.strip_prefix("cluster_size:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0))
+}
+
 /// Reads up to `count` entries across `streams` for `consumer`, blocking up to `block`: new ones
 /// when `from` is `">"`, or else the consumer's own pending entries after the id `from` (which
 /// Redis returns at once).

@@ -779,3 +779,23 @@ fn a_lagging_replica_of_the_inbound_state_promoted_by_takeover_loses_nothing_wit
         before - after
     );
 }
+
+/// `mode: standalone` pointed at one master of several: refused at start, saying to set
+/// `redis.mode: cluster`. It started, and every route whose keys live on another master
+/// answered MOVED for good (found by review).
+#[test]
+fn standalone_mode_on_one_of_several_masters_is_refused_at_start() {
+    let cluster = Cluster::start(3, 0);
+    let dir = TempDir::new("cluster-standalone");
+    let port = free_port();
+    let text = format!(
+        "redis:\n  url: redis://127.0.0.1:{}\n  timeout: 500ms\nmetrics:\n  listen: 127.0.0.1:{port}\nworker:\n  drain: 1s\noutbound:\n  streams: [\"in\"]\n  routes:\n    a: {{rate: 10/s}}\n    b: {{rate: 10/s}}\n",
+        cluster.ports()[0]
+    );
+    let cfg = dir.write("c.yaml", &text);
+    let mut pacer = Pacer::run(&common::bin(), &cfg, &[]);
+    let code = pacer.wait_for(Duration::from_secs(20));
+    let log = pacer.log_text();
+    assert_eq!(code, Some(1), "ran on:\n{log}");
+    assert!(log.contains("set redis.mode: cluster"), "{log}");
+}

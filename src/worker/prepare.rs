@@ -216,16 +216,28 @@ async fn name_idle(ctx: &Context, stream: &str) -> Option<i64> {
 /// One attempt at `prepare`.
 async fn prepare_once(ctx: &Context) -> Result<()> {
     let mut con = ctx.con.clone();
-    for stream in &ctx.streams {
-        streams::ensure_group(&mut con, stream, &ctx.cfg.worker.group).await?;
-    }
     let cluster = match ctx.con.mode() {
         RedisMode::Cluster => true,
         RedisMode::Sentinel => false,
         // A node in cluster mode, reached as one server: it still refuses calls across slots.
-        RedisMode::Standalone => streams::is_cluster(&mut con).await?,
+        RedisMode::Standalone => {
+            let cluster = streams::is_cluster(&mut con).await?;
+            // One node of several: the keys on the others answer MOVED for good (found by
+            // review: their routes never dispatched, retried forever). A lone node holding
+            // every slot works as one server.
+            if cluster && streams::cluster_masters(&mut con).await? > 1 {
+                return Err(Error::Connect(crate::connection::ConnectError::Setup {
+                    target: ctx.con.target().to_string(),
+                    detail: "this node is one of a Redis Cluster's several masters: set redis.mode: cluster (and list a few nodes in redis.url)".into(),
+                }));
+            }
+            cluster
+        }
     };
     ctx.cluster.store(cluster, Ordering::Relaxed);
+    for stream in &ctx.streams {
+        streams::ensure_group(&mut con, stream, &ctx.cfg.worker.group).await?;
+    }
     if let Some(inbound) = &ctx.cfg.inbound {
         // Where an output shares the admission call's slot, the call writes it in the step that
         // decides it; elsewhere a second, write-once call does.
