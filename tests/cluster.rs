@@ -793,7 +793,7 @@ fn standalone_mode_on_one_of_several_masters_is_refused_at_start() {
         cluster.ports()[0]
     );
     let cfg = dir.write("c.yaml", &text);
-    let mut pacer = Pacer::run(&common::bin(), &cfg, &[]);
+    let mut pacer = Pacer::run(common::bin(), &cfg, &[]);
     let code = pacer.wait_for(Duration::from_secs(20));
     let log = pacer.log_text();
     assert_eq!(code, Some(1), "ran on:\n{log}");
