@@ -29,7 +29,18 @@ pub async fn produce<C: ConnectionLike>(
             .arg(format!("+3361000{i:04}"))
             .ignore();
         if pipe.len() == 500 || i + 1 == count {
-            pipe.query_async::<()>(con).await?;
+            if let Err(e) = pipe.query_async::<()>(con).await {
+                let e = crate::error::Error::from(e);
+                // The pipeline's own error lists every command's failure; one line that names
+                // the stream says the same.
+                if e.is_wrong_type() {
+                    return Err(crate::error::Error::reply(
+                        "XADD",
+                        format!("{stream} holds another kind of value than a stream: delete or fix the key"),
+                    ));
+                }
+                return Err(e);
+            }
             pipe = redis::pipe();
         }
     }

@@ -475,6 +475,28 @@ fn produce_refuses_an_unknown_route_and_help_names_the_environment() {
         .unwrap();
     assert!(spaced.status.success(), "{spaced:?}");
     assert_eq!(read(&redis, "in").len(), 5);
+    // An input stream's key of another kind: one line naming it (it printed every command's
+    // failure of the pipeline).
+    let _: () = redis::cmd("SET")
+        .arg("taken")
+        .arg("x")
+        .query(&mut redis.con())
+        .unwrap();
+    let taken = config(
+        &dir,
+        "t.yaml",
+        &redis,
+        free_port(),
+        WORKER,
+        "outbound:\n  streams: [\"taken\"]\n  routes:\n    a: {rate: 10/s}\n",
+    );
+    let out = pacer(&taken, &["produce", "--count", "3"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("taken holds another kind of value") && err.lines().count() == 1,
+        "{err}"
+    );
 
     let help = Command::new(bin()).arg("--help").output().unwrap();
     let help = stdout(&help);
