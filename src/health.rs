@@ -13,14 +13,24 @@ use metrics::gauge;
 use std::fmt::Display;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 /// `pacer_ready`: 1 when `/readyz` says ready.
 pub const READY: &str = "pacer_ready";
 
-#[derive(Debug, Default)]
+/// How long calls must go on without a failure before an outage counts as over: a backoff's
+/// ceiling and some. A call that keeps failing (one cluster shard down, say) while the others
+/// succeed used to end and begin an outage on every retry: a warning and an "answers again"
+/// every second or two, and /readyz flipping with them (found by review).
+pub const SETTLE: Duration = Duration::from_secs(2);
+
+#[derive(Debug)]
 pub struct Health {
+    /// `SETTLE`, or another span (tests).
+    settle: Duration,
+    /// When a call last failed (the outage's end waits `settle` past it).
+    last_failure: Mutex<Option<Instant>>,
     redis_ok: AtomicBool,
     scripts_loaded: AtomicBool,
     groups_ok: AtomicBool,
@@ -75,9 +85,38 @@ impl Streak {
     }
 }
 
+impl Default for Health {
+    fn default() -> Self {
+        Health::with_settle(SETTLE)
+    }
+}
+
 impl Health {
-    /// A Redis call succeeded.
+    /// Health whose outages end `settle` after their last failed call.
+    pub fn with_settle(settle: Duration) -> Self {
+        Health {
+            settle,
+            last_failure: Mutex::new(None),
+            redis_ok: AtomicBool::new(false),
+            scripts_loaded: AtomicBool::new(false),
+            groups_ok: AtomicBool::new(false),
+            keys_kept: AtomicBool::new(false),
+            outage: Streak::default(),
+            refusal: Streak::default(),
+            replicas: Streak::default(),
+            api_outage: Streak::default(),
+        }
+    }
+
+    /// A Redis call succeeded: an outage is over once none has failed for `settle`.
     pub fn succeeded(&self) {
+        if self.redis_ok.load(Ordering::Relaxed) {
+            return;
+        }
+        let last = *self.last_failure.lock().expect("health lock");
+        if last.is_some_and(|t| t.elapsed() < self.settle) {
+            return;
+        }
         if !self.redis_ok.swap(true, Ordering::Relaxed) {
             self.outage.end("Redis answers again; work resumes");
             self.publish();
@@ -86,6 +125,7 @@ impl Health {
 
     /// A Redis call (`op`) failed with `error`.
     pub fn failed(&self, op: &str, error: &dyn Display) {
+        *self.last_failure.lock().expect("health lock") = Some(Instant::now());
         if self.outage.add() {
             warn!(op, %error, "Redis calls are failing; retrying with backoff until it answers");
         }
@@ -229,7 +269,7 @@ mod tests {
 
     #[test]
     fn ready_needs_every_part() {
-        let h = Health::default();
+        let h = Health::with_settle(Duration::ZERO);
         assert_eq!(h.why_not(), Some("Redis does not answer"));
         h.succeeded();
         h.set_scripts_loaded(true);
@@ -246,8 +286,30 @@ mod tests {
     }
 
     #[test]
+    fn an_outage_ends_only_once_calls_go_a_while_without_failing() {
+        let h = Health::with_settle(Duration::from_millis(200));
+        h.succeeded();
+        h.set_scripts_loaded(true);
+        h.set_groups_ok(true);
+        h.set_keys_kept(true);
+        assert!(h.ready());
+        // One call keeps failing between others that succeed (a cluster shard down): one
+        // outage holding every failure, not one outage per retry.
+        for _ in 0..3 {
+            h.failed("schedule", &"timed out");
+            h.succeeded();
+            assert!(!h.ready());
+        }
+        assert_eq!(h.outage.count.load(Ordering::Relaxed), 3);
+        std::thread::sleep(Duration::from_millis(250));
+        h.succeeded();
+        assert!(h.ready());
+        assert_eq!(h.outage.count.load(Ordering::Relaxed), 0, "ended once");
+    }
+
+    #[test]
     fn replicas_short_hold_readiness_until_they_confirm_whatever_else_succeeds() {
-        let h = Health::default();
+        let h = Health::with_settle(Duration::ZERO);
         h.succeeded();
         h.set_scripts_loaded(true);
         h.set_groups_ok(true);
@@ -267,7 +329,7 @@ mod tests {
 
     #[test]
     fn refused_writes_end_with_a_write_not_a_read() {
-        let h = Health::default();
+        let h = Health::with_settle(Duration::ZERO);
         h.succeeded();
         h.set_scripts_loaded(true);
         h.set_groups_ok(true);
@@ -282,7 +344,7 @@ mod tests {
 
     #[test]
     fn the_apis_failures_are_its_own_and_the_workers_calls_do_not_end_them() {
-        let h = Health::default();
+        let h = Health::with_settle(Duration::ZERO);
         h.succeeded();
         h.set_scripts_loaded(true);
         h.set_groups_ok(true);
