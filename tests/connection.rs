@@ -479,6 +479,22 @@ async fn tls_verifies_the_server_and_presents_the_client_certificate() {
         .unwrap_err();
     assert!(matches!(e, ConnectError::Tls { .. }), "{e}");
     eprintln!("no client certificate: {e}");
+    // A key that is not the certificate's: refused by the config, naming the key file (it
+    // passed, and failed only at connect, exit 1 and no YAML path).
+    let yaml = format!(
+        "redis: {{url: \"rediss://127.0.0.1:{}\", tls: {{ca_file: {}, cert_file: {}, key_file: {}}}}}\noutbound:\n  streams: [\"pacer:out\"]\n  routes:\n    a: {{rate: 10/s}}\n",
+        mutual.port,
+        files.ca.display(),
+        files.client_cert.display(),
+        files.server_key.display()
+    );
+    let e = Config::parse(&yaml, &Overrides::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("redis.tls.key_file") && e.contains("does not go with the certificate"),
+        "{e}"
+    );
     // With it: works.
     let mut con = conn(&tls_config(mutual.port, &with_cert));
     con.check()
