@@ -164,7 +164,11 @@ mod tests {
 
     #[test]
     fn with_count_rejected_a_caller_waiting_retry_after_finds_room() {
-        for algorithm in [Algorithm::SlidingLog, Algorithm::Gcra, Algorithm::FixedWindow] {
+        for algorithm in [
+            Algorithm::SlidingLog,
+            Algorithm::Gcra,
+            Algorithm::FixedWindow,
+        ] {
             let mut r = rule(algorithm, &[(2, 1_000_000)], 0);
             r.count_rejected = true;
             let mut e = Engine::new(vec![EngineRule {
