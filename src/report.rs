@@ -123,6 +123,8 @@ pub struct Report {
     pub routes: Vec<RouteReport>,
     /// The outbound flow's dead letters by reason (none read when the config has no outbound).
     pub dead_letters: BTreeMap<String, usize>,
+    /// A dead-letter stream could not be read: its counts are unknown, not zero.
+    pub dead_letters_unread: bool,
     /// The inbound flow's outcomes, when the config has one.
     pub inbound: Option<InboundReport>,
     /// Output streams that could not be read, and why (a key of another kind).
@@ -252,8 +254,12 @@ pub async fn report<C: ConnectionLike>(
     }
     for dead in dead_streams {
         let read = read_from(con, dead, &start).await;
-        let entries = unless_wrong_type(read, dead, "stream", &mut report.problems)?;
-        for e in entries.unwrap_or_default() {
+        let Some(entries) = unless_wrong_type(read, dead, "stream", &mut report.problems)? else {
+            // Unknown, not none: said as such (the `cannot read:` line names the stream).
+            report.dead_letters_unread = true;
+            continue;
+        };
+        for e in entries {
             let reason = e.field("pacer_reason").unwrap_or("?").to_string();
             match &mut inbound_report {
                 Some(r) if from_inbound(&e) => *r.dead_letters.entry(reason).or_default() += 1,
@@ -291,6 +297,13 @@ impl fmt::Display for Report {
                     .join(", ")
             }
         };
+        let dead = |m: &BTreeMap<String, usize>| -> String {
+            if m.is_empty() && self.dead_letters_unread {
+                "unknown (a dead-letter stream cannot be read: below)".into()
+            } else {
+                counts(m)
+            }
+        };
         // The outbound flow's table and dead letters, when the config has routes.
         if !self.routes.is_empty() {
             writeln!(
@@ -326,7 +339,7 @@ impl fmt::Display for Report {
                     ),
                 )?;
             }
-            writeln!(f, "dead letters: {}", counts(&self.dead_letters))?;
+            writeln!(f, "dead letters: {}", dead(&self.dead_letters))?;
         }
         if let Some(i) = &self.inbound {
             writeln!(
@@ -335,7 +348,7 @@ impl fmt::Display for Report {
                 i.forwarded,
                 i.rejected.values().sum::<usize>(),
                 counts(&i.rejected),
-                counts(&i.dead_letters)
+                dead(&i.dead_letters)
             )?;
         }
         for p in &self.problems {

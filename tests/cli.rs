@@ -384,6 +384,7 @@ fn inspect_and_report_name_the_keys_they_cannot_read_and_show_the_rest() {
         ("in", "x"),
         ("pacer:{a}:bucket:a", "x"),
         ("pacer:rejected", "x"),
+        ("pacer:dead", "x"),
     ] {
         let _: () = redis::cmd("SET")
             .arg(key)
@@ -444,6 +445,11 @@ fn inspect_and_report_name_the_keys_they_cannot_read_and_show_the_rest() {
     );
     assert!(
         report.contains("cannot read: pacer:rejected holds another kind of value than the stream"),
+        "{report}"
+    );
+    // Unknown, not none (it said "dead letters: none" of a stream it could not read).
+    assert!(
+        report.contains("dead letters: unknown") && report.contains("cannot read: pacer:dead"),
         "{report}"
     );
 }
