@@ -545,36 +545,50 @@ mod tests {
         assert_eq!(e.admit(1_000_000, &id).passed, vec![true]);
     }
 
-    #[test]
-    fn with_count_rejected_a_client_waiting_retry_after_finds_room() {
-        for algorithm in [
+    /// Per algorithm, an engine of one count_rejected rule of 2/s that took two at once, asked
+    /// (`ask`: None when it accepts, else its retry_after in µs) at 100 ms and again after each
+    /// retry_after it answers: how many times it refused before it accepted (at most 5).
+    pub(crate) fn refusals_waiting_retry_after(
+        ask: impl Fn(&mut Engine, i64) -> Option<i64>,
+    ) -> Vec<(Algorithm, usize)> {
+        [
             Algorithm::SlidingLog,
             Algorithm::Gcra,
             Algorithm::FixedWindow,
-        ] {
+        ]
+        .into_iter()
+        .map(|algorithm| {
             let mut r = rule(algorithm, &[(2, 1_000_000)], 0);
             r.count_rejected = true;
             let mut e = Engine::new(vec![EngineRule {
                 rule: r,
                 shadow: false,
             }]);
-            let id = vec![(0, "s".to_string())];
-            assert!(e.admit(0, &id).accepted);
-            assert!(e.admit(1, &id).accepted);
-            // Refused, and charged: each wait of retry_after then finds room (the retry was
-            // the room before the charge: a client waiting it was refused every time).
-            let mut t = 100_000;
-            let mut refused = 0;
-            for _ in 0..5 {
-                let v = e.admit(t, &id);
-                if v.accepted {
+            assert_eq!(ask(&mut e, 0), None);
+            assert_eq!(ask(&mut e, 1), None);
+            let (mut t, mut refused) = (100_000, 0);
+            while let Some(retry_us) = ask(&mut e, t) {
+                refused += 1;
+                if refused == 5 {
                     break;
                 }
-                refused += 1;
-                let (_, _, check) = v.binding.expect("a binding check");
-                t += check.retry_us;
+                t += retry_us;
             }
-            assert_eq!(refused, 1, "{algorithm:?}: refused {refused} times");
+            (algorithm, refused)
+        })
+        .collect()
+    }
+
+    #[test]
+    fn with_count_rejected_a_client_waiting_retry_after_finds_room() {
+        // Refused, and charged: each wait of retry_after then finds room (the retry was the
+        // room before the charge: a client waiting it was refused every time).
+        let id = vec![(0, "s".to_string())];
+        for (algorithm, refused) in refusals_waiting_retry_after(|e, t| {
+            let v = e.admit(t, &id);
+            v.binding.map(|(_, _, check)| check.retry_us)
+        }) {
+            assert_eq!(refused, 1, "{algorithm:?}");
         }
     }
 }

@@ -158,37 +158,17 @@ impl Engine {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::rule;
-    use super::super::{Algorithm, EngineRule};
+    use super::super::tests::refusals_waiting_retry_after;
     use super::*;
 
     #[test]
     fn with_count_rejected_a_caller_waiting_retry_after_finds_room() {
-        for algorithm in [
-            Algorithm::SlidingLog,
-            Algorithm::Gcra,
-            Algorithm::FixedWindow,
-        ] {
-            let mut r = rule(algorithm, &[(2, 1_000_000)], 0);
-            r.count_rejected = true;
-            let mut e = Engine::new(vec![EngineRule {
-                rule: r,
-                shadow: false,
-            }]);
-            let id = vec![(0, "s".to_string(), Ask::Decide)];
-            assert!(e.decide(0, &id, 1).accepted);
-            assert!(e.decide(1, &id, 1).accepted);
-            let mut t = 100_000;
-            let mut refused = 0;
-            for _ in 0..5 {
-                let v = e.decide(t, &id, 1);
-                if v.accepted {
-                    break;
-                }
-                refused += 1;
-                t += v.retry_us;
-            }
-            assert_eq!(refused, 1, "{algorithm:?}: refused {refused} times");
+        let id = vec![(0, "s".to_string(), Ask::Decide)];
+        for (algorithm, refused) in refusals_waiting_retry_after(|e, t| {
+            let v = e.decide(t, &id, 1);
+            (!v.accepted).then_some(v.retry_us)
+        }) {
+            assert_eq!(refused, 1, "{algorithm:?}");
         }
     }
 }
