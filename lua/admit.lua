@@ -267,23 +267,10 @@ for i = 1, n do
       end
     end
     if not accepted then
-      -- A count_rejected rule charged this refused attempt too: checked again, so that
-      -- retry_after is when a client waiting that long finds room (src/admission.rs, `admit`).
-      -- Rules that charge nothing keep their first answer.
-      local again, again_lim, again_x = 0, 0, nil
-      for x = 1, nchecks do
-        local rule = rules[check_rule[x]]
-        if not rule.shadow then
-          local retry, lim = first_retry[x], first_lim[x]
-          if rule.count_rejected then
-            local st = states[KEYS[base + x]]
-            retry, lim = st.alg.check(st, rule, 1)
-          end
-          if retry > again then
-            again, again_lim, again_x = retry, lim, x
-          end
-        end
-      end
+      -- retry_after as the charges left it (admission.lua `rebind`).
+      local again, again_lim, again_x = rebind(1, nchecks, first_retry, first_lim, function(x)
+        return rules[check_rule[x]], states[KEYS[base + x]]
+      end, 1)
       if again_x then
         best, best_lim, binding = again, again_lim, again_x
       end

@@ -133,24 +133,14 @@ for q = 1, n do
     end
   end
   if not accepted then
-    -- A count_rejected rule charged this refused request too: checked again, so that
-    -- retry_after is when a caller waiting that long finds room (src/admission/decide.rs).
-    local again, again_lim, again_at = 0, 0, 0
-    for y = from, to do
-      local rule = rules[check_rule[y]]
-      if ask[y] >= 0 and not rule.shadow then
-        local retry, lim = first_retry[y], first_lim[y]
-        if rule.count_rejected then
-          local st = state(y)
-          retry, lim = st.alg.check(st, rule, units)
-        end
-        if retry > again then
-          again, again_lim, again_at = retry, lim, y - from + 1
-        end
+    -- retry_after as the charges left it (admission.lua `rebind`).
+    local again, again_lim, again_y = rebind(from, to, first_retry, first_lim, function(y)
+      if ask[y] >= 0 then
+        return rules[check_rule[y]], state(y)
       end
-    end
-    if again_at > 0 then
-      best, best_lim, binding = again, again_lim, again_at
+    end, units)
+    if again_y then
+      best, best_lim, binding = again, again_lim, again_y - from + 1
     end
   end
   local o = #out

@@ -125,10 +125,12 @@ end
 -- examples/trim.lua keeps). Pacer's outputs are others' inputs (a forward stream pacer's own
 -- outbound reads, a ready stream the senders read): a plain MAXLEN deleted 786 of 1,000
 -- accepted events the outbound group had not read yet. A stream with no group is cut as before.
--- It waits for 1% more than maxlen (100 at least), so that a stream held at its length by a
--- lagging group costs an XINFO once per hundredth of maxlen written, not on every call; below
--- that it costs an XLEN. Reading the groups may fail (an ACL user without XINFO): then nothing is
--- trimmed, since this runs after the call's writes and must not fail it.
+-- It waits for 1% more than maxlen (100 at least), so that a stream kept near its length costs
+-- an XINFO once per hundredth of maxlen written; below that, only an XLEN. While a group a whole
+-- maxlen behind holds the stream past that, every call that writes it reads the groups (XINFO,
+-- and an XPENDING per group with entries pending): the cost of a consumer that far behind.
+-- Reading the groups may fail (an ACL user without XINFO): then nothing is trimmed, since this
+-- runs after the call's writes and must not fail it.
 local function trim(key, maxlen)
   local len = redis.call('XLEN', key)
   if len <= maxlen + math.max(100, math.floor(maxlen / 100)) then

@@ -385,6 +385,39 @@ impl Engine {
         state.check_n(now_us, rule, cost)
     }
 
+    /// After a refused request's charges, the check that binds it, as (rule, check index,
+    /// check): a count_rejected rule charged the attempt too, so its check is made again, its
+    /// room now coming later than its first answer said (found by review: a client waiting
+    /// exactly retry_after was refused every time); the others keep their first answer.
+    /// `checks` are (rule, identity, first answer), None for a check not made (a leased token
+    /// spent). `lua/admission.lua`'s `rebind` is the same.
+    pub(crate) fn rebind<'a>(
+        &mut self,
+        now_us: i64,
+        cost: i64,
+        checks: impl Iterator<Item = Option<(usize, &'a str, Check)>>,
+    ) -> Option<(usize, usize, Check)> {
+        let mut best: Option<(usize, usize, Check)> = None;
+        for (x, made) in checks.enumerate() {
+            let Some((r, identity, first)) = made else {
+                continue;
+            };
+            let rule = &self.rules[r];
+            if rule.shadow {
+                continue;
+            }
+            let check = if rule.rule.count_rejected {
+                self.check_at(now_us, r, identity, cost)
+            } else {
+                first
+            };
+            if !check.passed() && best.is_none_or(|(_, _, b)| check.retry_us > b.retry_us) {
+                best = Some((r, x, check));
+            }
+        }
+        best
+    }
+
     /// Decides one event at `now` whose identities are `checks` (rule index, identity), then
     /// charges it: every check first, then the charges.
     pub fn admit(&mut self, now_us: i64, checks: &[(usize, String)]) -> Verdict {
@@ -414,29 +447,11 @@ impl Engine {
             }
         }
         if !accepted {
-            // A count_rejected rule charged this refused attempt too: its room comes later than
-            // its check said, so it is checked again, and retry_after is when a client waiting
-            // that long finds room (found by review: one waiting exactly retry_after was refused
-            // every time). Rules that charge nothing keep their first answer.
-            let mut after = None;
-            for (i, ((r, identity), first)) in checks.iter().zip(&results).enumerate() {
-                let rule = &self.rules[*r];
-                if rule.shadow {
-                    continue;
-                }
-                let check = if rule.rule.count_rejected {
-                    self.check_at(now_us, *r, identity, 1)
-                } else {
-                    *first
-                };
-                if !check.passed()
-                    && after
-                        .is_none_or(|(_, _, b): (usize, usize, Check)| check.retry_us > b.retry_us)
-                {
-                    after = Some((*r, i, check));
-                }
-            }
-            binding = after.or(binding);
+            let made = checks
+                .iter()
+                .zip(&results)
+                .map(|((r, identity), first)| Some((*r, identity.as_str(), *first)));
+            binding = self.rebind(now_us, 1, made).or(binding);
         }
         Verdict {
             accepted,

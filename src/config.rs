@@ -133,6 +133,28 @@ impl Config {
         .chain(inbound.map(|s| (s.as_str(), "inbound")))
     }
 
+    /// Every stream a worker writes: each configured flow's rejected and dead-letter streams,
+    /// the routes' ready streams, and the inbound forward and rejected streams of every
+    /// partition; each once.
+    pub fn output_streams(&self) -> Vec<&str> {
+        let mut out: Vec<&str> = Vec::new();
+        if !self.outbound.flow.streams.is_empty() {
+            out.push(&self.outbound.flow.rejected_stream);
+            out.push(&self.outbound.flow.dead_letter_stream);
+            out.extend(self.outbound.routes.values().map(|r| r.keys.ready.as_str()));
+        }
+        if let Some(i) = &self.inbound {
+            out.push(&i.flow.dead_letter_stream);
+            for k in &i.keys {
+                out.push(&k.forward);
+                out.push(&k.rejected);
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
     /// Reads and validates the file at `path`.
     pub fn load(path: &Path, overrides: &Overrides) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError {

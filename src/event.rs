@@ -21,6 +21,12 @@ use std::time::Duration;
 /// A stream entry's fields, in order, as bytes.
 pub type Fields = Vec<(Vec<u8>, Vec<u8>)>;
 
+/// Bytes `fields` take packed (`Payload::packed_len`: each name and value with its 4-byte
+/// length), what a call carrying them is measured by (`scripts::call_len`).
+pub fn packed_len(fields: &Fields) -> usize {
+    fields.iter().map(|(k, v)| k.len() + v.len() + 8).sum()
+}
+
 /// Longest `id` accepted: it becomes part of a key name.
 pub const MAX_ID_BYTES: usize = 200;
 /// Most units one event may cost (and never more than its route's burst).

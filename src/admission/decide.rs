@@ -93,25 +93,13 @@ impl Engine {
             }
         }
         if !accepted {
-            // A count_rejected rule charged this refused request too: checked again, so that
-            // retry_after is when a caller waiting that long finds room (as `Engine::admit`).
-            let mut after: Option<(usize, Check)> = None;
-            for (x, (r, identity, _)) in checks.iter().enumerate() {
-                let Some(check) = first[x] else { continue };
-                let rule = &self.rules[*r];
-                if rule.shadow {
-                    continue;
-                }
-                let check = if rule.rule.count_rejected {
-                    self.check_at(now_us, *r, identity, cost)
-                } else {
-                    check
-                };
-                if !check.passed() && after.is_none_or(|(_, b)| check.retry_us > b.retry_us) {
-                    after = Some((x, check));
-                }
+            let made = checks
+                .iter()
+                .zip(&first)
+                .map(|((r, identity, _), first)| first.map(|c| (*r, identity.as_str(), c)));
+            if let Some((_, x, check)) = self.rebind(now_us, cost, made) {
+                best = Some((x, check));
             }
-            best = after.or(best);
         }
         for (x, (r, identity, ask)) in checks.iter().enumerate() {
             if *ask == Ask::Covered {

@@ -164,10 +164,7 @@ async fn decide(
         // At most MAX_CALL_BYTES of fields a call, as the outbound calls: a batch of 512
         // events at the 16 MiB max_event_bytes would be one call of 8 GiB, holding Redis (one
         // thread) while every other worker's calls wait (found by review).
-        let sizes = rest_fields
-            .iter()
-            .map(|f| f.iter().map(|(k, v)| k.len() + v.len() + 16).sum::<usize>());
-        let (n, _) = call_len(sizes, rest.len());
+        let (n, _) = call_len(rest_fields.iter().map(crate::event::packed_len), rest.len());
         let tail = rest.split_off(n);
         let tail_fields = rest_fields.split_off(n);
         let fresh = std::mem::replace(&mut rest, tail);

@@ -141,28 +141,7 @@ pub(super) async fn check_permissions(ctx: &Context) -> Result<()> {
         groups.arg("GROUPS").arg(&**stream);
         probes.push(groups);
     }
-    let mut outputs: Vec<&str> = Vec::new();
-    if !ctx.cfg.outbound.flow.streams.is_empty() {
-        outputs.push(&ctx.cfg.outbound.flow.rejected_stream);
-        outputs.push(&ctx.cfg.outbound.flow.dead_letter_stream);
-        outputs.extend(
-            ctx.cfg
-                .outbound
-                .routes
-                .values()
-                .map(|r| r.keys.ready.as_str()),
-        );
-    }
-    if let Some(i) = &ctx.cfg.inbound {
-        outputs.push(&i.flow.dead_letter_stream);
-        for k in &i.keys {
-            outputs.push(&k.forward);
-            outputs.push(&k.rejected);
-        }
-    }
-    outputs.sort_unstable();
-    outputs.dedup();
-    for key in outputs {
+    for key in ctx.cfg.output_streams() {
         let mut trim = redis::cmd("XTRIM");
         trim.arg(key).arg("MAXLEN").arg(u32::MAX);
         probes.push(trim);
