@@ -312,15 +312,22 @@ impl RedisServer {
                     return;
                 }
             }
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not start on port {}",
-                self.port
-            );
+            if Instant::now() >= deadline {
+                let log = std::fs::read_to_string(self.dir.path().join(LOG)).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(5).collect();
+                panic!(
+                    "redis-server did not start on port {}; the end of its log:\n{}",
+                    self.port,
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
     }
 }
+
+/// The log file's name in a server's directory.
+const LOG: &str = "redis.log";
 
 fn spawn_redis(port: u16, dir: &Path, extra: &[String], env: &[(String, String)]) -> Child {
     Command::new("redis-server")
@@ -335,6 +342,9 @@ fn spawn_redis(port: u16, dir: &Path, extra: &[String], env: &[(String, String)]
         ])
         .args(["--appendonly", "no", "--dir"])
         .arg(dir)
+        // Its log, for the message of a server that does not start (a port taken, say).
+        .arg("--logfile")
+        .arg(dir.join(LOG))
         .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -48,13 +48,13 @@ async fn add(con: &mut RedisConn, tag: &str, n: i64) -> redis::RedisResult<i64> 
         .await
 }
 
-/// Calls `add` every 20 ms until one succeeds; how long that took.
-async fn until_ok(con: &mut RedisConn, tag: &str, limit: Duration) -> Duration {
+/// Calls `add` every 20 ms until one succeeds; how long that took, and the sum it returned.
+async fn until_ok(con: &mut RedisConn, tag: &str, limit: Duration) -> (Duration, i64) {
     let start = Instant::now();
     let mut last = None;
     while start.elapsed() < limit {
         match add(con, tag, 1).await {
-            Ok(_) => return start.elapsed(),
+            Ok(sum) => return (start.elapsed(), sum),
             Err(e) => last = Some(e),
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -317,37 +317,42 @@ async fn cluster_failovers_are_followed_by_the_same_connection() {
         assert_eq!(add(&mut con, tag, 1).await.unwrap(), 1);
     }
 
-    // Graceful: the master hands over to its replica once it has caught up.
+    // Graceful: the master hands over to its replica once it has caught up, so nothing is
+    // lost and the connection's next write lands on the new master, once.
     let (m0, tag0) = &tags[0];
     let r0 = cluster.replicas_of(*m0)[0];
     tokio::task::block_in_place(|| cluster.failover(r0, false));
-    let took = until_ok(&mut con, tag0, Duration::from_secs(5)).await;
+    let (took, sum) = until_ok(&mut con, tag0, Duration::from_secs(5)).await;
     eprintln!("graceful CLUSTER FAILOVER {m0} -> {r0}: first success after {took:?}");
+    assert_eq!(sum, 2);
     assert_eq!(get(&cluster, r0, &format!("{{{tag0}}}:n")), Some(2));
 
-    // TAKEOVER: the replica promotes itself without asking anyone.
+    // TAKEOVER: the replica promotes itself without asking anyone and without catching up, so
+    // a write its master had not yet streamed to it is lost, by Redis's design (CI once saw
+    // the first write missing). What the connection must do is send its next write to the
+    // new master, once: whatever the new master held, plus one.
     let (m1, tag1) = &tags[1];
     let r1 = cluster.replicas_of(*m1)[0];
     tokio::task::block_in_place(|| cluster.failover(r1, true));
-    let took = until_ok(&mut con, tag1, Duration::from_secs(5)).await;
+    let held = get(&cluster, r1, &format!("{{{tag1}}}:n")).unwrap_or(0);
+    let (took, sum) = until_ok(&mut con, tag1, Duration::from_secs(5)).await;
     eprintln!("CLUSTER FAILOVER TAKEOVER {m1} -> {r1}: first success after {took:?}");
-    assert_eq!(get(&cluster, r1, &format!("{{{tag1}}}:n")), Some(2));
+    assert_eq!(sum, held + 1, "one write on top of what {r1} held");
+    assert_eq!(get(&cluster, r1, &format!("{{{tag1}}}:n")), Some(sum));
 
     // A master killed outright: the cluster fails it over on its own (node timeout 1 s), and
     // the connection finds the new master.
     let (m2, tag2) = &tags[2];
     let r2 = cluster.replicas_of(*m2)[0];
     cluster.kill(*m2);
-    let took = until_ok(&mut con, tag2, Duration::from_secs(5)).await;
+    let (took, sum) = until_ok(&mut con, tag2, Duration::from_secs(5)).await;
     eprintln!("kill -9 of master {m2}: first success after {took:?}");
     assert!(took < Duration::from_secs(5));
     // The write landed on the promoted replica. (Not asked through CLUSTER SLOTS: whichever
-    // node answers that may not have heard of the promotion through gossip yet.)
+    // node answers that may not have heard of the promotion through gossip yet.) Its value
+    // is not asserted: an automatic failover, like TAKEOVER, may lose what was not streamed.
     let on_r2 = get(&cluster, r2, &format!("{{{tag2}}}:n"));
-    assert!(
-        matches!(on_r2, Some(n) if n >= 2),
-        "on the new master: {on_r2:?}"
-    );
+    assert_eq!(on_r2, Some(sum), "the write is on the new master");
     // The killed master comes back as a replica of its successor; traffic is unaffected.
     tokio::task::block_in_place(|| cluster.restart(*m2));
     for (_, tag) in &tags {
@@ -611,7 +616,7 @@ async fn a_redis_down_at_start_is_waited_for() {
     let e = con.check().await.unwrap_err();
     assert!(!e.is_fatal(), "{e}");
     let server = tokio::task::block_in_place(|| RedisServer::spawn_on(port, &[]));
-    let took = until_ok(&mut con, "late", Duration::from_secs(10)).await;
+    let (took, _) = until_ok(&mut con, "late", Duration::from_secs(10)).await;
     eprintln!("Redis started after the connection: first success after {took:?}");
     drop(server);
 }
