@@ -250,6 +250,14 @@ impl RedisConn {
                 Inner::Standalone(con)
             }
             RedisMode::Cluster => {
+                let seeds = infos
+                    .iter()
+                    .map(|info| match &certs {
+                        Some(certs) => redis::Client::build_with_tls(info.clone(), certs.clone()),
+                        None => redis::Client::open(info.clone()),
+                    })
+                    .collect::<RedisResult<Vec<_>>>()
+                    .map_err(|e| setup(e.to_string()))?;
                 let mut builder = ClusterClientBuilder::new(infos)
                     .connection_timeout(cfg.timeout)
                     .response_timeout(response_timeout)
@@ -267,7 +275,7 @@ impl RedisConn {
                         .set_connection_timeout(cfg.timeout)
                         .set_response_timeout(response_timeout),
                 );
-                Inner::Cluster(cluster::ClusterConn::new(con))
+                Inner::Cluster(cluster::ClusterConn::new(con, seeds, cfg.timeout))
             }
             RedisMode::Sentinel => Inner::Sentinel(
                 sentinel::SentinelConn::new(cfg, &infos, db, certs, response_timeout)
@@ -295,10 +303,28 @@ impl RedisConn {
     /// (credentials, TLS) and `Unavailable`. For commands that should fail fast and clearly
     /// rather than wait; the daemon's loops retry instead, exiting on `is_fatal` errors.
     pub async fn check(&mut self) -> Result<(), ConnectError> {
-        redis::cmd("PING")
-            .query_async::<()>(self)
-            .await
-            .map_err(|e| ConnectError::classify(&self.target, e))
+        let Err(e) = redis::cmd("PING").query_async::<()>(self).await else {
+            return Ok(());
+        };
+        self.check_cluster_seeds().await?;
+        Err(ConnectError::classify(&self.target, e))
+    }
+
+    /// In cluster mode, an error if a configured node answers that it is no cluster node:
+    /// `redis.mode` is wrong, and retrying cannot help.
+    pub async fn check_cluster_seeds(&self) -> Result<(), ConnectError> {
+        let Inner::Cluster(con) = &self.inner else {
+            return Ok(());
+        };
+        match con.seed_without_cluster().await {
+            Some(node) => Err(ConnectError::Setup {
+                target: self.target.to_string(),
+                detail: format!(
+                    "{node} runs without cluster support: set redis.mode: standalone (or sentinel), or point redis.url at the cluster's nodes"
+                ),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// How many replicas hold everything `key`'s node held a moment ago (up to `replicas`,

@@ -9,7 +9,7 @@ mod common;
 use common::{event, pending, read, start, unfinished};
 use pacer::keys::InboundKeys;
 use pacer::report::{max_in_window, OutputEntry};
-use pacer::testkit::{free_port, metric_at, wait_until, Cluster, Pacer, TempDir};
+use pacer::testkit::{free_port, metric_at, wait_until, Cluster, Pacer, RedisServer, TempDir};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::thread::JoinHandle;
@@ -798,4 +798,34 @@ fn standalone_mode_on_one_of_several_masters_is_refused_at_start() {
     let log = pacer.log_text();
     assert_eq!(code, Some(1), "ran on:\n{log}");
     assert!(log.contains("set redis.mode: cluster"), "{log}");
+}
+
+/// The mirror image: `mode: cluster` pointed at a server without cluster support. redis-rs only
+/// says it found no nodes, and the worker retried for ever; the CLI timed out the same way.
+#[test]
+fn cluster_mode_on_a_server_without_cluster_support_is_refused_at_start() {
+    let server = RedisServer::start();
+    let dir = TempDir::new("cluster-on-standalone");
+    let port = free_port();
+    let text = format!(
+        "redis:\n  url: redis://127.0.0.1:{}\n  mode: cluster\n  timeout: 500ms\nmetrics:\n  listen: 127.0.0.1:{port}\nworker:\n  drain: 1s\noutbound:\n  streams: [\"in\"]\n  routes:\n    a: {{rate: 10/s}}\n",
+        server.port
+    );
+    let cfg = dir.write("c.yaml", &text);
+    let mut pacer = Pacer::run(common::bin(), &cfg, &[]);
+    let code = pacer.wait_for(Duration::from_secs(20));
+    let log = pacer.log_text();
+    assert_eq!(code, Some(1), "ran on:\n{log}");
+    let hint = format!("127.0.0.1:{} runs without cluster support", server.port);
+    assert!(log.contains(&hint), "{log}");
+    assert!(log.contains("set redis.mode: standalone"), "{log}");
+
+    let out = std::process::Command::new(common::bin())
+        .args(["inspect", "--config"])
+        .arg(&cfg)
+        .output()
+        .expect("running pacer inspect");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains(&hint), "{stderr}");
 }

@@ -14,23 +14,63 @@
 use redis::aio::ConnectionLike;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
-use redis::{Arg, Cmd, ErrorKind, Pipeline, RedisFuture, RedisResult, ServerErrorKind, Value};
+use redis::{
+    Arg, AsyncConnectionConfig, Cmd, ErrorKind, Pipeline, RedisFuture, RedisResult,
+    ServerErrorKind, Value,
+};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 #[derive(Clone)]
 pub(super) struct ClusterConn {
     con: ClusterConnection,
     /// Script sources by SHA1, from every `SCRIPT LOAD` sent through any clone.
     scripts: Arc<Mutex<HashMap<String, Arc<[u8]>>>>,
+    /// The configured nodes, each reachable on its own (`seed_without_cluster`).
+    seeds: Arc<[redis::Client]>,
+    /// How long one of them may take to connect and to answer.
+    timeout: Duration,
 }
 
 impl ClusterConn {
-    pub(super) fn new(con: ClusterConnection) -> Self {
+    pub(super) fn new(
+        con: ClusterConnection,
+        seeds: Vec<redis::Client>,
+        timeout: Duration,
+    ) -> Self {
         ClusterConn {
             con,
             scripts: Arc::default(),
+            seeds: seeds.into(),
+            timeout,
         }
+    }
+
+    /// The first configured node (`host:port`) that says it runs without cluster support, if
+    /// one does. redis-rs then only reports that it found no nodes, and pacer retried for ever
+    /// (left for a while as a known gap). Each node is asked on a connection of its own; one
+    /// that does not answer is skipped, as a cluster still starting may not.
+    pub(super) async fn seed_without_cluster(&self) -> Option<String> {
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout));
+        for seed in self.seeds.iter() {
+            let Ok(mut con) = seed
+                .get_multiplexed_async_connection_with_config(&config)
+                .await
+            else {
+                continue;
+            };
+            let info: RedisResult<String> = redis::cmd("INFO")
+                .arg("cluster")
+                .query_async(&mut con)
+                .await;
+            if info.is_ok_and(|i| i.contains("cluster_enabled:0")) {
+                return Some(seed.get_connection_info().addr().to_string());
+            }
+        }
+        None
     }
 
     pub(super) async fn req_command(&mut self, cmd: &Cmd) -> RedisResult<Value> {

@@ -196,7 +196,10 @@ async fn name_idle(ctx: &Context, stream: &str) -> Option<i64> {
 async fn prepare_once(ctx: &Context) -> Result<()> {
     let mut con = ctx.con.clone();
     let cluster = match ctx.con.mode() {
-        RedisMode::Cluster => true,
+        RedisMode::Cluster => {
+            ctx.con.check_cluster_seeds().await?;
+            true
+        }
         RedisMode::Sentinel => false,
         // A node in cluster mode, reached as one server: it still refuses calls across slots.
         RedisMode::Standalone => {
