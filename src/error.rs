@@ -23,6 +23,10 @@ pub enum Error {
         after_ms: i64,
         waited_ms: i64,
     },
+    /// A configured input stream's key holds another kind of value (written by something
+    /// else): pacer would retry reading it for ever.
+    #[error("{key} holds a {kind}, not the stream pacer reads there: delete or rename that key, or configure another stream")]
+    NotAStream { key: String, kind: String },
     /// `redis.wait_replicas` not met: fewer replicas than wanted confirmed a write in time.
     #[error("{got} of the {wanted} replicas redis.wait_replicas asks for confirmed the writes on {key}'s node within wait_timeout")]
     ReplicasShort { wanted: u32, got: u32, key: String },
@@ -64,7 +68,7 @@ impl Error {
             Error::Redis(e) => crate::connection::is_fatal(e),
             Error::Connect(e) => e.is_fatal(),
             Error::Reply { .. } | Error::ReplicasShort { .. } => false,
-            Error::ConsumerInUse { .. } => true,
+            Error::ConsumerInUse { .. } | Error::NotAStream { .. } => true,
         }
     }
 

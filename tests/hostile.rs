@@ -572,6 +572,29 @@ fn an_input_stream_replaced_while_its_events_sleep_loses_none_of_them() {
     assert!(!log.contains("Redis calls are failing"), "{log}");
 }
 
+/// An input stream whose key already holds something else when the worker starts: the start
+/// retried for ever, reported as "Redis does not answer". It is refused, naming the key and
+/// what it holds, and leaves the key as it was.
+#[test]
+fn an_input_stream_of_the_wrong_kind_at_start_is_refused_naming_the_key() {
+    let redis = RedisServer::start();
+    overwrite_with_string(&redis, "in");
+    let dir = TempDir::new("wrong-kind-input");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 10/s}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, "  drain: 1s", body);
+    let mut pacer = Pacer::run(bin(), &cfg, &[]);
+    let code = pacer.wait_for(Duration::from_secs(20));
+    let log = pacer.log_text();
+    assert_eq!(code, Some(1), "ran on:\n{log}");
+    assert!(
+        log.contains("in holds a string, not the stream pacer reads there"),
+        "{log}"
+    );
+    let kept: String = redis::cmd("GET").arg("in").query(&mut redis.con()).unwrap();
+    assert_eq!(kept, "written by something else");
+}
+
 /// A producer that sets entry ids by hand: ids whose number is older than dedupe_ttl cannot be
 /// told from entries whose decision expired, so each is dead-lettered `expired` with a detail
 /// that says so (it said the entry had been pending for 56 years); an id ahead of the clock,

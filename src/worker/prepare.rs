@@ -30,7 +30,7 @@ pub(super) async fn prepare(ctx: &Context, shutdown: &CancellationToken) -> Resu
                 return Ok(true);
             }
             Err(e) if e.is_fatal() => {
-                error!(error = %e, "Redis refuses pacer; retrying cannot help");
+                error!(error = %e, "pacer cannot start on this Redis; retrying cannot help");
                 return Err(e);
             }
             Err(e) => {
@@ -218,7 +218,21 @@ async fn prepare_once(ctx: &Context) -> Result<()> {
     };
     ctx.cluster.store(cluster, Ordering::Relaxed);
     for stream in &ctx.streams {
-        streams::ensure_group(&mut con, stream, &ctx.cfg.worker.group).await?;
+        match streams::ensure_group(&mut con, stream, &ctx.cfg.worker.group).await {
+            // Retried for ever, reported as "Redis does not answer", until found by review.
+            Err(e) if e.is_wrong_type() => {
+                let kind: String = redis::cmd("TYPE")
+                    .arg(stream.as_ref())
+                    .query_async(&mut con)
+                    .await
+                    .unwrap_or_else(|_| "value of another kind".into());
+                return Err(Error::NotAStream {
+                    key: stream.to_string(),
+                    kind,
+                });
+            }
+            other => other?,
+        }
     }
     if let Some(inbound) = &ctx.cfg.inbound {
         // Where an output shares the admission call's slot, the call writes it in the step that
