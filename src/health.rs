@@ -182,6 +182,16 @@ impl Health {
         }
     }
 
+    /// Whether the synchronous API's calls are failing (its connection is probed meanwhile).
+    pub fn api_outage_on(&self) -> bool {
+        self.api_outage.on()
+    }
+
+    /// Whether Redis refuses pacer's writes (until one succeeds).
+    pub fn refusing_writes(&self) -> bool {
+        self.refusal.on()
+    }
+
     /// A call of the synchronous API failed with `e`: a refused write is the worker's refusal
     /// (Redis's state, whoever met it); any other failure is the API's own, said once per
     /// streak, while its requests get `fail_policy`'s answer.

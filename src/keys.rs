@@ -125,6 +125,12 @@ pub fn replication_mark(key: &str) -> String {
     format!("pacer:{{{}}}:replicated", hash_tag(key))
 }
 
+/// The key the synchronous API's probe writes while Redis refuses writes (`api::batch`), to
+/// see when it takes them again; it expires on its own.
+pub fn api_probe() -> &'static str {
+    "pacer:{api}:probe"
+}
+
 /// Why a stream name cannot be used: a `{` that does not open a usable hash tag makes Redis hash
 /// the whole name, which companion keys could not follow; and a `}` with no `{` would close the
 /// tag of a companion key early (`pacer:{ready}a}:bucket` hashes on `ready`, not on the stream's

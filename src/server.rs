@@ -44,7 +44,7 @@ pub async fn start(
         .and_then(|i| i.api.as_ref().map(|a| (i, a)));
     if let Some((inbound, api)) = api {
         let con = RedisConn::new(&cfg.redis, cfg.redis.timeout).map_err(|e| e.to_string())?;
-        let decider = Decider::new(inbound.clone(), con, health);
+        let decider = Decider::new(inbound.clone(), con, cfg.redis.timeout, health);
         match api.listen {
             Some(addr) if addr == cfg.metrics.listen => {
                 main = main.merge(http::admission(decider.clone()));

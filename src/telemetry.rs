@@ -266,6 +266,8 @@ struct RuleMetrics {
     seconds: metrics::Histogram,
     allowed: metrics::Counter,
     limited: metrics::Counter,
+    /// Redis did not decide: let through unchecked (`fail_open`) or answered 503/UNAVAILABLE.
+    unanswered: metrics::Counter,
 }
 
 impl ApiMetrics {
@@ -297,6 +299,10 @@ impl ApiMetrics {
                             seconds: histogram!(API_SECONDS, "api" => api.as_str(), "rule" => r.name.clone()),
                             allowed: decisions("allowed"),
                             limited: decisions("limited"),
+                            unanswered: decisions(match inbound.fail_policy {
+                                crate::config::FailPolicy::FailOpen => "unchecked",
+                                crate::config::FailPolicy::FailClosed => "unavailable",
+                            }),
                         }
                     })
                 })
@@ -321,6 +327,15 @@ impl ApiMetrics {
             if let Some(m) = self.of(api, r) {
                 m.seconds.record(seconds);
             }
+        }
+    }
+
+    /// A request checked against rule `rule` (an index) that Redis did not decide: answered
+    /// by `fail_policy` (before, in no metric: a dashboard showed API traffic vanish during an
+    /// outage while it was all let through unchecked).
+    pub fn unanswered(&self, api: crate::api::Api, rule: usize) {
+        if let Some(m) = self.of(api, rule) {
+            m.unanswered.increment(1);
         }
     }
 

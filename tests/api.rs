@@ -1241,3 +1241,95 @@ fn a_grpc_call_whose_message_never_comes_is_ended_after_read_timeout_and_streams
         assert_eq!(client.current_max_send_streams(), 1024);
     });
 }
+
+/// Redis frozen a moment under the API. Three things that went wrong (found by review):
+/// - requests queued behind one leased identity's fetch each waited for the one before to fail,
+///   one Redis timeout after another (the twelfth answered after 23 s): now each answers within
+///   about one timeout;
+/// - requests whose clients had hung up were still sent once Redis answered, and charged: now
+///   they are dropped unsent;
+/// - `/readyz` stayed 503 after Redis came back until a request succeeded, which behind a
+///   Kubernetes Service never comes to a pod that is not ready: now it comes back by itself.
+///
+/// And the answers given for Redis are counted (`outcome="unavailable"`).
+#[test]
+fn a_frozen_redis_costs_each_request_one_timeout_charges_no_abandoned_one_and_readiness_returns() {
+    let api = start_api(
+        1,
+        "    - {name: leased, key: [k], algorithm: gcra, limits: [1000/s], lease: true}\n    - {name: hourly, key: [h], algorithm: fixed_window, limits: [1000/h]}\n",
+    );
+    let (m, h, _) = api.ports[0];
+    let (status, _, body) = post(h, r#"{"fields": {"k": "warm"}, "rules": ["leased"]}"#);
+    assert_eq!(status, 200, "{body}");
+    let (status, _, body) = post(h, r#"{"fields": {"h": "x"}, "rules": ["hourly"]}"#);
+    assert_eq!((status, &body["remaining"]), (200, &serde_json::json!(999)));
+    assert!(wait_until(Duration::from_secs(10), || matches!(
+        http_get(m, "/readyz"),
+        Some((200, _))
+    )));
+
+    api.redis.pause();
+    // Ten requests at once on one leased identity that holds no lease: single flight.
+    let t0 = Instant::now();
+    let answers: Vec<(u16, Duration)> = (0..10)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let status = http_post(
+                    h,
+                    "/v1/admit",
+                    r#"{"fields": {"k": "cold"}, "rules": ["leased"]}"#,
+                )
+                .map_or(0, |r| r.0);
+                (status, t0.elapsed())
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    let slowest = answers.iter().map(|a| a.1).max().unwrap();
+    assert!(answers.iter().all(|a| a.0 == 503), "{answers:?}");
+    // The config's redis.timeout is 500 ms; one after another they took 5 s and more.
+    assert!(slowest < Duration::from_millis(2000), "{answers:?}");
+    // Thirty requests on the hourly rule whose clients give up after 100 ms.
+    for _ in 0..30 {
+        use std::io::Write;
+        let mut c = std::net::TcpStream::connect(("127.0.0.1", h)).unwrap();
+        let ask = r#"{"fields": {"h": "x"}, "rules": ["hourly"]}"#;
+        write!(
+            c,
+            "POST /v1/admit HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{ask}",
+            ask.len()
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        drop(c);
+    }
+    // (Not ready, for the stream flow's calls too: they fail as well.)
+    let said = http_get(m, "/readyz");
+    assert!(matches!(&said, Some((503, _))), "{said:?}");
+    api.redis.resume();
+    // Back without a request: the probe finds Redis answering.
+    assert!(
+        wait_until(Duration::from_secs(8), || matches!(
+            http_get(m, "/readyz"),
+            Some((200, _))
+        )),
+        "{:?}",
+        http_get(m, "/readyz")
+    );
+    // Of the 30 abandoned, only those already sent when their clients left were charged: the
+    // calls in flight (two at a time) when Redis froze.
+    let (status, _, body) = post(h, r#"{"fields": {"h": "x"}, "rules": ["hourly"]}"#);
+    assert_eq!(status, 200, "{body}");
+    let remaining = body["remaining"].as_i64().unwrap();
+    assert!(
+        remaining >= 998 - 4,
+        "{remaining} left: abandoned requests charged"
+    );
+    let unavailable = metric_at(
+        m,
+        "pacer_api_decisions_total{api=\"http\",rule=\"leased\",outcome=\"unavailable\",mode=\"enforce\"}",
+    );
+    assert!(unavailable >= 10.0, "{unavailable} counted unavailable");
+}

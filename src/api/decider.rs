@@ -124,9 +124,16 @@ pub struct Decider {
 impl Decider {
     /// A decider on `cfg`'s rules, whose Redis calls tell `health` how Redis is doing (an
     /// idle stream flow would not see a Redis that refuses the API's writes).
-    pub fn new(cfg: InboundConfig, con: RedisConn, health: Arc<Health>) -> Arc<Self> {
+    /// A request waits for its Redis call at most about `timeout` (`redis.timeout`) past the
+    /// call's own.
+    pub fn new(
+        cfg: InboundConfig,
+        con: RedisConn,
+        timeout: Duration,
+        health: Arc<Health>,
+    ) -> Arc<Self> {
         Arc::new(Decider {
-            batcher: Batcher::start(cfg.rules.clone(), con, health),
+            batcher: Batcher::start(cfg.rules.clone(), con, timeout, health),
             metrics: telemetry::ApiMetrics::new(&cfg),
             cfg,
             leases: Leases::default(),
@@ -319,9 +326,17 @@ impl Decider {
                 break;
             }
             missing.sort_by(|a, b| ids[*a].key.cmp(&ids[*b].key));
+            let waiting = Instant::now();
             for x in missing {
                 let slot = slots[x].as_ref().expect("leased");
                 held.push((x, slot.fetch.lock().await));
+                // The fetch this request waited behind failed: Redis did not answer it, and
+                // would not answer this one sooner.
+                if let Some(e) = slot.failed_since(waiting) {
+                    drop(held);
+                    self.give_back(&slots, &mut asks, &taken, Instant::now());
+                    return self.unavailable(api, &ids, e.to_string());
+                }
             }
         }
         let sent = Instant::now();
@@ -342,17 +357,13 @@ impl Decider {
         let verdict = match reply {
             Ok(v) => v,
             Err(e) => {
-                self.give_back(&slots, &mut asks, &taken, Instant::now());
-                return match self.cfg.fail_policy {
-                    FailPolicy::FailOpen => Ok(Answer {
-                        allowed: true,
-                        retry_us: 0,
-                        limit: None,
-                        via_redis: false,
-                        unchecked: true,
-                    }),
-                    FailPolicy::FailClosed => Err(Refusal::Unavailable(e)),
-                };
+                let now = Instant::now();
+                for (x, _) in &held {
+                    slots[*x].as_ref().expect("leased").fetch_failed(now, &e);
+                }
+                drop(held);
+                self.give_back(&slots, &mut asks, &taken, now);
+                return self.unavailable(api, &ids, e);
             }
         };
         // Store what was leased; keep a refusal on a leased identity until its retry time.
@@ -381,6 +392,26 @@ impl Decider {
         }
         drop(held);
         Ok(self.answer(api, &ids, &verdict))
+    }
+
+    /// The answer when Redis could not decide (`error`): `fail_policy`'s.
+    fn unavailable(&self, api: Api, ids: &[Identity], error: String) -> Result<Answer, Refusal> {
+        let mut rules: Vec<usize> = ids.iter().map(|id| id.rule).collect();
+        rules.sort_unstable();
+        rules.dedup();
+        for rule in rules {
+            self.metrics.unanswered(api, rule);
+        }
+        match self.cfg.fail_policy {
+            FailPolicy::FailOpen => Ok(Answer {
+                allowed: true,
+                retry_us: 0,
+                limit: None,
+                via_redis: false,
+                unchecked: true,
+            }),
+            FailPolicy::FailClosed => Err(Refusal::Unavailable(error)),
+        }
     }
 
     /// Fetches ahead, in the background, the leases a request left low (`Slot::fetch_ahead`):

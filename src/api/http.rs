@@ -348,19 +348,26 @@ fn ceil_secs(us: i64) -> i64 {
     (us.max(0) + 999_999) / 1_000_000
 }
 
+/// The IETF policy (quota, window in whole seconds) for `count` per `window_us`. A window that
+/// is not whole seconds (`2/ms`, `3/1500ms`) is said over the whole seconds that hold it, its
+/// quota scaled to them and rounded down: `q=2;w=1` for `2/ms` advertised a thousandth of the
+/// rate (found by review).
+fn policy(count: i64, window_us: i64) -> (i64, i64) {
+    let w = ceil_secs(window_us).max(1);
+    if window_us == w * 1_000_000 {
+        return (count, w);
+    }
+    let q = count as i128 * (w as i128 * 1_000_000) / window_us.max(1) as i128;
+    (q.min(i64::MAX as i128) as i64, w)
+}
+
 /// The IETF headers for the limit reported: its policy (quota and window, in seconds) and its
 /// room (remaining and seconds until whole).
 fn rate_limit_headers(l: &Reported) -> [(&'static str, String); 2] {
     let name = format!("{}.{}", l.rule, l.label).replace(['"', '\\'], "");
+    let (q, w) = policy(l.count, l.window_us);
     [
-        (
-            "RateLimit-Policy",
-            format!(
-                "\"{name}\";q={};w={}",
-                l.count,
-                ceil_secs(l.window_us).max(1)
-            ),
-        ),
+        ("RateLimit-Policy", format!("\"{name}\";q={q};w={w}")),
         (
             "RateLimit",
             format!("\"{name}\";r={};t={}", l.remaining, ceil_secs(l.reset_us)),
@@ -411,6 +418,15 @@ pub fn respond(a: &Answer) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_policy_is_said_in_whole_seconds_with_its_quota_scaled_to_them() {
+        assert_eq!(policy(3, 1_000_000), (3, 1));
+        assert_eq!(policy(100, 60_000_000), (100, 60));
+        assert_eq!(policy(2, 1_000), (2_000, 1));
+        assert_eq!(policy(3, 1_500_000), (4, 2));
+        assert_eq!(policy(1, 300_000), (3, 1));
+    }
 
     #[test]
     fn a_request_names_every_problem() {
