@@ -44,6 +44,7 @@ pub struct Request {
     /// identities are resolved (a bad one is still refused), and it is allowed: pacer counts no
     /// refused request, so no limit is ever past its count, which is what envoyproxy/ratelimit
     /// answers a hit of 0 on (it adds 0 and refuses only a count already over the limit).
+    /// Except under `count_rejected`, whose refused requests count: a known gap (README).
     pub check_only: bool,
 }
 
