@@ -155,6 +155,32 @@ impl Config {
         out
     }
 
+    /// What the config allows but may not mean: each route whose backlog can hold as many
+    /// sleeping events as `worker.max_inflight`. A worker holds every event it read until its
+    /// slot, one permit each: one such backlog takes every permit, and the other routes' events
+    /// wait unread behind it at its pace (a 100/s route took 100 s to start behind a 2/s route
+    /// of max_wait 100s, found by review). Said by `check-config` and at start.
+    pub fn cautions(&self) -> Vec<String> {
+        if self.outbound.flow.streams.is_empty() || self.outbound.routes.len() < 2 {
+            return Vec::new();
+        }
+        let permits = self.worker.max_inflight as i64;
+        self.outbound
+            .routes
+            .values()
+            .filter_map(|r| {
+                let wait_us = r.max_wait.as_micros().min(i64::MAX as u128) as i64;
+                let sleepers = r.bucket.window_limit(wait_us);
+                (sleepers >= permits).then(|| {
+                    format!(
+                        "route {}: a backlog on it can hold {sleepers} sleeping events (rate x max_wait), and a worker holds at most worker.max_inflight ({permits}): one backlog fills a worker, and every other route's events wait unread behind it; raise max_inflight, lower max_wait, or give the route an input stream and workers of its own",
+                        r.name
+                    )
+                })
+            })
+            .collect()
+    }
+
     /// Reads and validates the file at `path`.
     pub fn load(path: &Path, overrides: &Overrides) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
@@ -305,6 +331,20 @@ outbound:
     carrier-a: {rate: 10/s, burst: 2, max_wait: 2s, fallbacks: [carrier-b]}
     carrier-b: {rate: 5/s}
 "#;
+
+    #[test]
+    fn a_route_whose_backlog_fills_a_worker_is_cautioned_about() {
+        let c = Config::parse(GOOD, &Overrides::default()).unwrap();
+        assert!(c.cautions().is_empty(), "{:?}", c.cautions());
+        let text = "worker:\n  batch: 50\n  max_inflight: 100\n  claim_idle: 102s\noutbound:\n  streams: [in]\n  routes:\n    slow: {rate: 2/s, max_wait: 100s}\n    fast: {rate: 100/s, max_wait: 500ms}\n";
+        let c = Config::parse(text, &Overrides::default()).unwrap();
+        let said = c.cautions();
+        assert_eq!(said.len(), 1, "{said:?}");
+        assert!(
+            said[0].starts_with("route slow: a backlog on it can hold 201 sleeping events"),
+            "{said:?}"
+        );
+    }
 
     #[test]
     fn reads_a_minimal_config_with_defaults() {

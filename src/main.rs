@@ -168,6 +168,9 @@ fn main() -> ExitCode {
             cfg.redis.mode,
             cfg.redis.url.redacted(),
         );
+        for caution in cfg.cautions() {
+            println!("caution: {caution}");
+        }
         return ExitCode::SUCCESS;
     }
     telemetry::init_tracing(cli.log_format);

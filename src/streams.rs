@@ -26,6 +26,34 @@ pub async fn ensure_group<C: ConnectionLike>(con: &mut C, stream: &str, group: &
     }
 }
 
+/// A stream id past any entry's: a read of a consumer's own pending entries after it returns
+/// nothing. (Not the greatest id itself: Redis 7.0 answers a read after that one with nil,
+/// without refreshing the consumer.)
+const PAST_ANY_ID: &str = "18446744073709551615-0";
+
+/// Tells `group` on `stream` that `consumer` is alive, without reading or touching any entry: a
+/// read of its own pending entries after the greatest id returns none and refreshes its idle
+/// time, which (on Redis 7.0) a read of new entries that finds none does not.
+pub async fn heartbeat<C: ConnectionLike>(
+    con: &mut C,
+    stream: &str,
+    group: &str,
+    consumer: &str,
+) -> Result<()> {
+    let _: Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(group)
+        .arg(consumer)
+        .arg("COUNT")
+        .arg(1)
+        .arg("STREAMS")
+        .arg(stream)
+        .arg(PAST_ANY_ID)
+        .query_async(con)
+        .await?;
+    Ok(())
+}
+
 /// Whether Redis is a cluster: then one script may only touch keys of one slot (`keys::slot`).
 pub async fn is_cluster<C: ConnectionLike>(con: &mut C) -> Result<bool> {
     let info: String = redis::cmd("INFO").arg("cluster").query_async(con).await?;
@@ -167,6 +195,8 @@ pub struct IdlePage {
     pub last: Option<String>,
     /// The entries listed that other consumers hold, each with how often it was delivered.
     pub others: Vec<(String, u64)>,
+    /// Which consumer holds each of `others`, in the same order.
+    pub holders: Vec<String>,
 }
 
 /// Up to `count` entries of `stream` pending in `group` for longer than `min_idle`, oldest first
@@ -212,8 +242,11 @@ pub async fn pending_idle<C: ConnectionLike>(
             return Err(shape());
         };
         let id = String::from_utf8_lossy(&bytes(id, "pending")?).into_owned();
-        if bytes(consumer, "pending")? != except.as_bytes() {
+        let consumer = bytes(consumer, "pending")?;
+        if consumer != except.as_bytes() {
             page.others.push((id.clone(), deliveries.max(0) as u64));
+            page.holders
+                .push(String::from_utf8_lossy(&consumer).into_owned());
         }
         page.last = Some(id);
     }

@@ -27,6 +27,7 @@
 mod claim;
 mod context;
 mod dispatcher;
+mod heartbeat;
 mod inbound;
 mod monitor;
 mod outputs;
@@ -129,6 +130,9 @@ impl Worker {
             _ => "multi_thread",
         };
         info!(consumer = %ctx.consumer, routes = ctx.cfg.outbound.routes.len(), inbound_rules = rules, threads, runtime = %runtime, redis = %ctx.con.target(), "worker starting");
+        for caution in ctx.cfg.cautions() {
+            warn!("{caution}");
+        }
         // Before `prepare`, which makes the worker ready: a worker refused its name never says
         // it is ready.
         prepare::check_name_free(&ctx, &shutdown).await?;
@@ -147,6 +151,8 @@ impl Worker {
             hard_stop.clone(),
         ));
         let monitor = tokio::spawn(monitor::run(ctx.clone(), hard_stop.clone()));
+        // Until the drain is over: the worker holds its sleeping entries until then.
+        let heartbeat = tokio::spawn(heartbeat::run(ctx.clone(), hard_stop.clone()));
         let claimer = tokio::spawn(claim::run(ctx.clone(), placers.clone(), shutdown.clone()));
         let work = async {
             let readers = ctx
@@ -174,6 +180,7 @@ impl Worker {
         }
         hard_stop.cancel();
         let _ = monitor.await;
+        let _ = heartbeat.await;
         info!("worker stopped");
         Ok(())
     }

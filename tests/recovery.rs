@@ -769,3 +769,60 @@ fn a_worker_under_a_live_workers_consumer_name_refuses_to_start_and_a_restart_do
     );
     assert_each_once(&redis, &ids, &[READY, "pacer:rejected", "pacer:dead"], "in");
 }
+
+/// A rolling config change that lowers `claim_idle` below the old workers' longest `max_wait`
+/// and drops a fallback: the new worker claimed the entries an old one slept on (they were idle
+/// longer than its claim_idle), found no route left in its chain and rejected them, while the
+/// old one dispatched them on the fallback: 14 of 20 entries ended twice (found by review).
+/// A live worker beats (`worker/heartbeat.rs`) and claimers leave its entries alone: each
+/// ends once, and the old worker still dispatches what it slept on.
+#[test]
+fn a_rolling_change_that_lowers_claim_idle_claims_nothing_a_live_worker_sleeps_on() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("rolling-claim");
+    let (m1, m2) = (free_port(), free_port());
+    let old = config(
+        &dir,
+        "old.yaml",
+        &redis,
+        m1,
+        "  claim_idle: 12s",
+        "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 1/s, max_wait: 1s, fallbacks: [b]}\n    b: {rate: 2/s, max_wait: 10s}\n",
+    );
+    let new = config(
+        &dir,
+        "new.yaml",
+        &redis,
+        m2,
+        "  claim_idle: 2100ms",
+        "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 1/s, max_wait: 1s}\n",
+    );
+    let w1 = start(&old, m1);
+    let events: Vec<_> = (0..16)
+        .map(|i| event(&[("route", "a"), ("n", &i.to_string())]))
+        .collect();
+    let ids = push(&redis, "in", &events);
+    // Let the old worker read and decide them all (most sleep on b, up to 8 s), then start the
+    // new one beside it, as a rolling update does.
+    assert!(wait_until(Duration::from_secs(5), || sleeping(m1) >= 10.0));
+    let w2 = start(&new, m2);
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            lengths(&redis, &OUTPUTS).iter().sum::<usize>() >= ids.len()
+                && pending(&redis, "in", "pacer") == 0
+        }),
+        "{:?}\nold:\n{}\nnew:\n{}",
+        lengths(&redis, &OUTPUTS),
+        w1.log_text(),
+        w2.log_text()
+    );
+    // Give a second delivery every chance to show.
+    std::thread::sleep(Duration::from_secs(2));
+    let at = assert_each_once(&redis, &ids, &OUTPUTS, "in");
+    let on_b = at.values().filter(|o| o[0] == "pacer:{b}:ready").count();
+    assert!(
+        on_b >= 8,
+        "the old worker dispatched what it slept on: {at:?}"
+    );
+    assert_eq!(claimed(m2), 0.0, "{}", w2.log_text());
+}

@@ -96,7 +96,23 @@ async fn claim(
     let group = &ctx.cfg.worker.group;
     let page =
         streams::pending_idle(&mut con, stream, group, idle, (from, count), &ctx.consumer).await?;
-    let listed = page.others;
+    let mut listed = page.others;
+    if listed.is_empty() {
+        return Ok((page.listed, page.last, Vec::new()));
+    }
+    // Never from a consumer that is alive (it beats every `heartbeat::EVERY`): its entries
+    // sleep in its hands, however long. claim_idle above the longest max_wait kept them safe
+    // within one config, but not across a rolling change that lowered it: the new workers
+    // claimed what the old ones slept on, and one entry ended both dispatched and rejected
+    // (found by review).
+    let alive: Vec<String> = streams::consumers(&mut con, stream, group)
+        .await?
+        .into_iter()
+        .filter(|c| c.idle_ms < idle.as_millis() as i64)
+        .map(|c| c.name)
+        .collect();
+    let mut holders = page.holders.iter();
+    listed.retain(|_| holders.next().is_some_and(|h| !alive.contains(h)));
     if listed.is_empty() {
         return Ok((page.listed, page.last, Vec::new()));
     }
