@@ -61,7 +61,9 @@ local function judge(dtat, tat, t, tq, slot, deadline, cost, interval, tol)
   end
   local missed = t > slot + LATE
   if missed and t > deadline then
-    return 'late', t, dtat, give_back(tat, slot, cost, interval, tol)
+    -- When a retry could go: the plan's next slot, never now (a wait of 0 read 'retry at once').
+    local next = math.max(plan(tat, t, cost, interval, tol), t + 1)
+    return 'late', ceil_ms(next), dtat, give_back(tat, slot, cost, interval, tol)
   end
   local ok, g = gate(dtat, tq, cost, interval, tol)
   if ok then

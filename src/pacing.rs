@@ -201,8 +201,14 @@ pub fn judge(
     // the gate allows, and only within its deadline.
     let missed = t_us > slot_us + LATE_US;
     if missed && t_us > deadline_us {
+        // When a retry could go: the plan's next slot, and never now. `t` itself offered a
+        // wait of 0, and a queue_full rejection said retry_after 0 ms (found hunting flaky
+        // tests: any worker waking over 1 ms late at the end of max_wait).
+        let next = plan(at.tat_us, t_us, cost, p).slot_us.max(t_us + 1);
         return (
-            Judged::TooLate { at_us: t_us },
+            Judged::TooLate {
+                at_us: ceil_ms(next),
+            },
             give_back(at, slot_us, cost, p),
         );
     }
@@ -378,7 +384,7 @@ mod tests {
             tat_us: 100_000,
         };
         let (v, at) = judge(last, clock, 0, 1_000_000, 1, &p);
-        assert_eq!(v, Judged::TooLate { at_us: 3_000_000 });
+        assert_eq!(v, Judged::TooLate { at_us: 3_001_000 }, "never a wait of 0");
         assert_eq!(at.tat_us, 0);
         // The gate closed until 3.2 s: moved there, within its deadline.
         let (v, _) = judge(gate_at(3_200_000), clock, 0, 5_000_000, 1, &p);

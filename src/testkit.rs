@@ -151,9 +151,7 @@ impl RedisServer {
     /// Starts with extra `redis-server` arguments (like `--appendonly yes`).
     pub fn start_with(extra: &[&str]) -> Self {
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-        let server = Self::spawn_on(free_port(), &extra);
-        server.wait_ready();
-        server
+        Self::started(|port| Self::spawn_on(port, &extra))
     }
 
     /// Starts on `port` without waiting for it to answer a plain-text PING: for servers that
@@ -164,9 +162,7 @@ impl RedisServer {
 
     /// Starts with its wall clock under `shift`'s control (see [`ClockShift`]).
     pub fn start_shifted(shift: &ClockShift) -> Self {
-        let server = Self::spawn_with_env(free_port(), &[], shift.env());
-        server.wait_ready();
-        server
+        Self::started(|port| Self::spawn_with_env(port, &[], shift.env()))
     }
 
     fn spawn_with_env(port: u16, extra: &[String], env: Vec<(String, String)>) -> Self {
@@ -304,22 +300,62 @@ impl RedisServer {
         self.child = spawn_redis(self.port, self.dir.path(), &self.extra, &self.env);
     }
 
-    fn wait_ready(&self) {
+    fn wait_ready(&mut self) {
+        if let Err(e) = self.try_ready() {
+            panic!("{e}");
+        }
+    }
+
+    /// Spawns a server with `spawn` on a free port, and again on another (three tries in all)
+    /// if it does not start: a port found free may be taken before the server binds it.
+    fn started(spawn: impl Fn(u16) -> Self) -> Self {
+        let mut why = String::new();
+        for _ in 0..3 {
+            let mut server = spawn(free_port());
+            match server.try_ready() {
+                Ok(()) => return server,
+                Err(e) => why = e,
+            }
+        }
+        panic!("{why}");
+    }
+
+    /// Waits up to 10 s until this server answers on its port: this process, not another
+    /// that holds the port (a test would then talk to someone else's Redis), and failing at
+    /// once, with the end of its log, if it exits.
+    fn try_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(10);
+        let log_tail = |dir: &Path| {
+            let log = std::fs::read_to_string(dir.join(LOG)).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(5).collect();
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        };
+        let me = format!("process_id:{}\r", self.child.id());
         loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(format!(
+                    "redis-server on port {} exited ({status}); the end of its log:\n{}",
+                    self.port,
+                    log_tail(self.dir.path())
+                ));
+            }
             if let Ok(mut con) = self.client().get_connection() {
-                if redis::cmd("PING").query::<String>(&mut con).is_ok() {
-                    return;
+                if let Ok(info) = redis::cmd("INFO").arg("server").query::<String>(&mut con) {
+                    if info.contains(&me) {
+                        return Ok(());
+                    }
+                    return Err(format!(
+                        "another redis-server answers on port {}",
+                        self.port
+                    ));
                 }
             }
             if Instant::now() >= deadline {
-                let log = std::fs::read_to_string(self.dir.path().join(LOG)).unwrap_or_default();
-                let tail: Vec<&str> = log.lines().rev().take(5).collect();
-                panic!(
+                return Err(format!(
                     "redis-server did not start on port {}; the end of its log:\n{}",
                     self.port,
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-                );
+                    log_tail(self.dir.path())
+                ));
             }
             std::thread::sleep(Duration::from_millis(20));
         }

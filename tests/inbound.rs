@@ -476,6 +476,20 @@ fn a_redelivered_entry_gets_its_recorded_decision_and_is_not_charged_again() {
 
 const WORKER: &str = "  batch: 32\n  drain: 1s\n  claim_idle: 30s";
 
+/// XADDs `events` to `stream` in one MULTI/EXEC: a reader blocked on the stream wakes once,
+/// to all of them.
+fn push_at_once(redis: &RedisServer, stream: &str, events: &[Vec<(String, Vec<u8>)>]) {
+    let mut pipe = redis::pipe();
+    pipe.atomic();
+    for fields in events {
+        let cmd = pipe.cmd("XADD").arg(stream).arg("*");
+        for (k, v) in fields {
+            cmd.arg(k).arg(v.as_slice());
+        }
+    }
+    let _: Vec<String> = pipe.query(&mut redis.con()).expect("pushing events");
+}
+
 fn source_events(n: usize, source: &str) -> Vec<Vec<(String, Vec<u8>)>> {
     (0..n)
         .map(|i| event(&[("source", source), ("call", &format!("{source}-{i}"))]))
@@ -490,7 +504,12 @@ fn sliding_log_takes_exactly_the_limit_of_fifty_at_once_then_exactly_that_many_a
     let port = free_port();
     let body =
         &inbound_body("{name: per-source, key: [source], algorithm: sliding_log, limits: [10/s]}");
-    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    // Each push of 50 is read and decided in one call: a batch that holds it, and the entries
+    // added in one transaction, so that the reader does not wake on the first of them. (Split
+    // across calls, two of them once landed over a second apart on a busy machine, the window
+    // sliding between them, and 30 were admitted.)
+    let worker = "  batch: 64\n  drain: 1s\n  claim_idle: 30s";
+    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
     let pacer = start(&cfg, port);
     let settled = |n: usize| {
         wait_until(Duration::from_secs(15), || {
@@ -498,7 +517,7 @@ fn sliding_log_takes_exactly_the_limit_of_fifty_at_once_then_exactly_that_many_a
                 && pending(&redis, "pacer:in", "pacer") == 0
         })
     };
-    push(&redis, "pacer:in", &source_events(50, "carrier-7"));
+    push_at_once(&redis, "pacer:in", &source_events(50, "carrier-7"));
     assert!(settled(50), "log:\n{}", pacer.log_text());
     assert_eq!(read(&redis, "pacer:accepted").len(), 10);
     let first_done = redis_time_ms(&redis);
@@ -518,7 +537,7 @@ fn sliding_log_takes_exactly_the_limit_of_fifty_at_once_then_exactly_that_many_a
     // After the window slides: exactly 10 more.
     std::thread::sleep(Duration::from_millis(1100));
     assert!(redis_time_ms(&redis) - first_done >= 1000);
-    push(&redis, "pacer:in", &source_events(50, "carrier-7"));
+    push_at_once(&redis, "pacer:in", &source_events(50, "carrier-7"));
     assert!(settled(100), "log:\n{}", pacer.log_text());
     let accepted = read(&redis, "pacer:accepted");
     assert_eq!(accepted.len(), 20);

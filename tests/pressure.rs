@@ -13,17 +13,18 @@ use pacer::testkit::{free_port, wait_until, RedisServer, TempDir};
 use std::time::Duration;
 
 /// A backlog of 4 × R events on a route of R/s with burst 1 drains at the route's rate: every
-/// whole second of the drain after the first holds at least 80% of R (before, it fell to 4% of
+/// whole second of the drain after the first holds at least 60% of R (before, it fell to 4% of
 /// R and stayed). `cargo bench --bench pressure` measures the 95% on a release build
 /// (99% or more there); the suite runs a debug build with three workers and Redis on two cores,
-/// where one second was seen at 88%, so it keeps a margin the collapse fails by far.
+/// where one second was seen at 88% and, with two busy loops beside it, 70%: it keeps a margin
+/// the collapse fails by far.
 #[test]
 fn a_backlog_drains_at_the_routes_rate() {
     for (rate, workers) in [(1000, 1), (1000, 3)] {
         let d = drain_backlog(&[], rate, 4 * rate as usize, workers);
         eprintln!("backlog drain: {d:?}");
         assert!(
-            d.worst_share() >= 0.80,
+            d.worst_share() >= 0.60,
             "{rate}/s with {workers} workers: seconds held {:?}",
             d.per_second
         );
@@ -32,7 +33,7 @@ fn a_backlog_drains_at_the_routes_rate() {
 
 /// A worker stalled for a second on a saturated route (fed at 1.2 × its rate) gets back to the
 /// rate instead of settling at a fraction of it (before: 10/s of 1000/s for as long as it ran).
-/// Seconds 2 to 4 after it is continued, while it is still fed, each hold at least 80% of the
+/// Seconds 2 to 4 after it is continued, while it is still fed, each hold at least 60% of the
 /// rate. `cargo bench --bench pressure` measures the 95% (every round 97.8% or more
 /// there); the suite keeps a margin for a loaded CI machine, which the collapse (1%) fails by far.
 #[test]
@@ -43,7 +44,7 @@ fn a_stalled_worker_gets_back_to_the_rate() {
     let counted: Vec<usize> = s.after.iter().skip(2).take(3).copied().collect();
     assert_eq!(counted.len(), 3, "{s:?}");
     assert!(
-        counted.iter().all(|n| *n as f64 >= 0.80 * s.rate as f64),
+        counted.iter().all(|n| *n as f64 >= 0.60 * s.rate as f64),
         "seconds after the stall: {:?}",
         s.after
     );
