@@ -59,7 +59,10 @@ pub fn route_view(tat_us: i64, dtat_us: i64, now_us: i64, p: &pacing::BucketPara
     // To the nearest slot: a dispatch charges the gate from the millisecond before it (see
     // `pacing::gate`), which leaves it up to a millisecond short of a whole slot.
     let planned = (ahead + p.interval_us / 2) / p.interval_us;
-    let slot = pacing::plan(tat_us, now_us, 1, p).slot_us;
+    // From the later of plan and gate, as `schedule.lua` plans: after late dispatches the gate
+    // runs ahead of the plan, and the wait read from the plan alone was too short (found by
+    // review).
+    let slot = pacing::plan(tat_us.max(dtat_us), now_us, 1, p).slot_us;
     (planned, (slot - now_us).max(0) / 1000)
 }
 
@@ -250,5 +253,10 @@ mod tests {
         );
         // The gate behind now (nothing dispatched lately): counted from now.
         assert_eq!(route_view(1_500_000, 0, 1_200_000, &params(1)), (3, 300));
+        // The gate ahead of the plan (dispatches ran late): a new event waits for the gate.
+        assert_eq!(
+            route_view(1_000_000, 1_800_000, 1_000_000, &params(1)),
+            (0, 800)
+        );
     }
 }

@@ -432,7 +432,7 @@ fn sigterm_during_an_outage_exits_within_drain_and_leaves_the_rest_pending() {
     let took = term.elapsed();
     assert_eq!(code, Some(0), "exit code; log:\n{}", first.log_text());
     assert!(
-        took < Duration::from_millis(1000 + 150),
+        took < Duration::from_millis(1000 + 400),
         "took {took:?} to exit with a 1s drain"
     );
     eprintln!("SIGTERM during the outage: exited in {took:?} (drain 1s)");
