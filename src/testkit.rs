@@ -341,13 +341,16 @@ impl RedisServer {
             }
             if let Ok(mut con) = self.client().get_connection() {
                 if let Ok(info) = redis::cmd("INFO").arg("server").query::<String>(&mut con) {
-                    if info.contains(&me) {
+                    if !info.contains(&me) {
+                        return Err(format!(
+                            "another redis-server answers on port {}",
+                            self.port
+                        ));
+                    }
+                    // INFO answers while the dataset loads; PING waits for it.
+                    if redis::cmd("PING").query::<String>(&mut con).is_ok() {
                         return Ok(());
                     }
-                    return Err(format!(
-                        "another redis-server answers on port {}",
-                        self.port
-                    ));
                 }
             }
             if Instant::now() >= deadline {
