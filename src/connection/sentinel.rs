@@ -13,7 +13,11 @@
 //! A planned failover (`SENTINEL FAILOVER`) gives no such error: the old master keeps
 //! answering, as a master, until the sentinels convert it to a replica several seconds later
 //! (and writes it took meanwhile are lost then). So a background task also asks the sentinels
-//! every `RECHECK_EVERY` and switches as soon as they name another master.
+//! every `RECHECK_EVERY`, and each connection switches at its next command once they name
+//! another master. That task is one per process for one master name and set of sentinels
+//! (`Watch`), shared by every connection to it: one per connection (each input stream's reader
+//! has its own) made 326 connections in 10 s with 10 streams, each a TLS handshake under TLS,
+//! since redis-rs checks the master's ROLE on a connection of its own at every lookup.
 
 use super::renewing::Renewing;
 use crate::config::{RedisConfig, SentinelConfig};
@@ -22,6 +26,7 @@ use redis::{
     Cmd, ConnectionInfo, ErrorKind, Pipeline, RedisError, RedisResult, ServerErrorKind,
     TlsCertificates, TlsMode, Value,
 };
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
@@ -43,6 +48,8 @@ struct Shared {
     /// Lookups are serialised: one at a time asks the sentinels, the others wait and use its
     /// answer.
     client: tokio::sync::Mutex<SentinelClient>,
+    /// What the process's watcher last heard from the sentinels.
+    watch: Arc<Watch>,
     state: Mutex<State>,
     connect_timeout: Duration,
     response_timeout: Duration,
@@ -57,7 +64,44 @@ struct State {
     last_lookup: Option<Instant>,
     /// A failed lookup was logged since the last good one: a failover makes many in a row.
     warned: bool,
+    /// The watch's `seq` when this connection last took its master from it or looked one up
+    /// itself: only a later change of the watch's is followed (an earlier one may be older
+    /// than what this connection found on its own).
+    seen: u64,
 }
+
+/// The master the sentinels last named to the process's watcher (`watch`), and how many
+/// changes of it the watcher has seen.
+#[derive(Default)]
+struct Watch {
+    named: Mutex<(u64, Option<(String, redis::Client)>)>,
+}
+
+impl Watch {
+    fn seq(&self) -> u64 {
+        self.named.lock().expect("not poisoned").0
+    }
+
+    /// The master named after `seen`, with the change's number, if there was a change.
+    fn named_after(&self, seen: u64) -> Option<(u64, String, redis::Client)> {
+        let named = self.named.lock().expect("not poisoned");
+        match &named.1 {
+            Some((addr, client)) if named.0 > seen => Some((named.0, addr.clone(), client.clone())),
+            _ => None,
+        }
+    }
+
+    fn heard(&self, addr: String, client: redis::Client) {
+        let mut named = self.named.lock().expect("not poisoned");
+        if named.1.as_ref().is_none_or(|(a, _)| *a != addr) {
+            named.0 += 1;
+            named.1 = Some((addr, client));
+        }
+    }
+}
+
+/// The process's watches, by master name, sentinels and what the master is reached with.
+static WATCHES: Mutex<Option<HashMap<String, Weak<Watch>>>> = Mutex::new(None);
 
 #[derive(Clone)]
 struct Master {
@@ -78,48 +122,49 @@ impl SentinelConn {
         certs: Option<TlsCertificates>,
         response_timeout: Duration,
     ) -> RedisResult<Self> {
-        let SentinelConfig {
-            master_name,
-            username: sentinel_user,
-            password: sentinel_password,
-        } = cfg.sentinel.as_ref().ok_or((
-            ErrorKind::InvalidClientConfig,
-            "sentinel mode without a master name",
-        ))?;
-        let mut builder = SentinelClientBuilder::new(
-            sentinels.iter().map(|i| i.addr().clone()),
-            master_name,
-            SentinelServerType::Master,
-        )?
-        .set_client_to_redis_db(db);
-        if let Some(user) = &cfg.username {
-            builder = builder.set_client_to_redis_username(user);
-        }
-        if let Some(password) = &cfg.password {
-            builder = builder.set_client_to_redis_password(password.expose());
-        }
-        if let Some(user) = sentinel_user {
-            builder = builder.set_client_to_sentinel_username(user);
-        }
-        if let Some(password) = sentinel_password {
-            builder = builder.set_client_to_sentinel_password(password.expose());
-        }
-        if let Some(certs) = certs {
-            // One TLS setting for every node: the sentinels and the masters they name.
-            builder = builder
-                .set_client_to_redis_tls_mode(TlsMode::Secure)
-                .set_client_to_redis_certificates(certs.clone())
-                .set_client_to_sentinel_certificates(certs);
-        }
-        let client = builder.build()?;
+        let master_name = &cfg
+            .sentinel
+            .as_ref()
+            .ok_or((
+                ErrorKind::InvalidClientConfig,
+                "sentinel mode without a master name",
+            ))?
+            .master_name;
+        let client = sentinel_client(cfg, sentinels, db, certs.clone())?;
+        let key = format!(
+            "{master_name} {:?} {db} {:?}",
+            sentinels
+                .iter()
+                .map(|i| i.addr().to_string())
+                .collect::<Vec<_>>(),
+            cfg.username
+        );
+        let watch = {
+            let mut watches = WATCHES.lock().expect("not poisoned");
+            let watches = watches.get_or_insert_with(HashMap::new);
+            watches.retain(|_, w| w.strong_count() > 0);
+            match watches.get(&key).and_then(Weak::upgrade) {
+                Some(watch) => watch,
+                None => {
+                    let watch = Arc::<Watch>::default();
+                    // The watcher asks with a client of its own: lookups of connections
+                    // would otherwise wait behind its periodic one.
+                    let asker = sentinel_client(cfg, sentinels, db, certs)?;
+                    if spawn_watcher(Arc::downgrade(&watch), asker, cfg.timeout) {
+                        watches.insert(key, Arc::downgrade(&watch));
+                    }
+                    watch
+                }
+            }
+        };
         let shared = Arc::new(Shared {
             client: tokio::sync::Mutex::new(client),
+            watch,
             state: Mutex::new(State::default()),
             connect_timeout: cfg.timeout,
             response_timeout,
             master_name: master_name.clone(),
         });
-        watch(Arc::downgrade(&shared));
         Ok(SentinelConn { shared })
     }
 
@@ -163,7 +208,17 @@ impl SentinelConn {
     /// whatever the sentinels name now.
     async fn master(&self) -> RedisResult<Renewing> {
         let (current, due) = {
-            let state = self.shared.state.lock().expect("not poisoned");
+            let mut state = self.shared.state.lock().expect("not poisoned");
+            // The process's watcher heard the sentinels name a master since this connection
+            // last looked: take it (a planned failover gives no error to notice it by).
+            if let Some((seq, addr, found)) = self.shared.watch.named_after(state.seen) {
+                state.seen = seq;
+                if state.current.as_ref().is_none_or(|m| m.addr != addr) {
+                    if let Err(e) = self.adopt(&mut state, addr, found) {
+                        debug!(error = %e, "taking the master the watcher heard of failed");
+                    }
+                }
+            }
             let due = state.current.is_none()
                 || (state.stale
                     && state
@@ -174,7 +229,7 @@ impl SentinelConn {
         if !due {
             return Ok(current.expect("present when no lookup is due").con);
         }
-        match self.lookup(false).await {
+        match self.lookup().await {
             Ok(master) => Ok(master.con),
             Err(e) => {
                 let first = !std::mem::replace(
@@ -194,15 +249,15 @@ impl SentinelConn {
         }
     }
 
-    /// Asks the sentinels which node is master and switches to it if it moved. Unless
-    /// `always`, a master that is known and not suspect is taken as is (another command may have
-    /// looked up while this one waited for the lock).
-    async fn lookup(&self, always: bool) -> RedisResult<Master> {
+    /// Asks the sentinels which node is master and switches to it if it moved. A master that
+    /// is known and not suspect is taken as is (another command may have looked up while this
+    /// one waited for the lock).
+    async fn lookup(&self) -> RedisResult<Master> {
         let mut client = self.shared.client.lock().await;
         {
             let mut state = self.shared.state.lock().expect("not poisoned");
             if let Some(master) = &state.current {
-                if !state.stale && !always {
+                if !state.stale {
                     return Ok(master.clone());
                 }
             }
@@ -223,11 +278,18 @@ impl SentinelConn {
         let mut state = self.shared.state.lock().expect("not poisoned");
         state.stale = false;
         state.warned = false;
+        // What the watcher heard until now is no newer than this.
+        state.seen = self.shared.watch.seq();
         if let Some(master) = &state.current {
             if master.addr == addr {
                 return Ok(master.clone());
             }
         }
+        self.adopt(&mut state, addr, found)
+    }
+
+    /// Switches this connection to the master at `addr` (`found` reaches it).
+    fn adopt(&self, state: &mut State, addr: String, found: redis::Client) -> RedisResult<Master> {
         let con = Renewing::new(
             found,
             super::manager_config(self.shared.connect_timeout, self.shared.response_timeout),
@@ -269,6 +331,49 @@ impl SentinelConn {
     }
 }
 
+/// A client asking `sentinels` for `cfg`'s master (database `db`, `cfg`'s credentials and TLS).
+fn sentinel_client(
+    cfg: &RedisConfig,
+    sentinels: &[ConnectionInfo],
+    db: i64,
+    certs: Option<TlsCertificates>,
+) -> RedisResult<SentinelClient> {
+    let SentinelConfig {
+        master_name,
+        username: sentinel_user,
+        password: sentinel_password,
+    } = cfg.sentinel.as_ref().ok_or((
+        ErrorKind::InvalidClientConfig,
+        "sentinel mode without a master name",
+    ))?;
+    let mut builder = SentinelClientBuilder::new(
+        sentinels.iter().map(|i| i.addr().clone()),
+        master_name,
+        SentinelServerType::Master,
+    )?
+    .set_client_to_redis_db(db);
+    if let Some(user) = &cfg.username {
+        builder = builder.set_client_to_redis_username(user);
+    }
+    if let Some(password) = &cfg.password {
+        builder = builder.set_client_to_redis_password(password.expose());
+    }
+    if let Some(user) = sentinel_user {
+        builder = builder.set_client_to_sentinel_username(user);
+    }
+    if let Some(password) = sentinel_password {
+        builder = builder.set_client_to_sentinel_password(password.expose());
+    }
+    if let Some(certs) = certs {
+        // One TLS setting for every node: the sentinels and the masters they name.
+        builder = builder
+            .set_client_to_redis_tls_mode(TlsMode::Secure)
+            .set_client_to_redis_certificates(certs.clone())
+            .set_client_to_sentinel_certificates(certs);
+    }
+    builder.build()
+}
+
 /// An error reply saying this node is no longer (or not yet) a usable master. A script's write
 /// refused on a replica carries READONLY inside its message.
 fn demoted(e: &redis::ServerError) -> bool {
@@ -276,29 +381,37 @@ fn demoted(e: &redis::ServerError) -> bool {
         || e.details().is_some_and(|d| d.contains("READONLY"))
 }
 
-/// Asks the sentinels every `RECHECK_EVERY` while any clone of the connection lives (the task
-/// holds only a weak reference), once a first command has found the master. Without a tokio
-/// runtime at hand there is no watcher, and failovers are noticed by their errors alone.
-fn watch(shared: Weak<Shared>) {
+/// Starts the process's watcher for one master (see the module's notes): every
+/// `RECHECK_EVERY` it asks the sentinels with `client` and notes in `watch` the master they
+/// name, while any connection holds the watch (the task holds only a weak reference). False
+/// without a tokio runtime at hand: then failovers are noticed by their errors alone.
+fn spawn_watcher(watch: Weak<Watch>, mut client: SentinelClient, timeout: Duration) -> bool {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
+        return false;
     };
     runtime.spawn(async move {
         let mut tick = tokio::time::interval(RECHECK_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let Some(shared) = shared.upgrade() else {
+            if watch.strong_count() == 0 {
                 return;
-            };
-            if shared.state.lock().expect("not poisoned").current.is_none() {
-                continue;
             }
-            // A failed check changes nothing: commands keep the master they have, and their
-            // own errors mark it suspect.
-            if let Err(e) = (SentinelConn { shared }).lookup(true).await {
-                debug!(error = %e, "periodic sentinel check failed");
+            // Bounded, as a lookup: a black-holed sentinel must not stall the watch.
+            match tokio::time::timeout(timeout * 2, client.async_get_client()).await {
+                Ok(Ok(found)) => {
+                    let Some(watch) = watch.upgrade() else {
+                        return;
+                    };
+                    let addr = found.get_connection_info().addr().to_string();
+                    watch.heard(addr, found);
+                }
+                // A failed check changes nothing: connections keep the master they have, and
+                // their own errors mark it suspect.
+                Ok(Err(e)) => debug!(error = %e, "periodic sentinel check failed"),
+                Err(_) => debug!("periodic sentinel check timed out"),
             }
         }
     });
+    true
 }
