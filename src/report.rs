@@ -15,15 +15,8 @@ use std::time::Duration;
 
 /// The most entries whose times (ms, sorted) fall within any window `[a, a + window_ms)`.
 pub fn max_in_window(sorted_ms: &[i64], window_ms: i64) -> usize {
-    let mut best = 0;
-    let mut start = 0;
-    for end in 0..sorted_ms.len() {
-        while sorted_ms[end] - sorted_ms[start] >= window_ms {
-            start += 1;
-        }
-        best = best.max(end - start + 1);
-    }
-    best
+    let points: Vec<(i64, i64)> = sorted_ms.iter().map(|&ms| (ms, 1)).collect();
+    max_weight_in_window(&points, window_ms) as usize
 }
 
 /// The most weight in any window of `window_ms`: `points` are (ms, weight), sorted by ms. The

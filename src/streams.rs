@@ -193,10 +193,16 @@ pub struct IdlePage {
     pub listed: usize,
     /// The last entry listed: the next page starts after it.
     pub last: Option<String>,
-    /// The entries listed that other consumers hold, each with how often it was delivered.
-    pub others: Vec<(String, u64)>,
-    /// Which consumer holds each of `others`, in the same order.
-    pub holders: Vec<String>,
+    /// The entries listed that other consumers hold.
+    pub others: Vec<IdleEntry>,
+}
+
+/// An entry pending on another consumer: its id, how often it was delivered, and who holds it.
+#[derive(Debug, Clone)]
+pub struct IdleEntry {
+    pub id: String,
+    pub deliveries: u64,
+    pub holder: String,
 }
 
 /// Up to `count` entries of `stream` pending in `group` for longer than `min_idle`, oldest first
@@ -244,9 +250,11 @@ pub async fn pending_idle<C: ConnectionLike>(
         let id = String::from_utf8_lossy(&bytes(id, "pending")?).into_owned();
         let consumer = bytes(consumer, "pending")?;
         if consumer != except.as_bytes() {
-            page.others.push((id.clone(), deliveries.max(0) as u64));
-            page.holders
-                .push(String::from_utf8_lossy(&consumer).into_owned());
+            page.others.push(IdleEntry {
+                id: id.clone(),
+                deliveries: deliveries.max(0) as u64,
+                holder: String::from_utf8_lossy(&consumer).into_owned(),
+            });
         }
         page.last = Some(id);
     }
@@ -286,24 +294,24 @@ pub async fn claim<C: ConnectionLike>(
     group: &str,
     consumer: &str,
     min_idle: Duration,
-    ids: &[(String, u64)],
+    idle: &[IdleEntry],
 ) -> Result<Vec<Entry>> {
     let mut cmd = redis::cmd("XCLAIM");
     cmd.arg(stream.as_ref())
         .arg(group)
         .arg(consumer)
         .arg(min_idle.as_millis() as u64);
-    for (id, _) in ids {
-        cmd.arg(id);
+    for e in idle {
+        cmd.arg(&e.id);
     }
     let reply: Value = cmd.query_async(con).await?;
     let mut out = Vec::new();
     parse_entries(reply, stream, 0, &mut out)?;
     for entry in &mut out {
-        entry.deliveries = ids
+        entry.deliveries = idle
             .iter()
-            .find(|(id, _)| *id == entry.id)
-            .map_or(1, |(_, n)| n + 1);
+            .find(|e| e.id == entry.id)
+            .map_or(1, |e| e.deliveries + 1);
     }
     Ok(out)
 }

@@ -111,8 +111,7 @@ async fn claim(
         .filter(|c| c.idle_ms < idle.as_millis() as i64)
         .map(|c| c.name)
         .collect();
-    let mut holders = page.holders.iter();
-    listed.retain(|_| holders.next().is_some_and(|h| !alive.contains(h)));
+    listed.retain(|e| !alive.contains(&e.holder));
     if listed.is_empty() {
         return Ok((page.listed, page.last, Vec::new()));
     }
@@ -128,7 +127,7 @@ async fn claim(
         }
         !gone
     });
-    for (id, _) in &listed {
+    for id in listed.iter().map(|l| &l.id) {
         if !entries.iter().any(|e| e.id == *id) && !deleted.contains(id) {
             let left: redis::Value = redis::cmd("XRANGE")
                 .arg(stream.as_ref())
