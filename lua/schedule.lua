@@ -75,6 +75,7 @@ for k = 1, h do
   counts[k], g_stream[k], g_name[k] = num(at, 'count'), index(at + 1, s, true, 'stream'), ARGV[at + 2]
   at = at + 3
 end
+local nargs = #ARGV
 local i = 0
 for k = 1, h do
   first[k] = i + 1
@@ -94,12 +95,21 @@ for k = 1, h do
       end
       ev_extra[i] = { cost, wait, claim, expect, deadline }
     end
+    -- lib.lua fields_end, inlined: this loop runs once per event, and a call per event is
+    -- a measurable part of what the script costs.
+    local nf = tonumber(ARGV[at + 2])
+    if not nf or nf < 0 or nf > MAX_FIELDS or nf % 1 ~= 0 then
+      bad('field count ' .. tostring(ARGV[at + 2]))
+    end
     ev_fields[i] = at + 2
-    at = fields_end(at + 2)
+    at = at + 3 + 2 * nf
+    if at - 1 > nargs then
+      bad('fields run past the arguments')
+    end
   end
   last[k] = i
 end
-if i ~= n or at - 1 ~= #ARGV then
+if i ~= n or at - 1 ~= nargs then
   bad('argument count')
 end
 local args_end = at + 2 -- as ev_fields would be for an event after the last
@@ -130,102 +140,124 @@ out[1] = t
 -- when it is made, and a call may dispatch a thousand events).
 local xadd_id = int(tq / 1000) .. '-*'
 local dispatched = decision('d', tq / 1000)
-local slot_at, slot_text
+local tq_ms, t_text = tq / 1000, int(t)
+-- Writes event i's ready entry, dispatched now: its slot is now (a slot ahead sleeps).
+-- Its fields end where the next event's begin (entry, extra, count), the last's at the
+-- arguments' end: no second reading of the count.
+local function write_ready(i, name, entry)
+  redis.call('XADD', KEYS[2], xadd_id, 'pacer_route', route, 'pacer_source_stream', name,
+    'pacer_source_id', entry, 'pacer_slot_us', t_text, 'pacer_wait_ms', '0',
+    unpack(ARGV, ev_fields[i] + 1, (ev_fields[i + 1] or args_end) - 3))
+end
 -- Whether any entry of the call could be too old (the worker passes the oldest).
 local aged = t - oldest * 1000 > math.min(stale, max_age > 0 and max_age or stale)
+-- Whether the usual path may take plain events (a negative wait, refused by the workers,
+-- would make it decide otherwise than the general path).
+local usual = not aged and default_wait >= 0
 for k = 1, h do
   local stream, name, seen, record = g_stream[k], g_name[k], held[k], records[k]
   local nrec = #record
   for i = first[k], last[k] do
     local code, value
     local entry, x = ev_entry[i], ev_extra[i]
-    local cost, wait, claim, expect = 1, default_wait, 0, ''
-    if x then
-      cost, wait, claim, expect = x[1], x[2], x[3], x[4]
-      if x[5] > 0 then
-        -- What is left of the wait it was first given: none left, and nothing takes it.
-        wait = math.min(wait, x[5] - t)
-      end
-    end
-    -- What is on record, or what an earlier copy of this entry in the call made of it.
-    local had = seen[entry]
-    local age = 0
-    if aged and expect == '' then
-      age = t - tonumber(string.match(entry, '^%d+') or 0) * 1000
-    end
-    if had and had ~= expect then
-      code, value = DECIDED, had
-      if decision_kind(had) == 'd' and stream > 0 then
-        -- Dispatched by an earlier delivery that never got to acknowledge it.
+    -- The usual event first: no exceptions, nothing on record, not too old, one unit, and
+    -- the plan and the gate both open now. This is plan, fits and gate below (gcra.lua) for
+    -- one unit with their calls inlined; anything else takes the general path, which decides
+    -- these alike. The path most events take, so each step here costs Redis per event.
+    local base = tat > dtat and tat or dtat
+    if usual and not x and not seen[entry] and base - tol <= t and tq >= dtat - tol then
+      code, value = DISPATCHED, tq_ms
+      write_ready(i, name, entry)
+      tat = (base > t and base or t) + interval
+      dtat = (dtat > tq - 1000 and dtat or tq - 1000) + interval
+      last_us, changed, wrote = t, true, true
+      if stream > 0 then
         acked[stream] = acked[stream] + 1
         acks[stream][acked[stream]] = entry
       end
-    elseif claim > 0 and claimed[claim] and claimed[claim] ~= entry .. '@' .. name then
-      code, value = DUPLICATE, claimed[claim]
-    elseif age > stale then
-      code, value = STALE, age
-    elseif max_age > 0 and age > max_age then
-      code, value = EXPIRED, age
-    elseif not fits(cost, interval, tol) then
-      -- More units than the burst: it could never pass (the worker refuses such events first).
-      code, value = TOO_LONG, 2 ^ 53
-    else
-      local slot, next_tat = plan(math.max(tat, dtat), t, cost, interval, tol)
-      -- A slot ahead is slept until the first millisecond it can be written in; the wait is
-      -- judged on that, so the recorded slot is never past the deadline.
-      if slot > t then
-        slot = ceil_ms(slot)
-      end
-      if slot - t > wait then
-        code, value = TOO_LONG, slot - t
-      elseif slot <= t then
-        local ok, g = gate(dtat, tq, cost, interval, tol)
-        if ok then
-          code, value = DISPATCHED, tq / 1000
-          if slot ~= slot_at then
-            -- Events dispatched at once share their slot (now), unless the rate binds.
-            slot_at, slot_text = slot, int(slot)
-          end
-          -- Its fields end where the next event's begin (entry, extra, count), the last's
-          -- at the arguments' end: no second reading of the count.
-          redis.call('XADD', KEYS[2], xadd_id, 'pacer_route', route,
-            'pacer_source_stream', name, 'pacer_source_id', entry, 'pacer_slot_us',
-            slot_text, 'pacer_wait_ms', '0',
-            unpack(ARGV, ev_fields[i] + 1, (ev_fields[i + 1] or args_end) - 3))
-          dtat, last_us, tat, changed, wrote = g, t, next_tat, true, true
-          if stream > 0 then
-            acked[stream] = acked[stream] + 1
-            acks[stream][acked[stream]] = entry
-          end
-        elseif g - t <= wait then
-          -- An earlier slot went out late: this one waits until the gate lets it through.
-          code, value = SLEEP, g
-          tat, changed = math.max(next_tat, g + cost * interval), true
-        else
-          code, value = TOO_LONG, g - t
-        end
-      else
-        code, value = SLEEP, slot
-        tat, changed = next_tat, true
-      end
-      local made
-      if code == DISPATCHED then
-        made = dispatched
-      elseif code == SLEEP then
-        -- It must go by its wait, give or take the small lateness tolerance (gcra.lua LATE).
-        made = decision('s', value, t + wait + LATE)
-      else
-        made = decision('x', value)
-      end
-      -- As decided.set(k, entry, made), without a call per event.
-      seen[entry] = made
-      record[nrec + 1], record[nrec + 2] = entry, made
+      seen[entry] = dispatched
+      record[nrec + 1], record[nrec + 2] = entry, dispatched
       nrec = nrec + 2
-      if claim > 0 and not claimed[claim] then
-        -- Taken now: a later event of this call with the same id is its duplicate.
-        local owner = entry .. '@' .. name
-        claims[claim] = owner
-        claimed[claim] = owner
+    else
+      local cost, wait, claim, expect = 1, default_wait, 0, ''
+      if x then
+        cost, wait, claim, expect = x[1], x[2], x[3], x[4]
+        if x[5] > 0 then
+          -- What is left of the wait it was first given: none left, and nothing takes it.
+          wait = math.min(wait, x[5] - t)
+        end
+      end
+      -- What is on record, or what an earlier copy of this entry in the call made of it.
+      local had = seen[entry]
+      local age = 0
+      if aged and expect == '' then
+        age = t - tonumber(string.match(entry, '^%d+') or 0) * 1000
+      end
+      if had and had ~= expect then
+        code, value = DECIDED, had
+        if decision_kind(had) == 'd' and stream > 0 then
+          -- Dispatched by an earlier delivery that never got to acknowledge it.
+          acked[stream] = acked[stream] + 1
+          acks[stream][acked[stream]] = entry
+        end
+      elseif claim > 0 and claimed[claim] and claimed[claim] ~= entry .. '@' .. name then
+        code, value = DUPLICATE, claimed[claim]
+      elseif age > stale then
+        code, value = STALE, age
+      elseif max_age > 0 and age > max_age then
+        code, value = EXPIRED, age
+      elseif not fits(cost, interval, tol) then
+        -- More units than the burst: it could never pass (the worker refuses such events first).
+        code, value = TOO_LONG, 2 ^ 53
+      else
+        local slot, next_tat = plan(math.max(tat, dtat), t, cost, interval, tol)
+        -- A slot ahead is slept until the first millisecond it can be written in; the wait is
+        -- judged on that, so the recorded slot is never past the deadline.
+        if slot > t then
+          slot = ceil_ms(slot)
+        end
+        if slot - t > wait then
+          code, value = TOO_LONG, slot - t
+        elseif slot <= t then
+          local ok, g = gate(dtat, tq, cost, interval, tol)
+          if ok then
+            code, value = DISPATCHED, tq_ms
+            write_ready(i, name, entry)
+            dtat, last_us, tat, changed, wrote = g, t, next_tat, true, true
+            if stream > 0 then
+              acked[stream] = acked[stream] + 1
+              acks[stream][acked[stream]] = entry
+            end
+          elseif g - t <= wait then
+            -- An earlier slot went out late: this one waits until the gate lets it through.
+            code, value = SLEEP, g
+            tat, changed = math.max(next_tat, g + cost * interval), true
+          else
+            code, value = TOO_LONG, g - t
+          end
+        else
+          code, value = SLEEP, slot
+          tat, changed = next_tat, true
+        end
+        local made
+        if code == DISPATCHED then
+          made = dispatched
+        elseif code == SLEEP then
+          -- It must go by its wait, give or take the small lateness tolerance (gcra.lua LATE).
+          made = decision('s', value, t + wait + LATE)
+        else
+          made = decision('x', value)
+        end
+        -- As decided.set(k, entry, made), without a call per event.
+        seen[entry] = made
+        record[nrec + 1], record[nrec + 2] = entry, made
+        nrec = nrec + 2
+        if claim > 0 and not claimed[claim] then
+          -- Taken now: a later event of this call with the same id is its duplicate.
+          local owner = entry .. '@' .. name
+          claims[claim] = owner
+          claimed[claim] = owner
+        end
       end
     end
     out[o + 1], out[o + 2] = code, value

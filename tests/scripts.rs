@@ -12,7 +12,7 @@ use pacer::marker::Marker;
 use pacer::pacing::LATE_US;
 use pacer::scripts::{
     DispatchItem, Dispatched, EmitCall, EmitItem, EventRef, RouteCall, RouteDispatch, ScheduleItem,
-    Scheduled, Scripts, Voided, Writing, LIB,
+    ScheduleReply, Scheduled, Scripts, Voided, Writing, LIB,
 };
 use pacer::testkit::RedisServer;
 use std::time::Duration;
@@ -144,6 +144,19 @@ impl Rig {
         ages: (i64, i64),
         fields_of: fn(usize) -> Own,
     ) -> (i64, Vec<Scheduled>) {
+        let reply = self.schedule_reply(route, events, max_wait_us, ages, fields_of);
+        (reply.now_us, reply.items)
+    }
+
+    /// `schedule_on`, with the whole reply.
+    fn schedule_reply(
+        &mut self,
+        route: &pacer::config::Route,
+        events: &[Ev],
+        max_wait_us: i64,
+        ages: (i64, i64),
+        fields_of: fn(usize) -> Own,
+    ) -> ScheduleReply {
         let fields: Vec<_> = (0..events.len()).map(fields_of).collect();
         let pairs: Vec<_> = fields.iter().map(|f| pairs(f)).collect();
         let items: Vec<ScheduleItem<'_>> = events
@@ -166,16 +179,14 @@ impl Rig {
         let acks = self.acks;
         let ack = move |_: &str| acks;
         let call = route_call(route, &ack);
-        let reply = self
-            .rt
+        self.rt
             .block_on(self.scripts.schedule(
                 &mut self.con,
                 &call,
                 (ages.0, ages.1, max_wait_us),
                 &items,
             ))
-            .unwrap();
-        (reply.now_us, reply.items)
+            .unwrap()
     }
 
     fn schedule(&mut self, events: &[Ev], max_wait_us: i64) -> (i64, Vec<Scheduled>) {
@@ -1060,4 +1071,135 @@ fn lua_and_rust_share_one_decision_codec() {
         assert_eq!(lua_kind, letter);
         assert_eq!(Marker::parse(&lua_value), Some(m));
     }
+}
+
+/// What `schedule.lua` decides for plain events (one unit, nothing on record, not too old) on a
+/// bucket at (tat, dtat) for a call at `t`: `pacing`'s plan, ceil_ms and gate, event after
+/// event; with the plan and the gate after the call.
+fn plain_model(
+    (mut tat, mut dtat): (i64, i64),
+    t: i64,
+    n: usize,
+    wait: i64,
+    p: &pacer::pacing::BucketParams,
+) -> (Vec<Scheduled>, i64, i64) {
+    use pacer::pacing::{ceil_ms, dispatch_clock, gate, plan, Gate};
+    let (_, tq) = dispatch_clock(t, t);
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let planned = plan(tat.max(dtat), t, 1, p);
+        let mut slot = planned.slot_us;
+        if slot > t {
+            slot = ceil_ms(slot);
+        }
+        if slot - t > wait {
+            out.push(Scheduled::TooLong { wait_us: slot - t });
+        } else if slot > t {
+            out.push(Scheduled::Sleep { slot_us: slot });
+            tat = planned.tat_us;
+        } else {
+            match gate(dtat, tq, 1, p) {
+                Gate::Pass { dtat_us } => {
+                    out.push(Scheduled::Dispatched { ms: tq / 1000 });
+                    (tat, dtat) = (planned.tat_us, dtat_us);
+                }
+                Gate::NotBefore { at_us } if at_us - t <= wait => {
+                    out.push(Scheduled::Sleep { slot_us: at_us });
+                    tat = planned.tat_us.max(at_us + p.interval_us);
+                }
+                Gate::NotBefore { at_us } => out.push(Scheduled::TooLong { wait_us: at_us - t }),
+            }
+        }
+    }
+    (out, tat, dtat)
+}
+
+/// `schedule.lua` takes the usual event (no exceptions, nothing on record, plan and gate open
+/// now) down a path of its own with plan and gate inlined, for speed. Whatever path it takes,
+/// plain events on buckets in every relation to now (idle, bursting, behind, ahead, the gate
+/// ahead of the plan, the route's last dispatch ahead of Redis's clock) are decided as `pacing`
+/// decides them, and the bucket ends where it says.
+#[test]
+fn schedule_decides_plain_events_as_plan_and_gate_say() {
+    let mut rig = Rig::new("1000/s", 1);
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = |m: i64| {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((seed >> 33) % m as u64) as i64
+    };
+    let mut entry = 0;
+    let (mut fast, mut other) = (0, 0);
+    for case in 0..300 {
+        let rate = ["100/s", "1000/s", "7/ms", "333/s"][next(4) as usize];
+        let burst = [1, 2, 5, 50][next(4) as usize];
+        let (route, _) = route_configs(rate, burst);
+        let p = route.bucket;
+        let mut con = rig.redis.con();
+        let (secs, micros): (i64, i64) = redis::cmd("TIME").query(&mut con).unwrap();
+        let now = secs * 1_000_000 + micros;
+        let around = |r: i64| now - 60_000 + r;
+        let tat = around(next(120_000));
+        let dtat = if next(3) == 0 {
+            tat
+        } else {
+            around(next(120_000))
+        };
+        // Mostly behind Redis's clock; now and then ahead of it (a clock stepped back).
+        let last = if next(8) == 0 {
+            now + 40_000
+        } else {
+            now - 50_000
+        };
+        let _: () = redis::cmd("DEL")
+            .arg(&route.keys.bucket)
+            .arg(&route.keys.ready)
+            .query(&mut con)
+            .unwrap();
+        let _: () = redis::cmd("HSET")
+            .arg(&route.keys.bucket)
+            .arg("tat")
+            .arg(tat)
+            .arg("dtat")
+            .arg(dtat)
+            .arg("last")
+            .arg(last)
+            .query(&mut con)
+            .unwrap();
+        let n = 1 + next(12) as usize;
+        let events: Vec<Ev> = (0..n)
+            .map(|_| {
+                entry += 1;
+                ev(&format!("{}-{entry}", now / 1000))
+            })
+            .collect();
+        let wait = [0, 2_000, 20_000, 5_000_000][next(4) as usize];
+        let reply = rig.schedule_reply(&route, &events, wait, (i64::MAX / 2, 0), ready);
+        let t = reply.now_us;
+        assert!(t >= now && t >= last, "case {case}: the call's time {t}");
+        let (want, want_tat, want_dtat) = plain_model((tat, dtat), t, n, wait, &p);
+        let setup = format!(
+            "case {case}: {rate} burst {burst}, tat {tat}, dtat {dtat}, t {t}, wait {wait}"
+        );
+        assert_eq!(reply.items, want, "{setup}");
+        assert_eq!(reply.tat_us, want_tat, "{setup}");
+        let dtat_after: i64 = redis::cmd("HGET")
+            .arg(&route.keys.bucket)
+            .arg("dtat")
+            .query(&mut con)
+            .unwrap();
+        assert_eq!(dtat_after, want_dtat, "{setup}");
+        let first_dispatched = matches!(want[0], Scheduled::Dispatched { .. });
+        if first_dispatched {
+            fast += 1;
+        } else {
+            other += 1;
+        }
+    }
+    // Both paths were taken, many times.
+    assert!(
+        fast > 50 && other > 50,
+        "{fast} calls began on the usual path, {other} not"
+    );
 }
