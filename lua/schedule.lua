@@ -41,7 +41,9 @@
 -- Returns { now_us, tat_us, then per event a code and a value, then end_us } (lib.lua's codes),
 -- events in the order given; now_us is the route's time the call decided at (Redis's clock, or
 -- the route's last dispatch if that is later: see below) and tat_us the plan after the call:
---   DISPATCHED, ready entry ms   dispatched now (decision "d<ms>")
+--   DISPATCHED                   dispatched now, in the ready entry of now_us's millisecond
+--                                (decision "d<ms>"); the one code with no value: most events
+--                                take it, and each value is a conversion to the reply
 --   SLEEP, slot_us               slot reserved, to go by now + max_wait + gcra.lua's LATE
 --                                ("s<slot>:<deadline>")
 --   TOO_LONG, wait_us            would wait longer than max_wait ("x<wait>"); nothing reserved
@@ -140,7 +142,7 @@ out[1] = t
 -- when it is made, and a call may dispatch a thousand events).
 local xadd_id = int(tq / 1000) .. '-*'
 local dispatched = decision('d', tq / 1000)
-local tq_ms, t_text = tq / 1000, int(t)
+local t_text = int(t)
 -- Writes event i's ready entry, dispatched now: its slot is now (a slot ahead sleeps).
 -- Its fields end where the next event's begin (entry, extra, count), the last's at the
 -- arguments' end: no second reading of the count.
@@ -158,7 +160,6 @@ for k = 1, h do
   local stream, name, seen, record = g_stream[k], g_name[k], held[k], records[k]
   local nrec = #record
   for i = first[k], last[k] do
-    local code, value
     local entry, x = ev_entry[i], ev_extra[i]
     -- The usual event first: no exceptions, nothing on record, not too old, one unit, and
     -- the plan and the gate both open now. This is plan, fits and gate below (gcra.lua) for
@@ -166,7 +167,6 @@ for k = 1, h do
     -- these alike. The path most events take, so each step here costs Redis per event.
     local base = tat > dtat and tat or dtat
     if usual and not x and not seen[entry] and base - tol <= t and tq >= dtat - tol then
-      code, value = DISPATCHED, tq_ms
       write_ready(i, name, entry)
       tat = (base > t and base or t) + interval
       dtat = (dtat > tq - 1000 and dtat or tq - 1000) + interval
@@ -178,7 +178,10 @@ for k = 1, h do
       seen[entry] = dispatched
       record[nrec + 1], record[nrec + 2] = entry, dispatched
       nrec = nrec + 2
+      o = o + 1
+      out[o] = DISPATCHED
     else
+      local code, value
       local cost, wait, claim, expect = 1, default_wait, 0, ''
       if x then
         cost, wait, claim, expect = x[1], x[2], x[3], x[4]
@@ -221,7 +224,7 @@ for k = 1, h do
         elseif slot <= t then
           local ok, g = gate(dtat, tq, cost, interval, tol)
           if ok then
-            code, value = DISPATCHED, tq_ms
+            code = DISPATCHED
             write_ready(i, name, entry)
             dtat, last_us, tat, changed, wrote = g, t, next_tat, true, true
             if stream > 0 then
@@ -259,9 +262,14 @@ for k = 1, h do
           claimed[claim] = owner
         end
       end
+      if code == DISPATCHED then
+        o = o + 1
+        out[o] = code
+      else
+        out[o + 1], out[o + 2] = code, value
+        o = o + 2
+      end
     end
-    out[o + 1], out[o + 2] = code, value
-    o = o + 2
   end
 end
 

@@ -267,9 +267,11 @@ impl Scripts {
         let now_us = values.int()?;
         let tat_us = values.int()?;
         let mut out: Vec<Option<Scheduled>> = vec![None; items.len()];
+        // Events dispatched now come with no value: their ready entry is in now's millisecond.
+        let now_ms = now_us.div_euclid(1000);
         for &i in &order {
             out[i] = Some(match values.int()? {
-                reply::DISPATCHED => Scheduled::Dispatched { ms: values.int()? },
+                reply::DISPATCHED => Scheduled::Dispatched { ms: now_ms },
                 reply::SLEEP => Scheduled::Sleep {
                     slot_us: values.int()?,
                 },
