@@ -189,12 +189,12 @@ fn bytes(v: Value, op: &'static str) -> Result<Vec<u8>> {
 /// One page of `pending_idle`.
 #[derive(Debug, Default)]
 pub struct IdlePage {
-    /// How many entries the page listed, `except`'s included.
+    /// How many entries the page listed.
     pub listed: usize,
     /// The last entry listed: the next page starts after it.
     pub last: Option<String>,
-    /// The entries listed that other consumers hold.
-    pub others: Vec<IdleEntry>,
+    /// The entries listed.
+    pub entries: Vec<IdleEntry>,
 }
 
 /// An entry pending on another consumer: its id, how often it was delivered, and who holds it.
@@ -205,19 +205,17 @@ pub struct IdleEntry {
     pub holder: String,
 }
 
-/// Up to `count` entries of `stream` pending in `group` for longer than `min_idle`, oldest first
-/// from `from` (`-`, or `(<id>` to start after one), with how often each has been delivered
-/// (`XPENDING … IDLE`); those `except` holds are listed but not returned. A worker leaves its
-/// own out: what it holds is in its own hands (a dead letter retried, a call waiting on Redis),
-/// and claiming it from itself would hand it over a second time, every round, to a second task
-/// holding a second permit, until the reader had none left.
+/// Up to `count` entries that `holder` has held pending in `group` on `stream` for longer than
+/// `min_idle`, oldest first from `from` (`-`, or `(<id>` to start after one), with how often
+/// each has been delivered (`XPENDING … IDLE … <holder>`). Redis walks that consumer's own
+/// list, not the group's: what live workers hold asleep costs nothing here.
 pub async fn pending_idle<C: ConnectionLike>(
     con: &mut C,
     stream: &str,
     group: &str,
     min_idle: Duration,
     (from, count): (&str, usize),
-    except: &str,
+    holder: &str,
 ) -> Result<IdlePage> {
     let reply: Value = redis::cmd("XPENDING")
         .arg(stream)
@@ -227,6 +225,7 @@ pub async fn pending_idle<C: ConnectionLike>(
         .arg(from)
         .arg("+")
         .arg(count)
+        .arg(holder)
         .query_async(con)
         .await?;
     let Value::Array(rows) = reply else {
@@ -248,14 +247,11 @@ pub async fn pending_idle<C: ConnectionLike>(
             return Err(shape());
         };
         let id = String::from_utf8_lossy(&bytes(id, "pending")?).into_owned();
-        let consumer = bytes(consumer, "pending")?;
-        if consumer != except.as_bytes() {
-            page.others.push(IdleEntry {
-                id: id.clone(),
-                deliveries: deliveries.max(0) as u64,
-                holder: String::from_utf8_lossy(&consumer).into_owned(),
-            });
-        }
+        page.entries.push(IdleEntry {
+            id: id.clone(),
+            deliveries: deliveries.max(0) as u64,
+            holder: String::from_utf8_lossy(&bytes(consumer, "pending")?).into_owned(),
+        });
         page.last = Some(id);
     }
     Ok(page)

@@ -826,3 +826,129 @@ fn a_rolling_change_that_lowers_claim_idle_claims_nothing_a_live_worker_sleeps_o
     );
     assert_eq!(claimed(m2), 0.0, "{}", w2.log_text());
 }
+
+/// The claimer's XPENDING … IDLE listings in Redis's slow log (every command is logged at
+/// threshold 0), not the start's permission probe (IDLE 0): the consumer each named (its last
+/// argument, when it names one).
+fn idle_listings(redis: &RedisServer) -> Vec<String> {
+    let log: Vec<redis::Value> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(-1)
+        .query(&mut redis.con())
+        .unwrap();
+    let mut out = Vec::new();
+    for entry in log {
+        let redis::Value::Array(parts) = entry else {
+            continue;
+        };
+        let Some(redis::Value::Array(args)) = parts.get(3) else {
+            continue;
+        };
+        let text: Vec<String> = args
+            .iter()
+            .map(|a| match a {
+                redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                other => format!("{other:?}"),
+            })
+            .collect();
+        if text.len() > 4
+            && text[0].eq_ignore_ascii_case("XPENDING")
+            && text[3] == "IDLE"
+            && text[4] != "0"
+        {
+            out.push(text.last().cloned().unwrap_or_default());
+        }
+    }
+    out
+}
+
+/// The claimer lists the pending entries of silent consumers only. Listing the group's whole
+/// pending list walked every entry the live workers hold asleep (up to `max_inflight` each), on
+/// every tick, to claim none: Redis's cost grew with what was waiting. Here a live consumer
+/// holds 2,000 entries idle past claim_idle: while it beats, no tick lists anything; once it
+/// falls silent, its entries alone are listed, claimed, and each ends once.
+#[test]
+fn the_claimer_lists_only_silent_consumers_entries() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("claim-silent");
+    let port = free_port();
+    let cfg = config(
+        &dir,
+        "w.yaml",
+        &redis,
+        port,
+        "  claim_idle: 1500ms",
+        "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 100000/s, burst: 1000, max_wait: 100ms}\n",
+    );
+    let events: Vec<_> = (0..2000)
+        .map(|i| event(&[("route", "a"), ("n", &i.to_string())]))
+        .collect();
+    let ids = push(&redis, "in", &events);
+    let mut con = redis.con();
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg("in")
+        .arg("pacer")
+        .arg("0")
+        .query(&mut con)
+        .unwrap();
+    // "other" reads them all and holds them, as a live worker holds its sleepers.
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("pacer")
+        .arg("other")
+        .arg("COUNT")
+        .arg(5000)
+        .arg("STREAMS")
+        .arg("in")
+        .arg(">")
+        .query(&mut con)
+        .unwrap();
+    // Past claim_idle before the worker starts: every entry is idle enough to be listed.
+    std::thread::sleep(Duration::from_millis(1600));
+    for (name, value) in [
+        ("slowlog-log-slower-than", "0"),
+        ("slowlog-max-len", "100000"),
+    ] {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query(&mut con)
+            .unwrap();
+    }
+    // "other" beats as a live worker does (streams::heartbeat refreshes its idle time).
+    let (rt, mut acon) = redis.async_con();
+    let mut beat = || {
+        rt.block_on(pacer::streams::heartbeat(&mut acon, "in", "pacer", "other"))
+            .unwrap()
+    };
+    beat();
+    let w = start(&cfg, port);
+    // Five claim ticks (every claim_idle / 2) while "other" beats.
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until {
+        beat();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(pending(&redis, "in", "pacer"), 2000, "{}", w.log_text());
+    assert_eq!(
+        idle_listings(&redis),
+        Vec::<String>::new(),
+        "the claimer listed pending entries while every holder was alive"
+    );
+    // "other" falls silent: its entries are listed, claimed and finished.
+    assert!(
+        wait_until(Duration::from_secs(15), || pending(&redis, "in", "pacer")
+            == 0),
+        "{}",
+        w.log_text()
+    );
+    let listed = idle_listings(&redis);
+    assert!(!listed.is_empty(), "claimed without listing");
+    assert!(
+        listed.iter().all(|c| c == "other"),
+        "listed another consumer's entries: {listed:?}"
+    );
+    assert_each_once(&redis, &ids, &["pacer:{a}:ready"], "in");
+}

@@ -1,8 +1,12 @@
 //! Claiming: every `claim_idle / 2`, the entries other consumers left pending longer than
-//! `claim_idle` (a killed, stuck or drained worker) are claimed (never the worker's own: see
-//! `streams::pending_idle`) and finished through the same path as a new batch, where a
-//! recorded decision is carried on, not taken again. Every few rounds the group's departed
-//! consumers are deleted.
+//! `claim_idle` are claimed from consumers silent that long (a killed, stuck or drained worker;
+//! a live one beats every `heartbeat::EVERY`), never from the worker itself, and finished
+//! through the same path as a new batch, where a recorded decision is carried on, not taken
+//! again. Every few rounds the group's departed consumers are deleted.
+//!
+//! A tick asks the group for its consumers first and lists the pending entries of the silent
+//! ones alone: listing the group's whole pending list walked every entry the live workers hold
+//! asleep (a hundred thousand each, at `max_inflight`), on every tick, to find none.
 
 use super::context::Context;
 use super::placers::Placers;
@@ -41,79 +45,103 @@ pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: Canc
             reap(&ctx).await;
         }
         for stream in &ctx.streams {
-            // Each round lists from where the last one ended, so entries this worker holds
-            // itself (listed, not claimed) never fill every page.
-            let mut from = "-".to_string();
-            for _ in 0..CLAIM_ROUNDS {
-                let mut permits = tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    p = ctx.permits.clone().acquire_many_owned(batch as u32) => p.expect("never closed"),
-                };
-                let claimed =
-                    telemetry::timed("claim", claim(&ctx, stream, idle, (&from, batch))).await;
-                let (listed, last, entries) = match claimed {
-                    Ok(c) => {
-                        failures.succeed();
-                        c
+            let mut con = ctx.con.clone();
+            let silent = match silent_holders(&mut con, &ctx, stream, idle).await {
+                Ok(s) => s,
+                Err(e) => {
+                    failures.fail();
+                    if failures.failures() == 1 {
+                        warn!(error = %e, %stream, "listing the group's consumers failed");
                     }
-                    Err(e) => {
-                        failures.fail();
-                        if failures.failures() == 1 {
-                            warn!(error = %e, %stream, "claiming pending entries failed");
-                        }
-                        break;
-                    }
-                };
-                if !entries.is_empty() {
-                    info!(%stream, count = entries.len(), "claimed entries left pending by another consumer");
-                    telemetry::claimed(stream, entries.len());
-                    let held: Vec<OwnedSemaphorePermit> = entries
-                        .iter()
-                        .map(|_| permits.split(1).expect("one permit per entry claimed"))
-                        .collect();
-                    drop(permits);
-                    reader::handle(&ctx, entries, held, &placers, &shutdown).await;
+                    continue;
                 }
-                match last {
-                    Some(last) if listed >= batch => from = format!("({last}"),
-                    _ => break,
+            };
+            let mut rounds = CLAIM_ROUNDS;
+            for holder in &silent {
+                // Each round lists from where the last one ended: entries listed but not
+                // claimed (taken by another worker meanwhile) never fill every page.
+                let mut from = "-".to_string();
+                while rounds > 0 {
+                    rounds -= 1;
+                    let mut permits = tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        p = ctx.permits.clone().acquire_many_owned(batch as u32) => p.expect("never closed"),
+                    };
+                    let claimed = claim(&ctx, stream, idle, holder, (&from, batch));
+                    let (listed, last, entries) = match telemetry::timed("claim", claimed).await {
+                        Ok(c) => {
+                            failures.succeed();
+                            c
+                        }
+                        Err(e) => {
+                            failures.fail();
+                            if failures.failures() == 1 {
+                                warn!(error = %e, %stream, "claiming pending entries failed");
+                            }
+                            break;
+                        }
+                    };
+                    if !entries.is_empty() {
+                        info!(%stream, count = entries.len(), %holder, "claimed entries left pending by another consumer");
+                        telemetry::claimed(stream, entries.len());
+                        let held: Vec<OwnedSemaphorePermit> = entries
+                            .iter()
+                            .map(|_| permits.split(1).expect("one permit per entry claimed"))
+                            .collect();
+                        drop(permits);
+                        reader::handle(&ctx, entries, held, &placers, &shutdown).await;
+                    }
+                    match last {
+                        Some(last) if listed >= batch => from = format!("({last}"),
+                        _ => break,
+                    }
                 }
             }
         }
     }
 }
 
-/// Lists up to `count` entries of `stream` idle longer than `idle`, from `from`, and claims
-/// those other consumers hold; returns how many were listed, the last listed, and the entries
-/// this worker won.
+/// The consumers of `stream`'s group, other than this worker, that hold entries and have been
+/// silent for `idle` or longer. Never one that is alive (it beats every `heartbeat::EVERY`):
+/// its entries sleep in its hands, however long. claim_idle above the longest max_wait kept
+/// them safe within one config, but not across a rolling change that lowered it: the new
+/// workers claimed what the old ones slept on, and one entry ended both dispatched and
+/// rejected (found by review).
+async fn silent_holders<C: redis::aio::ConnectionLike>(
+    con: &mut C,
+    ctx: &Context,
+    stream: &str,
+    idle: Duration,
+) -> Result<Vec<String>> {
+    Ok(streams::consumers(con, stream, &ctx.cfg.worker.group)
+        .await?
+        .into_iter()
+        .filter(|c| c.pending > 0 && c.idle_ms >= idle.as_millis() as i64 && c.name != ctx.consumer)
+        .map(|c| c.name)
+        .collect())
+}
+
+/// Lists up to `count` entries `holder` has held on `stream` longer than `idle`, from `from`,
+/// and claims them unless `holder` has come back meanwhile; returns how many were listed, the
+/// last listed, and the entries this worker won.
 async fn claim(
     ctx: &Context,
     stream: &Arc<str>,
     idle: Duration,
+    holder: &str,
     (from, count): (&str, usize),
 ) -> Result<(usize, Option<String>, Vec<Entry>)> {
     let mut con = ctx.con.clone();
     let group = &ctx.cfg.worker.group;
-    let page =
-        streams::pending_idle(&mut con, stream, group, idle, (from, count), &ctx.consumer).await?;
-    let mut listed = page.others;
+    let page = streams::pending_idle(&mut con, stream, group, idle, (from, count), holder).await?;
+    let listed = page.entries;
     if listed.is_empty() {
         return Ok((page.listed, page.last, Vec::new()));
     }
-    // Never from a consumer that is alive (it beats every `heartbeat::EVERY`): its entries
-    // sleep in its hands, however long. claim_idle above the longest max_wait kept them safe
-    // within one config, but not across a rolling change that lowered it: the new workers
-    // claimed what the old ones slept on, and one entry ended both dispatched and rejected
-    // (found by review).
-    let alive: Vec<String> = streams::consumers(&mut con, stream, group)
-        .await?
-        .into_iter()
-        .filter(|c| c.idle_ms < idle.as_millis() as i64)
-        .map(|c| c.name)
-        .collect();
-    listed.retain(|e| !alive.contains(&e.holder));
-    if listed.is_empty() {
-        return Ok((page.listed, page.last, Vec::new()));
+    // Asked again just before the claim: it may have been only stalled, and be back.
+    let silent = silent_holders(&mut con, ctx, stream, idle).await?;
+    if !silent.iter().any(|s| s == holder) {
+        return Ok((page.listed, None, Vec::new()));
     }
     let mut entries = streams::claim(&mut con, stream, group, &ctx.consumer, idle, &listed).await?;
     // An entry deleted from the stream while pending (a producer trimmed it) is gone: Redis 7

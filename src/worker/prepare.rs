@@ -135,7 +135,8 @@ pub(super) async fn check_permissions(ctx: &Context) -> Result<()> {
             .arg(0)
             .arg("-")
             .arg("+")
-            .arg(1);
+            .arg(1)
+            .arg(&ctx.consumer);
         probes.push(pending);
         let mut groups = redis::cmd("XINFO");
         groups.arg("GROUPS").arg(&**stream);
