@@ -15,7 +15,16 @@ if #KEYS < 1 or #KEYS > 2 then
 end
 local ttl = num(2, 'ttl')
 local old = redis.call('HGET', KEYS[1], ARGV[1])
-local owner = KEYS[2] and redis.call('GET', KEYS[2]) or false
+-- An id claim whose key holds another kind of value names no owner, and the decision is voided
+-- all the same: failing here would leave a sleeping decision for its worker to dispatch. (A
+-- decision hash of another kind fails the call: no decision of pacer's is there to void.)
+local owner = false
+if KEYS[2] then
+  local got = redis.pcall('GET', KEYS[2])
+  if not wrong_kind(got) then
+    owner = got
+  end
+end
 if not old or decision_kind(old) == 's' then
   hset(KEYS[1], { ARGV[1], decision('v', 0) }, ttl)
 end

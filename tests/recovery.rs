@@ -310,6 +310,87 @@ fn a_poison_entry_is_dead_lettered_after_max_deliveries_and_nothing_doubles() {
     pacer.kill();
 }
 
+/// A poison entry whose route's keys were overwritten with another kind of value is still ended:
+/// voiding its decision met WRONGTYPE and was retried forever, the entry pending for good. A
+/// decision hash of another kind holds no decision to void; an id claim of another kind names
+/// no owner, and the sleeping decision beside it is voided all the same, so nothing dispatches it.
+#[test]
+fn a_poison_entry_whose_route_keys_were_overwritten_is_still_dead_lettered() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("poison-clobbered");
+    let worker = "  batch: 8\n  drain: 1s\n  claim_idle: 1600ms\n  max_deliveries: 2";
+    let body =
+        "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 10/s, burst: 1, max_wait: 500ms}\n";
+    // The first goes at once; the second sleeps on a decision in a hash of its own span; the
+    // third sleeps too, in a later span, with an id claim.
+    let mut ids = push(
+        &redis,
+        "in",
+        &[
+            event(&[("route", "a")]),
+            event(&[("route", "a"), ("n", "1")]),
+        ],
+    );
+    std::thread::sleep(Duration::from_millis(2 * pacer::keys::DECISION_HASH_MS));
+    ids.extend(push(
+        &redis,
+        "in",
+        &[event(&[("route", "a"), ("id", "k2")])],
+    ));
+    // Delivery 1 decides and dies before any sleeper goes; delivery 2 dies before deciding.
+    for (i, point) in ["scheduled:1", "read:1"].iter().enumerate() {
+        let cfg = config(
+            &dir,
+            &format!("v{i}.yaml"),
+            &redis,
+            free_port(),
+            worker,
+            body,
+        );
+        crash_at(&cfg, point);
+    }
+    let keys = pacer::keys::RouteKeys::new("a", "pacer:{a}:ready");
+    let decision = |id: &str| -> Option<String> {
+        redis::cmd("HGET")
+            .arg(keys.decisions("in", id))
+            .arg(id)
+            .query(&mut redis.con())
+            .unwrap()
+    };
+    assert!(decision(&ids[1]).unwrap().starts_with('s'));
+    assert!(decision(&ids[2]).unwrap().starts_with('s'));
+    let mut con = redis.con();
+    let _: () = redis::cmd("SET")
+        .arg(keys.decisions("in", &ids[1]))
+        .arg("not a hash")
+        .query(&mut con)
+        .unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg(keys.claim("k2"))
+        .query(&mut con)
+        .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(keys.claim("k2"))
+        .arg("not")
+        .arg("a string")
+        .query(&mut con)
+        .unwrap();
+    // Delivery 3 is one too many for both.
+    let port = free_port();
+    let cfg = config(&dir, "w.yaml", &redis, port, worker, body);
+    let mut pacer = start(&cfg, port);
+    let at = drained_each_once(&redis, &ids, &pacer, Duration::from_secs(15));
+    assert_eq!(at[&ids[0]], vec!["pacer:{a}:ready"]);
+    for id in &ids[1..] {
+        assert_eq!(at[id], vec!["pacer:dead"], "{}", pacer.log_text());
+    }
+    assert_eq!(decision(&ids[2]).as_deref(), Some("v0"));
+    assert!(pacer.log_text().contains("nothing there to void"));
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(read(&redis, "pacer:{a}:ready").len(), 1);
+    pacer.kill();
+}
+
 /// Guarantee 6: Redis slow (DEBUG SLEEP past the command timeout), then killed and restarted
 /// with AOF on, in the middle of a run. Workers stay up, say not ready while Redis is gone, back
 /// off instead of spinning, reload their scripts, and finish every entry exactly once with the

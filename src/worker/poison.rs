@@ -5,6 +5,7 @@
 
 use super::context::Context;
 use super::outputs::{Finished, Rejection};
+use crate::error::Error;
 use crate::event::{OutboundEvent, Reason, Refused};
 use crate::marker::Marker;
 use crate::scripts::Voided;
@@ -78,9 +79,9 @@ pub(crate) async fn settle(
         })
         .collect();
     let calls = poison.iter().zip(&chains).flat_map(|(e, chain)| {
-        chain.iter().map(move |&route| {
+        chain.iter().map(move |&route| async move {
             let keys = &ctx.cfg.outbound.route_at(route).keys;
-            ctx.retry("void", stop, move || {
+            let voided = ctx.retry_unless("void", stop, Error::is_wrong_type, move || {
                 let mut con = ctx.con.clone();
                 async move {
                     ctx.scripts
@@ -93,7 +94,21 @@ pub(crate) async fn settle(
                         )
                         .await
                 }
-            })
+            });
+            match voided.await? {
+                Ok(v) => Some(v),
+                // A key of the route (its decision hash, or the event's id claim) holds another
+                // kind of value: no decision or claim of pacer's is there for a worker to act
+                // on, so there is nothing to void, and retrying cannot change that. It was
+                // retried forever, the entry pending for good (found by review).
+                Err(err) => {
+                    warn!(entry = %e.id, stream = %e.stream, route = %ctx.cfg.outbound.route_at(route).name, error = %err, "a key of the poison entry's route holds another kind of value: nothing there to void");
+                    Some(Voided {
+                        decision: String::new(),
+                        owner: String::new(),
+                    })
+                }
+            }
         })
     });
     let found = futures_util::future::join_all(calls).await;
