@@ -89,6 +89,16 @@ fn crash_at(cfg: &std::path::Path, point: &str) {
     );
 }
 
+/// Two workers that die in turn: the first once its first schedule call has decided (before it
+/// acknowledges or dispatches a sleeper), the second, which claims what the first held, once it
+/// has read (before it decides anything). Every entry pending then has been delivered twice.
+fn two_dying_deliveries(dir: &TempDir, redis: &RedisServer, worker: &str, body: &str) {
+    for (i, point) in ["scheduled:1", "read:1"].iter().enumerate() {
+        let cfg = config(dir, &format!("v{i}.yaml"), redis, free_port(), worker, body);
+        crash_at(&cfg, point);
+    }
+}
+
 /// A small deterministic generator for kill timings (the test must be repeatable).
 struct Lcg(u64);
 
@@ -259,17 +269,7 @@ fn a_poison_entry_is_dead_lettered_after_max_deliveries_and_nothing_doubles() {
     );
     // Delivery 1 records the decisions ("now" dispatched at once, "later" sleeping) and dies
     // before acknowledging; delivery 2 is claimed and dies before deciding anything.
-    for (i, point) in ["scheduled:1", "read:1"].iter().enumerate() {
-        let cfg = config(
-            &dir,
-            &format!("v{i}.yaml"),
-            &redis,
-            free_port(),
-            worker,
-            body,
-        );
-        crash_at(&cfg, point);
-    }
+    two_dying_deliveries(&dir, &redis, worker, body);
     assert_eq!(read(&redis, "pacer:{a}:ready").len(), 1);
     // Delivery 3 is one too many.
     let port = free_port();
@@ -338,17 +338,7 @@ fn a_poison_entry_whose_route_keys_were_overwritten_is_still_dead_lettered() {
         &[event(&[("route", "a"), ("id", "k2")])],
     ));
     // Delivery 1 decides and dies before any sleeper goes; delivery 2 dies before deciding.
-    for (i, point) in ["scheduled:1", "read:1"].iter().enumerate() {
-        let cfg = config(
-            &dir,
-            &format!("v{i}.yaml"),
-            &redis,
-            free_port(),
-            worker,
-            body,
-        );
-        crash_at(&cfg, point);
-    }
+    two_dying_deliveries(&dir, &redis, worker, body);
     let keys = pacer::keys::RouteKeys::new("a", "pacer:{a}:ready");
     let decision = |id: &str| -> Option<String> {
         redis::cmd("HGET")

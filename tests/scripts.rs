@@ -132,24 +132,12 @@ impl Rig {
         ages: (i64, i64),
     ) -> (i64, Vec<Scheduled>) {
         let route = self.route.clone();
-        self.schedule_on(&route, events, max_wait_us, ages, ready)
+        let reply = self.schedule_on(&route, events, max_wait_us, ages, ready);
+        (reply.now_us, reply.items)
     }
 
     /// Schedules `events` on `route`, event n carrying the fields `fields_of(n)`.
     fn schedule_on(
-        &mut self,
-        route: &pacer::config::Route,
-        events: &[Ev],
-        max_wait_us: i64,
-        ages: (i64, i64),
-        fields_of: fn(usize) -> Own,
-    ) -> (i64, Vec<Scheduled>) {
-        let reply = self.schedule_reply(route, events, max_wait_us, ages, fields_of);
-        (reply.now_us, reply.items)
-    }
-
-    /// `schedule_on`, with the whole reply.
-    fn schedule_reply(
         &mut self,
         route: &pacer::config::Route,
         events: &[Ev],
@@ -300,14 +288,15 @@ fn one_call_dispatches_several_routes_each_by_its_own_bucket() {
     let (r, q) = (rig.route.clone(), rig.other.clone());
     let ages = (i64::MAX / 2, 0);
     // On each route the first event goes at once and the others sleep an interval (100 ms) apart.
-    let (now, on_r) = rig.schedule_on(&r, &[ev("1-0"), ev("2-0")], 5_000_000, ages, ready);
-    let (now_q, on_q) = rig.schedule_on(
+    let on_r = rig.schedule_on(&r, &[ev("1-0"), ev("2-0")], 5_000_000, ages, ready);
+    let on_q = rig.schedule_on(
         &q,
         &[ev("3-0"), ev("4-0"), ev("5-0")],
         5_000_000,
         ages,
         ready,
     );
+    let (now, on_r, now_q, on_q) = (on_r.now_us, on_r.items, on_q.now_us, on_q.items);
     assert!(matches!(on_r[0], Scheduled::Dispatched { .. }), "{on_r:?}");
     assert!(matches!(on_q[0], Scheduled::Dispatched { .. }), "{on_q:?}");
     let (r2, q4, q5) = (slot_of(&on_r[1]), slot_of(&on_q[1]), slot_of(&on_q[2]));
@@ -726,7 +715,9 @@ fn each_ready_entry_carries_its_own_events_fields() {
     let mut rig = Rig::new("1000/ms", 1_000_000);
     let events: Vec<Ev> = (1..=9).map(|i| ev(&format!("{i}-0"))).collect();
     let route = rig.route.clone();
-    let (_, out) = rig.schedule_on(&route, &events, 1_000_000, (i64::MAX / 2, 0), ready_varied);
+    let out = rig
+        .schedule_on(&route, &events, 1_000_000, (i64::MAX / 2, 0), ready_varied)
+        .items;
     assert!(out
         .iter()
         .all(|s| matches!(s, Scheduled::Dispatched { .. })));
@@ -1175,7 +1166,7 @@ fn schedule_decides_plain_events_as_plan_and_gate_say() {
             })
             .collect();
         let wait = [0, 2_000, 20_000, 5_000_000][next(4) as usize];
-        let reply = rig.schedule_reply(&route, &events, wait, (i64::MAX / 2, 0), ready);
+        let reply = rig.schedule_on(&route, &events, wait, (i64::MAX / 2, 0), ready);
         let t = reply.now_us;
         assert!(t >= now && t >= last, "case {case}: the call's time {t}");
         let (want, want_tat, want_dtat) = plain_model((tat, dtat), t, n, wait, &p);
