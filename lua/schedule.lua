@@ -31,13 +31,14 @@
 --             the s (0: the worker acknowledges), and that stream's name
 -- then per event, grouped by decision hash in that order:
 --   entry     its input entry id
---   extra     "" for the defaults, else "<cost>,<max_wait_us>,<claim index>,<deadline_us>,
---             <expect>" where cost defaults to 1, max_wait_us to ARGV[9], claim (its id
---             claim's index, if it carries an id) to 0, deadline_us (Redis µs by which it must
---             go: a late event passed on to its fallback has only what is left of its first
---             route's wait) to 0 for none, and expect (a decision on record it may replace) to
---             ""
---   nfields, name1, value1, ...   its own fields, carried to the ready entry
+--   spec      its field count, alone for an event with the defaults, else "<nfields>,<cost>,
+--             <max_wait_us>,<claim index>,<deadline_us>,<expect>" where cost defaults to 1,
+--             max_wait_us to ARGV[9], claim (its id claim's index, if it carries an id) to 0,
+--             deadline_us (Redis µs by which it must go: a late event passed on to its
+--             fallback has only what is left of its first route's wait) to 0 for none, and
+--             expect (a decision on record it may replace) to "" (one argument, not two: each
+--             costs Redis its parsing and a Lua string, per event)
+--   name1, value1, ...   its own fields, carried to the ready entry
 -- Returns { now_us, tat_us, then per event a code and a value, then end_us } (lib.lua's codes),
 -- events in the order given; now_us is the route's time the call decided at (Redis's clock, or
 -- the route's last dispatch if that is later: see below) and tat_us the plan after the call:
@@ -65,7 +66,7 @@ if #KEYS ~= 2 + h + s + c then
   bad('key count')
 end
 local at = 15
--- Per event, in flat arrays: its entry id, where its fields start (their count, then the
+-- Per event, in flat arrays: its entry id, where its fields start (its spec, then the
 -- pairs), and its exceptions if it has any ({ cost, max_wait_us, claim, expect }). Its hash,
 -- stream and name are its group's (events come grouped by decision hash: group k's are
 -- first[k] .. last[k]). A table per event, or an array per property, would cost more than its
@@ -84,27 +85,28 @@ for k = 1, h do
   for _ = 1, counts[k] do
     i = i + 1
     ev_entry[i] = ARGV[at]
-    local extra = ARGV[at + 1]
-    if extra == nil then
+    local spec = ARGV[at + 1]
+    if spec == nil then
       bad('events run past the arguments')
     end
-    if extra ~= '' then
-      local cost, wait, claim, deadline, expect =
-        string.match(extra, '^(%d+),(%d+),(%d+),(%d+),(.*)$')
-      cost, wait, claim, deadline = tonumber(cost), tonumber(wait), tonumber(claim), tonumber(deadline)
-      if not (cost and wait and claim and deadline) or cost < 1 or claim > c then
-        bad('extra ' .. extra)
+    local nf = tonumber(spec)
+    if not nf then
+      local f, cost, wait, claim, deadline, expect =
+        string.match(spec, '^(%d+),(%d+),(%d+),(%d+),(%d+),(.*)$')
+      nf, cost, wait, claim, deadline =
+        tonumber(f), tonumber(cost), tonumber(wait), tonumber(claim), tonumber(deadline)
+      if not (nf and cost and wait and claim and deadline) or cost < 1 or claim > c then
+        bad('spec ' .. spec)
       end
       ev_extra[i] = { cost, wait, claim, expect, deadline }
     end
     -- lib.lua fields_end, inlined: this loop runs once per event, and a call per event is
     -- a measurable part of what the script costs.
-    local nf = tonumber(ARGV[at + 2])
-    if not nf or nf < 0 or nf > MAX_FIELDS or nf % 1 ~= 0 then
-      bad('field count ' .. tostring(ARGV[at + 2]))
+    if nf < 0 or nf > MAX_FIELDS or nf % 1 ~= 0 then
+      bad('field count ' .. spec)
     end
-    ev_fields[i] = at + 2
-    at = at + 3 + 2 * nf
+    ev_fields[i] = at + 1
+    at = at + 2 + 2 * nf
     if at - 1 > nargs then
       bad('fields run past the arguments')
     end
@@ -114,7 +116,7 @@ end
 if i ~= n or at - 1 ~= nargs then
   bad('argument count')
 end
-local args_end = at + 2 -- as ev_fields would be for an event after the last
+local args_end = at + 1 -- as ev_fields would be for an event after the last
 
 -- Then read: the bucket, the ready stream's newest entry, the decisions on record, the id
 -- claims (reading also checks every key's type, so nothing fails once writing starts).
@@ -144,12 +146,12 @@ local xadd_id = int(tq / 1000) .. '-*'
 local dispatched = decision('d', tq / 1000)
 local t_text = int(t)
 -- Writes event i's ready entry, dispatched now: its slot is now (a slot ahead sleeps).
--- Its fields end where the next event's begin (entry, extra, count), the last's at the
--- arguments' end: no second reading of the count.
+-- Its fields end where the next event's begin (entry, spec), the last's at the arguments'
+-- end: no second reading of the count.
 local function write_ready(i, name, entry)
   redis.call('XADD', KEYS[2], xadd_id, 'pacer_route', route, 'pacer_source_stream', name,
     'pacer_source_id', entry, 'pacer_slot_us', t_text, 'pacer_wait_ms', '0',
-    unpack(ARGV, ev_fields[i] + 1, (ev_fields[i + 1] or args_end) - 3))
+    unpack(ARGV, ev_fields[i] + 1, (ev_fields[i + 1] or args_end) - 2))
 end
 -- Whether any entry of the call could be too old (the worker passes the oldest).
 local aged = t - oldest * 1000 > math.min(stale, max_age > 0 and max_age or stale)

@@ -757,7 +757,7 @@ fn a_script_checks_every_argument_before_it_writes() {
     let rig = Rig::new("10/s", 1);
     let mut con = rig.redis.con();
     let script = redis::Script::new(pacer::scripts::SCHEDULE);
-    let call = |con: &mut redis::Connection, second_fields: usize, second_extra: &str| {
+    let call = |con: &mut redis::Connection, second_spec: &str| {
         let mut inv = script.prepare_invoke();
         inv.key("b{r}").key("ready{r}").key("dec{r}");
         inv.arg(100_000).arg(0).arg(60_000).arg(1000).arg(GROUP);
@@ -768,29 +768,28 @@ fn a_script_checks_every_argument_before_it_writes() {
             .arg(1);
         inv.arg(1).arg(0).arg(0).arg(2);
         inv.arg(2).arg(0).arg("in");
-        // A good event, then one claiming `second_fields` fields while it passes one.
-        inv.arg("1-0").arg("").arg(1).arg("n").arg("1");
-        inv.arg("2-0")
-            .arg(second_extra)
-            .arg(second_fields)
-            .arg("n")
-            .arg("2");
+        // A good event, then one whose spec is `second_spec` while it passes one field.
+        inv.arg("1-0").arg(1).arg("n").arg("1");
+        inv.arg("2-0").arg(second_spec).arg("n").arg("2");
         inv.invoke::<redis::Value>(con)
     };
-    for (fields, extra) in [
-        (9, ""),
-        (100_000, ""),
-        (1, "0,5,0,"),
-        (1, "1,5,7,"),
-        (1, "x"),
+    for spec in [
+        "9",          // more fields than it passes
+        "100000",     // more than any event may carry
+        "-1",         // no count
+        "nan",        // not a count
+        "1,0,5,0,0,", // cost 0
+        "1,1,5,7,0,", // an id claim it was not given
+        "1,1,5,0,",   // an exception missing
+        "x",          // neither form
     ] {
-        let err = call(&mut con, fields, extra).unwrap_err();
-        assert!(err.to_string().contains("bad arguments"), "{err}");
+        let err = call(&mut con, spec).unwrap_err();
+        assert!(err.to_string().contains("bad arguments"), "{spec}: {err}");
     }
     let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut con).unwrap();
     assert!(keys.is_empty(), "written before failing: {keys:?}");
     // The same call, well formed, does write.
-    call(&mut con, 1, "").unwrap();
+    call(&mut con, "1").unwrap();
     let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut con).unwrap();
     assert!(keys.iter().any(|k| k == "ready{r}"), "{keys:?}");
 }

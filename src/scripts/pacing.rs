@@ -243,16 +243,19 @@ impl Scripts {
         for &i in &order {
             let item = &items[i];
             args.arg(item.event.entry_id);
+            let fields = item.event.fields;
             let plain = item.event.cost == 1
                 && item.max_wait_us == max_wait_us
                 && claim_at[i] == 0
                 && item.deadline_us == 0
                 && item.expect.is_none();
+            // Its spec: the field count alone, or with its exceptions (schedule.lua's header).
             if plain {
-                args.arg("");
+                args.arg(fields.len());
             } else {
                 args.arg(format!(
-                    "{},{},{},{},{}",
+                    "{},{},{},{},{},{}",
+                    fields.len(),
                     item.event.cost,
                     item.max_wait_us.max(0),
                     claim_at[i],
@@ -260,7 +263,9 @@ impl Scripts {
                     item.expect.unwrap_or("")
                 ));
             }
-            push_pairs(&mut args, item.event.fields);
+            for (name, value) in fields {
+                args.arg(*name).arg(*value);
+            }
         }
         let reply = self.schedule.call_plain(con, &keys, &args).await?;
         let mut values = Reply::new("schedule", reply)?;
