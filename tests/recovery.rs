@@ -321,14 +321,14 @@ fn a_poison_entry_whose_route_keys_were_overwritten_is_still_dead_lettered() {
     let worker = "  batch: 8\n  drain: 1s\n  claim_idle: 1600ms\n  max_deliveries: 2";
     let body =
         "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 10/s, burst: 1, max_wait: 500ms}\n";
-    // The first goes at once; the second sleeps on a decision in a hash of its own span; the
-    // third sleeps too, in a later span, with an id claim.
+    // The first goes at once; the second sleeps on a decision in a hash of its own span, with
+    // an id claim; the third sleeps too, in a later span, with an id claim.
     let mut ids = push(
         &redis,
         "in",
         &[
             event(&[("route", "a")]),
-            event(&[("route", "a"), ("n", "1")]),
+            event(&[("route", "a"), ("id", "k1")]),
         ],
     );
     std::thread::sleep(Duration::from_millis(2 * pacer::keys::DECISION_HASH_MS));
@@ -355,6 +355,13 @@ fn a_poison_entry_whose_route_keys_were_overwritten_is_still_dead_lettered() {
         .arg("not a hash")
         .query(&mut con)
         .unwrap();
+    // And k1's id now names another entry: with its decision gone, that still makes the second
+    // a duplicate (found by review: the owner was lost with the hash).
+    let _: () = redis::cmd("SET")
+        .arg(keys.claim("k1"))
+        .arg("1-1@elsewhere")
+        .query(&mut con)
+        .unwrap();
     let _: () = redis::cmd("DEL")
         .arg(keys.claim("k2"))
         .query(&mut con)
@@ -374,8 +381,20 @@ fn a_poison_entry_whose_route_keys_were_overwritten_is_still_dead_lettered() {
     for id in &ids[1..] {
         assert_eq!(at[id], vec!["pacer:dead"], "{}", pacer.log_text());
     }
+    let reasons: Vec<String> = ids[1..]
+        .iter()
+        .map(|id| {
+            let dead = read(&redis, "pacer:dead");
+            let e = dead
+                .iter()
+                .find(|e| e.field("pacer_source_id") == Some(id.as_str()))
+                .expect("dead-lettered");
+            e.field("pacer_reason").unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(reasons, ["duplicate", "too_many_deliveries"]);
     assert_eq!(decision(&ids[2]).as_deref(), Some("v0"));
-    assert!(pacer.log_text().contains("nothing there to void"));
+    assert!(pacer.log_text().contains("no decision there to void"));
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(read(&redis, "pacer:{a}:ready").len(), 1);
     pacer.kill();

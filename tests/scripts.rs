@@ -1008,7 +1008,8 @@ fn voiding_a_poison_event_stops_any_later_dispatch_and_keeps_final_outcomes() {
         void("2-0", Some("call-2")),
         Voided {
             decision: sleeping,
-            owner: "2-0@in".into()
+            owner: "2-0@in".into(),
+            overwritten: false,
         }
     );
     assert_eq!(void("2-0", None).decision, "v0");

@@ -57,12 +57,15 @@ impl Scripts {
 }
 
 /// What `void` found on record before it voided.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Voided {
     /// The decision before ("" if none).
     pub decision: String,
     /// Who owned the event's id on the route ("" if no one, or the event carries no id).
     pub owner: String,
+    /// The route's decision hash held another kind of value (overwritten by hand): no decision
+    /// was there to void.
+    pub overwritten: bool,
 }
 
 impl Scripts {
@@ -82,8 +85,12 @@ impl Scripts {
             inv.key(keys.claim(id));
         }
         inv.arg(entry_id).arg(ttl_ms);
-        let (decision, owner): (String, String) = inv.invoke_async(con).await?;
-        Ok(Voided { decision, owner })
+        let (decision, owner, overwritten): (String, String, i64) = inv.invoke_async(con).await?;
+        Ok(Voided {
+            decision,
+            owner,
+            overwritten: overwritten == 1,
+        })
     }
 
     /// Deletes the group's consumers that hold nothing and have been idle `min_idle` or more,

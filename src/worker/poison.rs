@@ -95,20 +95,21 @@ pub(crate) async fn settle(
                         .await
                 }
             });
-            match voided.await? {
-                Ok(v) => Some(v),
-                // A key of the route (its decision hash, or the event's id claim) holds another
-                // kind of value: no decision or claim of pacer's is there for a worker to act
-                // on, so there is nothing to void, and retrying cannot change that. It was
-                // retried forever, the entry pending for good (found by review).
+            let name = &ctx.cfg.outbound.route_at(route).name;
+            // void.lua answers for keys of another kind itself; a WRONGTYPE here all the same
+            // (a script older than this worker's, say) could not change by retrying: before
+            // void.lua answered, it was retried forever, the entry pending for good.
+            let voided = match voided.await? {
+                Ok(v) => v,
                 Err(err) => {
-                    warn!(entry = %e.id, stream = %e.stream, route = %ctx.cfg.outbound.route_at(route).name, error = %err, "a key of the poison entry's route holds another kind of value: nothing there to void");
-                    Some(Voided {
-                        decision: String::new(),
-                        owner: String::new(),
-                    })
+                    warn!(entry = %e.id, stream = %e.stream, route = %name, error = %err, "voiding the poison entry's decision met a key of another kind");
+                    Voided::default()
                 }
+            };
+            if voided.overwritten {
+                warn!(entry = %e.id, stream = %e.stream, route = %name, "the route's decision hash holds another kind of value: no decision there to void");
             }
+            Some(voided)
         })
     });
     let found = futures_util::future::join_all(calls).await;
@@ -171,6 +172,7 @@ mod tests {
             .map(|(d, o)| Voided {
                 decision: d.to_string(),
                 owner: o.to_string(),
+                overwritten: false,
             })
             .collect();
         verdict(&found, ME)
