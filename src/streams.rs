@@ -197,12 +197,11 @@ pub struct IdlePage {
     pub entries: Vec<IdleEntry>,
 }
 
-/// An entry pending on another consumer: its id, how often it was delivered, and who holds it.
+/// A pending entry listed for claiming: its id, and how often it was delivered.
 #[derive(Debug, Clone)]
 pub struct IdleEntry {
     pub id: String,
     pub deliveries: u64,
-    pub holder: String,
 }
 
 /// Up to `count` entries that `holder` has held pending in `group` on `stream` for longer than
@@ -241,7 +240,7 @@ pub async fn pending_idle<C: ConnectionLike>(
             return Err(shape());
         };
         let mut cols = cols.into_iter();
-        let (Some(id), Some(consumer), Some(_idle), Some(Value::Int(deliveries))) =
+        let (Some(id), Some(_holder), Some(_idle), Some(Value::Int(deliveries))) =
             (cols.next(), cols.next(), cols.next(), cols.next())
         else {
             return Err(shape());
@@ -250,7 +249,6 @@ pub async fn pending_idle<C: ConnectionLike>(
         page.entries.push(IdleEntry {
             id: id.clone(),
             deliveries: deliveries.max(0) as u64,
-            holder: String::from_utf8_lossy(&bytes(consumer, "pending")?).into_owned(),
         });
         page.last = Some(id);
     }

@@ -57,7 +57,7 @@ impl Scripts {
 }
 
 /// What `void` found on record before it voided.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Voided {
     /// The decision before ("" if none).
     pub decision: String,

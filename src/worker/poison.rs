@@ -5,7 +5,6 @@
 
 use super::context::Context;
 use super::outputs::{Finished, Rejection};
-use crate::error::Error;
 use crate::event::{OutboundEvent, Reason, Refused};
 use crate::marker::Marker;
 use crate::scripts::Voided;
@@ -81,7 +80,9 @@ pub(crate) async fn settle(
     let calls = poison.iter().zip(&chains).flat_map(|(e, chain)| {
         chain.iter().map(move |&route| async move {
             let keys = &ctx.cfg.outbound.route_at(route).keys;
-            let voided = ctx.retry_unless("void", stop, Error::is_wrong_type, move || {
+            // void.lua answers for route keys of another kind itself (it was retried forever on
+            // WRONGTYPE, the entry pending for good): no error of its is the key's fault.
+            let voided = ctx.retry("void", stop, move || {
                 let mut con = ctx.con.clone();
                 async move {
                     ctx.scripts
@@ -95,19 +96,10 @@ pub(crate) async fn settle(
                         .await
                 }
             });
-            let name = &ctx.cfg.outbound.route_at(route).name;
-            // void.lua answers for keys of another kind itself; a WRONGTYPE here all the same
-            // (a script older than this worker's, say) could not change by retrying: before
-            // void.lua answered, it was retried forever, the entry pending for good.
-            let voided = match voided.await? {
-                Ok(v) => v,
-                Err(err) => {
-                    warn!(entry = %e.id, stream = %e.stream, route = %name, error = %err, "voiding the poison entry's decision met a key of another kind");
-                    Voided::default()
-                }
-            };
+            let voided = voided.await?;
             if voided.overwritten {
-                warn!(entry = %e.id, stream = %e.stream, route = %name, "the route's decision hash holds another kind of value: no decision there to void");
+                let route = &ctx.cfg.outbound.route_at(route).name;
+                warn!(entry = %e.id, stream = %e.stream, %route, "the route's decision hash holds another kind of value: no decision there to void");
             }
             Some(voided)
         })
