@@ -49,6 +49,8 @@ pub struct WorkerConfig {
     /// This process's consumer name in the group; empty in the file means `hostname-pid`.
     pub consumer: String,
     pub batch: usize,
+    /// About the most bytes of fields one read brings in (`worker/read_size.rs`).
+    pub read_bytes: usize,
     pub max_inflight: usize,
     pub claim_idle: Duration,
     pub max_deliveries: u64,
@@ -256,6 +258,7 @@ fn read_worker(p: &mut Problems, v: Option<Value>) -> WorkerConfig {
         "group",
         "consumer",
         "batch",
+        "read_bytes",
         "max_inflight",
         "claim_idle",
         "max_deliveries",
@@ -293,6 +296,13 @@ fn read_worker(p: &mut Problems, v: Option<Value>) -> WorkerConfig {
         group,
         consumer: p.string("worker.consumer", &raw.consumer, Some("")),
         batch,
+        read_bytes: p.integer(
+            "worker.read_bytes",
+            &raw.read_bytes,
+            16 << 20,
+            1 << 10,
+            1 << 32,
+        ) as usize,
         max_inflight,
         claim_idle,
         max_deliveries: p.integer("worker.max_deliveries", &raw.max_deliveries, 5, 1, 1_000),

@@ -48,6 +48,11 @@ impl Entry {
         owner(&self.stream, &self.id)
     }
 
+    /// Bytes of its field names and values (what `max_event_bytes` and `read_bytes` count).
+    pub fn size(&self) -> usize {
+        self.fields.iter().map(|(k, v)| k.len() + v.len()).sum()
+    }
+
     /// The milliseconds of its id (when it was added, by Redis's clock); 0 if unreadable.
     pub fn ms(&self) -> i64 {
         entry_ms(&self.id)
@@ -229,7 +234,7 @@ pub(crate) fn check_size(entry: &Entry, flow: &Flow, section: &str) -> Result<()
             entry.fields.len()
         )));
     }
-    let size: usize = entry.fields.iter().map(|(k, v)| k.len() + v.len()).sum();
+    let size = entry.size();
     if size > max_bytes {
         return Err(Refused::malformed(format!(
             "the event is {size} bytes, more than {section}.max_event_bytes ({max_bytes})"
@@ -385,7 +390,7 @@ pub fn dead_letter_fields(entry: &Entry, refused: &Refused) -> Fields {
         fields.push((name.clone(), value.clone()));
     }
     if cut {
-        let total: usize = entry.fields.iter().map(|(k, v)| k.len() + v.len()).sum();
+        let total = entry.size();
         let note = format!(
             "copied {} of {} fields, {bytes} of {total} bytes",
             fields.len(),

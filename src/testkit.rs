@@ -571,6 +571,16 @@ pub fn metric_at(port: u16, needle: &str) -> f64 {
     http_get(port, "/metrics").map_or(0.0, |(_, text)| metric(&text, needle))
 }
 
+/// The most resident memory process `pid` has held (KiB, VmHWM); 0 once it is gone.
+pub fn peak_rss(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// Process `pid`'s resident memory (KiB) and CPU time so far (user + system, seconds), from
 /// /proc; zeros once it is gone.
 pub fn rss_and_cpu(pid: u32) -> (u64, f64) {

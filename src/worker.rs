@@ -11,6 +11,8 @@
 //! - `context`: what every task shares (config, connection, scripts, health, clocks) and the
 //!   retry loop around any Redis step;
 //! - `reader`: reading batches, and the path every batch takes (parse, admit, place, finish);
+//!   `read_size`: how many entries a read asks for, so that large entries are read few at a
+//!   time;
 //! - `claim`: claiming what other consumers left pending, and deleting departed consumers;
 //! - `placement`: which route an outbound event goes to and when, and resuming a decision an
 //!   earlier delivery recorded; `placers`: one placement task per route, so that one route's
@@ -35,6 +37,7 @@ mod placement;
 mod placers;
 mod poison;
 mod prepare;
+mod read_size;
 mod reader;
 mod waker;
 

@@ -289,13 +289,13 @@ fn entries_trimmed_while_pending_are_counted_and_the_rest_end_once() {
 #[test]
 fn a_config_at_every_extreme_runs_and_ends_each_entry_once() {
     let highest = (
-        "  batch: 10000\n  max_inflight: 10000000\n  claim_idle: 8h\n  max_deliveries: 1000\n  drain: 365d",
+        "  batch: 10000\n  read_bytes: 4294967296\n  max_inflight: 10000000\n  claim_idle: 8h\n  max_deliveries: 1000\n  drain: 365d",
         "outbound:\n  streams: [\"in\"]\n  max_len: 4294967295\n  dedupe_ttl: 365d\n  max_event_bytes: 16777216\n  max_event_fields: 3000\n  max_age: 365d\n  routes:\n    a: {rate: 1000/ms, burst: 1000000, max_wait: 7h, max_age: 365d, fallbacks: [b]}\n    b: {rate: 1/h, burst: 1000000, max_wait: 7h}\n\
 inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  rejected_stream: \"pacer:in-rejected\"\n  max_len: 4294967295\n  dedupe_ttl: 365d\n  max_event_bytes: 16777216\n  max_event_fields: 3000\n  limiter_attempts: 20\n  rules:\n    - {name: g, key: [source], algorithm: gcra, limits: [1000/ms], burst: 1000000}\n    - {name: l, key: [source], algorithm: sliding_log, limits: [1000/ms, 10000/h], min_spacing: 365d}\n    - {name: f, key: [source], algorithm: fixed_window, limits: [1000/ms]}\n",
         "  timeout: 365d\n  wait_timeout: 364d\n",
     );
     let lowest = (
-        "  batch: 1\n  max_inflight: 1\n  claim_idle: 1001ms\n  max_deliveries: 1\n  drain: 0s",
+        "  batch: 1\n  read_bytes: 1024\n  max_inflight: 1\n  claim_idle: 1001ms\n  max_deliveries: 1\n  drain: 0s",
         "outbound:\n  streams: [\"in\"]\n  max_len: 100\n  dedupe_ttl: 1002ms\n  max_event_bytes: 64\n  max_event_fields: 1\n  max_age: 1ms\n  routes:\n    a: {rate: 1/h, burst: 1, max_wait: 0s, max_age: 1ms, fallbacks: [b]}\n    b: {rate: 1/h, burst: 1, max_wait: 0s}\n\
 inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  rejected_stream: \"pacer:in-rejected\"\n  max_len: 100\n  dedupe_ttl: 1002ms\n  max_event_bytes: 64\n  max_event_fields: 1\n  limiter_attempts: 1\n  rules:\n    - {name: g, key: [source], algorithm: gcra, limits: [1/h], burst: 1}\n    - {name: l, key: [source], algorithm: sliding_log, limits: [1/h], min_spacing: 1us}\n    - {name: f, key: [source], algorithm: fixed_window, limits: [1/h]}\n",
         // The shortest timeout that still lets a loaded machine's calls through.
@@ -829,7 +829,9 @@ fn an_inbound_output_of_the_wrong_kind_holds_its_events_and_the_limits_still_hol
 /// Inbound events near the 16 MiB max_event_bytes go in admission calls of at most 64 MiB
 /// (`MAX_CALL_BYTES`), as outbound ones do: six of 12 MiB in one batch took one 72 MiB call,
 /// holding Redis while every other worker waited (found by review). Each is still decided
-/// once and forwarded whole.
+/// once and forwarded whole. (Reads start at one entry and double while entries are small,
+/// `worker/read_size.rs`: seven small events go first, in reads of 1, 2 and 4, so that the
+/// fourth read brings the six at once, as a read right after small entries can.)
 #[test]
 fn huge_inbound_events_are_admitted_in_calls_of_bounded_size() {
     let redis = RedisServer::start();
@@ -841,14 +843,16 @@ fn huge_inbound_events_are_admitted_in_calls_of_bounded_size() {
         "c.yaml",
         &redis,
         port,
-        "  batch: 16\n  drain: 1s",
+        "  batch: 16\n  read_bytes: 1073741824\n  drain: 1s",
         body,
     );
     // Time for a 64 MiB call on a slow machine (a call over redis.timeout is retried).
     let text = std::fs::read_to_string(&cfg).unwrap();
     std::fs::write(&cfg, text.replace("timeout: 500ms", "timeout: 5s")).unwrap();
-    // All six in the stream before the worker starts: one read, one batch.
+    // All in the stream before the worker starts: the six huge ones in one read, one batch.
     pacer::testkit::create_group(&mut redis.con(), "pacer:in", "pacer");
+    let small: Vec<_> = (0..7).map(|_| event(&[("source", "s")])).collect();
+    push(&redis, "pacer:in", &small);
     let big = vec![b'x'; 12 << 20];
     let events: Vec<Vec<(String, Vec<u8>)>> = (0..6)
         .map(|i| {
@@ -865,7 +869,7 @@ fn huge_inbound_events_are_admitted_in_calls_of_bounded_size() {
         wait_until(Duration::from_secs(60), || lengths(
             &redis,
             &["pacer:accepted"]
-        ) == [6]
+        ) == [13]
             && pending(&redis, "pacer:in", "pacer") == 0),
         "{}",
         pacer.log_text()
@@ -878,9 +882,81 @@ fn huge_inbound_events_are_admitted_in_calls_of_bounded_size() {
             "pacer_redis_command_duration_seconds_count{op=\"admit\"}",
         )
     };
-    wait_until(Duration::from_secs(5), || calls() >= 2.0);
-    assert_eq!(calls(), 2.0, "admission calls for 72 MiB");
-    for e in read(&redis, "pacer:accepted") {
-        assert_eq!(e.field("blob").map(str::len), Some(12 << 20));
+    wait_until(Duration::from_secs(5), || calls() >= 5.0);
+    assert_eq!(
+        calls() - 3.0,
+        2.0,
+        "admission calls for 72 MiB, after 3 small reads'"
+    );
+    let blobs: Vec<usize> = read(&redis, "pacer:accepted")
+        .iter()
+        .filter_map(|e| e.field("blob").map(str::len))
+        .collect();
+    assert_eq!(blobs, [12 << 20; 6]);
+}
+
+/// Entries of 1 MB each (a producer attaching a file to every event), 150 left pending by a
+/// consumer that died holding them and 150 new: the worker claims the first and reads the
+/// others a few at a time (`worker.read_bytes`), so its memory stays near that budget. Counted
+/// in entries alone, the default batch of 512 read 512 of them at once: a worker peaked at 768
+/// MB resident on 600, three times the memory limit `deploy/kubernetes` sets, and whoever took
+/// the entries of a worker killed for that (its restart, or a claimer) read them the same way.
+/// Each entry is still dead-lettered once (over `max_event_bytes`, as `malformed`).
+#[test]
+fn large_entries_are_read_and_claimed_a_few_at_a_time() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("large-reads");
+    let port = free_port();
+    let worker = "  batch: 512\n  read_bytes: 4194304\n  claim_idle: 2s\n  drain: 1s";
+    let body =
+        "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 1000/s, max_wait: 500ms}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
+    // Time for a few megabytes a call on a slow machine (a call over redis.timeout is retried).
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, text.replace("timeout: 500ms", "timeout: 5s")).unwrap();
+    pacer::testkit::create_group(&mut redis.con(), "in", "pacer");
+    let blob = vec![b'x'; 1 << 20];
+    let large = |from: usize| -> Vec<Vec<(String, Vec<u8>)>> {
+        (from..from + 150)
+            .map(|i| {
+                let mut e = event(&[("route", "a"), ("i", &i.to_string())]);
+                e.push(("blob".to_string(), blob.clone()));
+                e
+            })
+            .collect()
+    };
+    let mut ids = push(&redis, "in", &large(0));
+    // A consumer that took the first 150 and died: the worker's claimer finds them.
+    let taken: redis::Value = redis::cmd("XREADGROUP")
+        .arg(&[
+            "GROUP", "pacer", "gone", "COUNT", "150", "STREAMS", "in", ">",
+        ])
+        .query(&mut redis.con())
+        .unwrap();
+    drop(taken);
+    assert_eq!(pending(&redis, "in", "pacer"), 150);
+    ids.extend(push(&redis, "in", &large(150)));
+    let pacer = start(&cfg, port);
+    assert!(
+        wait_until(Duration::from_secs(60), || lengths(&redis, &["pacer:dead"])
+            == [300]
+            && pending(&redis, "in", "pacer") == 0),
+        "dead {:?}, pending {}\n{}",
+        lengths(&redis, &["pacer:dead"]),
+        pending(&redis, "in", "pacer"),
+        pacer.log_text()
+    );
+    let peak_mb = pacer::testkit::peak_rss(pacer.pid()) / 1024;
+    let at = placements(&redis, &["pacer:{a}:ready", "pacer:rejected", "pacer:dead"]);
+    for id in &ids {
+        assert_eq!(at.get(id.as_str()).map(Vec::len), Some(1), "{id}: {at:?}");
     }
+    for e in read(&redis, "pacer:dead") {
+        assert_eq!(e.field("pacer_reason"), Some("malformed"));
+        let cut = e.field("pacer_truncated").unwrap_or_default();
+        assert!(cut.contains(" of 10485"), "{cut}");
+    }
+    // 4 MiB a read, held a few times over while it is parsed and dead-lettered, beside the
+    // process's own; 150 entries read or claimed at once would be 150 MB.
+    assert!(peak_mb < 100, "peak resident memory {peak_mb} MB");
 }

@@ -64,6 +64,7 @@ pub struct RawWorker {
     pub group: Leaf,
     pub consumer: Leaf,
     pub batch: Leaf,
+    pub read_bytes: Leaf,
     pub max_inflight: Leaf,
     pub claim_idle: Leaf,
     pub max_deliveries: Leaf,

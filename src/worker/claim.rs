@@ -10,6 +10,7 @@
 
 use super::context::Context;
 use super::placers::Placers;
+use super::read_size::ReadSize;
 use super::reader;
 use crate::backoff::Backoff;
 use crate::error::Result;
@@ -32,7 +33,9 @@ const REAP_EVERY_TICKS: u64 = 10;
 pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: CancellationToken) {
     let idle = ctx.cfg.worker.claim_idle;
     let every = (idle / 2).clamp(Duration::from_millis(50), Duration::from_secs(10));
-    let batch = ctx.cfg.worker.batch;
+    // Claiming brings entries in as a read does, and bounds its pages alike: the entries a
+    // worker was killed for holding are the ones a claimer takes next.
+    let mut size = ReadSize::new(ctx.cfg.worker.batch, ctx.cfg.worker.read_bytes);
     // Counts failures only to say the first one: the reader and the dispatcher report Redis
     // trouble too, and the next tick tries again anyway.
     let mut failures = Backoff::default();
@@ -63,11 +66,12 @@ pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: Canc
                 let mut from = "-".to_string();
                 while rounds > 0 {
                     rounds -= 1;
+                    let count = size.count();
                     let mut permits = tokio::select! {
                         _ = shutdown.cancelled() => return,
-                        p = ctx.permits.clone().acquire_many_owned(batch as u32) => p.expect("never closed"),
+                        p = ctx.permits.clone().acquire_many_owned(count as u32) => p.expect("never closed"),
                     };
-                    let claimed = claim(&ctx, stream, idle, holder, (&from, batch));
+                    let claimed = claim(&ctx, stream, idle, holder, (&from, count));
                     let (listed, last, entries) = match telemetry::timed("claim", claimed).await {
                         Ok(c) => {
                             failures.succeed();
@@ -81,6 +85,7 @@ pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: Canc
                             break;
                         }
                     };
+                    size.read(&entries);
                     if !entries.is_empty() {
                         info!(%stream, count = entries.len(), %holder, "claimed entries left pending by another consumer");
                         telemetry::claimed(stream, entries.len());
@@ -92,7 +97,7 @@ pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: Canc
                         reader::handle(&ctx, entries, held, &placers, &shutdown).await;
                     }
                     match last {
-                        Some(last) if listed >= batch => from = format!("({last}"),
+                        Some(last) if listed >= count => from = format!("({last}"),
                         _ => break,
                     }
                 }

@@ -6,6 +6,7 @@ use super::context::Context;
 use super::outputs::{self, Finished};
 use super::placement::Placing;
 use super::placers::Placers;
+use super::read_size::ReadSize;
 use super::{inbound, poison};
 use crate::backoff::Backoff;
 use crate::connection::RedisConn;
@@ -25,8 +26,9 @@ pub(super) const READ_BLOCK: Duration = Duration::from_millis(500);
 
 /// Reads batches of one input stream until shutdown; each batch is taken to its end before the
 /// next read. One reader per stream: streams in different cluster slots cannot share one
-/// XREADGROUP, and a read of one stream returns at most the `batch` entries it holds permits
-/// for, so the reader can always take what it read.
+/// XREADGROUP, and a read of one stream returns at most the entries it holds permits for
+/// (`read_size`: `batch` at most, fewer when entries are large), so the reader can always
+/// take what it read.
 pub(super) async fn run(
     ctx: &Arc<Context>,
     stream: Arc<str>,
@@ -34,7 +36,7 @@ pub(super) async fn run(
     placers: &Placers,
     shutdown: &CancellationToken,
 ) {
-    let batch = ctx.cfg.worker.batch;
+    let mut size = ReadSize::new(ctx.cfg.worker.batch, ctx.cfg.worker.read_bytes);
     let mut backoff = Backoff::default();
     let one = std::slice::from_ref(&stream);
     // The newest entry a read handed over. A read whose reply is lost (a timeout: the worker
@@ -51,9 +53,10 @@ pub(super) async fn run(
     // The stream's key holds another kind of value: said once, until a read succeeds again.
     let mut wrong_type = false;
     while !shutdown.is_cancelled() {
+        let count = size.count();
         let mut permits = tokio::select! {
             _ = shutdown.cancelled() => return,
-            p = ctx.permits.clone().acquire_many_owned(batch as u32) => p.expect("never closed"),
+            p = ctx.permits.clone().acquire_many_owned(count as u32) => p.expect("never closed"),
         };
         let read = telemetry::timed(
             "read",
@@ -67,7 +70,7 @@ pub(super) async fn run(
                 } else {
                     ">"
                 },
-                batch,
+                count,
                 READ_BLOCK,
             ),
         )
@@ -89,6 +92,7 @@ pub(super) async fn run(
                 if let Some(newest) = entries.last() {
                     last_seen = Some(newest.id.clone());
                 }
+                size.read(&entries);
                 entries
             }
             Err(e) => {
@@ -125,7 +129,7 @@ pub(super) async fn run(
         };
         let held: Vec<OwnedSemaphorePermit> = entries
             .iter()
-            .map(|_| permits.split(1).expect("at most batch entries per read"))
+            .map(|_| permits.split(1).expect("at most `count` entries per read"))
             .collect();
         drop(permits);
         handle(ctx, entries, held, placers, shutdown).await;
