@@ -52,6 +52,8 @@ pub struct WorkerConfig {
     /// About the most bytes of fields one read brings in (`worker/read_size.rs`).
     pub read_bytes: usize,
     pub max_inflight: usize,
+    /// About the most bytes of fields the entries it holds may take (`worker/budget.rs`).
+    pub max_inflight_bytes: usize,
     pub claim_idle: Duration,
     pub max_deliveries: u64,
     pub drain: Duration,
@@ -260,6 +262,7 @@ fn read_worker(p: &mut Problems, v: Option<Value>) -> WorkerConfig {
         "batch",
         "read_bytes",
         "max_inflight",
+        "max_inflight_bytes",
         "claim_idle",
         "max_deliveries",
         "drain",
@@ -304,6 +307,13 @@ fn read_worker(p: &mut Problems, v: Option<Value>) -> WorkerConfig {
             1 << 32,
         ) as usize,
         max_inflight,
+        max_inflight_bytes: p.integer(
+            "worker.max_inflight_bytes",
+            &raw.max_inflight_bytes,
+            64 << 20,
+            1 << 10,
+            1 << 40,
+        ) as usize,
         claim_idle,
         max_deliveries: p.integer("worker.max_deliveries", &raw.max_deliveries, 5, 1, 1_000),
         drain: p.duration("worker.drain", &raw.drain, Duration::from_secs(5)),

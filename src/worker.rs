@@ -11,8 +11,8 @@
 //! - `context`: what every task shares (config, connection, scripts, health, clocks) and the
 //!   retry loop around any Redis step;
 //! - `reader`: reading batches, and the path every batch takes (parse, admit, place, finish);
-//!   `read_size`: how many entries a read asks for, so that large entries are read few at a
-//!   time;
+//!   `budget`: how many entries a read asks for, and how many permits an entry holds, so
+//!   that large entries are read few at a time and held within `max_inflight_bytes`;
 //! - `claim`: claiming what other consumers left pending, and deleting departed consumers;
 //! - `placement`: which route an outbound event goes to and when, and resuming a decision an
 //!   earlier delivery recorded; `placers`: one placement task per route, so that one route's
@@ -26,6 +26,7 @@
 //! - `monitor`: stream gauges and readiness;
 //! - `waker`: the sub-millisecond timer thread.
 
+mod budget;
 mod claim;
 mod context;
 mod dispatcher;
@@ -37,7 +38,6 @@ mod placement;
 mod placers;
 mod poison;
 mod prepare;
-mod read_size;
 mod reader;
 mod waker;
 

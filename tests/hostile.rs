@@ -830,7 +830,7 @@ fn an_inbound_output_of_the_wrong_kind_holds_its_events_and_the_limits_still_hol
 /// (`MAX_CALL_BYTES`), as outbound ones do: six of 12 MiB in one batch took one 72 MiB call,
 /// holding Redis while every other worker waited (found by review). Each is still decided
 /// once and forwarded whole. (Reads start at one entry and double while entries are small,
-/// `worker/read_size.rs`: seven small events go first, in reads of 1, 2 and 4, so that the
+/// `worker/budget.rs`: seven small events go first, in reads of 1, 2 and 4, so that the
 /// fourth read brings the six at once, as a read right after small entries can.)
 #[test]
 fn huge_inbound_events_are_admitted_in_calls_of_bounded_size() {
@@ -959,4 +959,50 @@ fn large_entries_are_read_and_claimed_a_few_at_a_time() {
     // 4 MiB a read, held a few times over while it is parsed and dead-lettered, beside the
     // process's own; 150 entries read or claimed at once would be 150 MB.
     assert!(peak_mb < 100, "peak resident memory {peak_mb} MB");
+}
+
+/// Events just under the 64 KiB `max_event_bytes` default, on a route slower than they come:
+/// each holds one of the `max_inflight` permits per started `max_inflight_bytes /
+/// max_inflight` bytes, so the worker holds about `max_inflight_bytes` of them asleep (69 of
+/// 60 KB under 4 MiB), reads on as they leave, and dispatches every one once at the rate.
+/// Counted in events alone, all 400 slept at once (24 MB; 640 MB at the default 10,000).
+#[test]
+fn large_events_are_held_within_max_inflight_bytes() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("large-held");
+    let port = free_port();
+    let worker = "  batch: 64\n  read_bytes: 1048576\n  max_inflight: 10000\n  max_inflight_bytes: 4194304\n  claim_idle: 70s\n  drain: 1s";
+    let body =
+        "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 50/s, burst: 1, max_wait: 60s}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
+    let blob = vec![b'x'; 60_000];
+    let events: Vec<_> = (0..400)
+        .map(|i| {
+            let mut e = event(&[("route", "a"), ("i", &i.to_string())]);
+            e.push(("blob".to_string(), blob.clone()));
+            e
+        })
+        .collect();
+    let ids = push(&redis, "in", &events);
+    let pacer = start(&cfg, port);
+    let mut most_asleep = 0.0_f64;
+    let ended = wait_until(Duration::from_secs(40), || {
+        let asleep = pacer::testkit::metric_at(port, "pacer_sleeping_events");
+        most_asleep = most_asleep.max(asleep);
+        lengths(&redis, &["pacer:{a}:ready"]) == [400]
+    });
+    assert!(ended, "{}", pacer.log_text());
+    assert_each_once(
+        &redis,
+        &ids,
+        &["pacer:{a}:ready", "pacer:rejected", "pacer:dead"],
+        "in",
+    );
+    assert_rate(&redis, "pacer:{a}:ready", 50.0, 1.0);
+    // 10,000 permits of 419 bytes; an event of 60,0xx bytes holds 144 of them.
+    let weight = 60_020_f64.div_euclid(419.0) + 1.0;
+    assert!(
+        most_asleep >= 10.0 && most_asleep <= (10_000.0 / weight).floor(),
+        "at most {most_asleep} asleep at once"
+    );
 }

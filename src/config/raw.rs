@@ -66,6 +66,7 @@ pub struct RawWorker {
     pub batch: Leaf,
     pub read_bytes: Leaf,
     pub max_inflight: Leaf,
+    pub max_inflight_bytes: Leaf,
     pub claim_idle: Leaf,
     pub max_deliveries: Leaf,
     pub drain: Leaf,

@@ -8,9 +8,9 @@
 //! ones alone: listing the group's whole pending list walked every entry the live workers hold
 //! asleep (a hundred thousand each, at `max_inflight`), on every tick, to find none.
 
+use super::budget::{self, ReadSize};
 use super::context::Context;
 use super::placers::Placers;
-use super::read_size::ReadSize;
 use super::reader;
 use crate::backoff::Backoff;
 use crate::error::Result;
@@ -19,7 +19,6 @@ use crate::streams;
 use crate::telemetry;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -67,7 +66,7 @@ pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: Canc
                 while rounds > 0 {
                     rounds -= 1;
                     let count = size.count();
-                    let mut permits = tokio::select! {
+                    let permits = tokio::select! {
                         _ = shutdown.cancelled() => return,
                         p = ctx.permits.clone().acquire_many_owned(count as u32) => p.expect("never closed"),
                     };
@@ -89,11 +88,10 @@ pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: Canc
                     if !entries.is_empty() {
                         info!(%stream, count = entries.len(), %holder, "claimed entries left pending by another consumer");
                         telemetry::claimed(stream, entries.len());
-                        let held: Vec<OwnedSemaphorePermit> = entries
-                            .iter()
-                            .map(|_| permits.split(1).expect("one permit per entry claimed"))
-                            .collect();
-                        drop(permits);
+                        let Some(held) = budget::hold(&ctx, &entries, permits, &shutdown).await
+                        else {
+                            return;
+                        };
                         reader::handle(&ctx, entries, held, &placers, &shutdown).await;
                     }
                     match last {

@@ -2,11 +2,11 @@
 //! claimed: inbound entries are admitted, outbound ones parsed, poison settled, the rest handed
 //! to their routes' placement tasks (`placers`), then rejections, dead letters and acks.
 
+use super::budget::{self, ReadSize};
 use super::context::Context;
 use super::outputs::{self, Finished};
 use super::placement::Placing;
 use super::placers::Placers;
-use super::read_size::ReadSize;
 use super::{inbound, poison};
 use crate::backoff::Backoff;
 use crate::connection::RedisConn;
@@ -27,7 +27,7 @@ pub(super) const READ_BLOCK: Duration = Duration::from_millis(500);
 /// Reads batches of one input stream until shutdown; each batch is taken to its end before the
 /// next read. One reader per stream: streams in different cluster slots cannot share one
 /// XREADGROUP, and a read of one stream returns at most the entries it holds permits for
-/// (`read_size`: `batch` at most, fewer when entries are large), so the reader can always
+/// (`budget`: `batch` at most, fewer when entries are large), so the reader can always
 /// take what it read.
 pub(super) async fn run(
     ctx: &Arc<Context>,
@@ -54,7 +54,7 @@ pub(super) async fn run(
     let mut wrong_type = false;
     while !shutdown.is_cancelled() {
         let count = size.count();
-        let mut permits = tokio::select! {
+        let permits = tokio::select! {
             _ = shutdown.cancelled() => return,
             p = ctx.permits.clone().acquire_many_owned(count as u32) => p.expect("never closed"),
         };
@@ -127,11 +127,9 @@ pub(super) async fn run(
                 continue;
             }
         };
-        let held: Vec<OwnedSemaphorePermit> = entries
-            .iter()
-            .map(|_| permits.split(1).expect("at most `count` entries per read"))
-            .collect();
-        drop(permits);
+        let Some(held) = budget::hold(ctx, &entries, permits, shutdown).await else {
+            return;
+        };
         handle(ctx, entries, held, placers, shutdown).await;
     }
 }

@@ -1,0 +1,171 @@
+//! What the worker brings in and holds, counted in bytes as well as in entries: how many
+//! entries the next read asks for (`ReadSize`), and how many of the `max_inflight` permits an
+//! entry holds once read (`hold`).
+//!
+//! **Reads.** A read counted in entries alone is unbounded in bytes. Stream values may be as
+//! large as Redis takes (512 MB each): a producer that attached a 1 MB file to each of 595
+//! events made a worker at the default batch of 512 read 512 MB at once and peak at 780 MB
+//! resident, three times the memory limit `deploy/kubernetes` sets. Killed for it, a worker
+//! leaves those entries pending; whoever takes them next (its restart, or the claimer of
+//! another worker) reads them the same way and is killed in turn, and the whole group stops on
+//! a handful of entries.
+//!
+//! Redis says nothing of an entry's size before it is read, so the count learns it, as TCP's
+//! slow start learns a path: the first read asks for one entry, and each read after one that
+//! brought entries asks for at most twice as many as that one did and at most `read_bytes`
+//! over the largest entry it brought. Small entries reach `batch` within ten reads (a few
+//! milliseconds at start); one large entry shrinks the next read at once. A worker started, or
+//! a claimer turned, on a stream of huge entries takes them one read of about `read_bytes` at a
+//! time, so a crash of that kind does not repeat itself. What it cannot bound is a read right
+//! after small entries, of a run of large ones: up to the last count, times their size.
+//!
+//! **Holding.** Sleeping events keep their fields until dispatched, so `max_inflight` alone
+//! let 10,000 events at the 64 KiB `max_event_bytes` default hold 640 MB. An entry holds one
+//! permit per started `max_inflight_bytes / max_inflight` bytes of fields (one, for the usual
+//! small event), so the fields held stay within `max_inflight_bytes` as the entries do within
+//! `max_inflight`.
+
+use super::context::Context;
+use crate::event::Entry;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
+
+/// The entry count for reads of one stream (by a reader, or a claimer's pages).
+#[derive(Debug, Clone)]
+pub(super) struct ReadSize {
+    batch: usize,
+    budget: usize,
+    count: usize,
+}
+
+impl ReadSize {
+    /// Starts at one entry: nothing is known of the stream's entries yet.
+    pub(super) fn new(batch: usize, budget: usize) -> Self {
+        ReadSize {
+            batch,
+            budget,
+            count: 1,
+        }
+    }
+
+    /// How many entries the next read asks for.
+    pub(super) fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Learns from what a read brought (nothing, from a read that brought nothing).
+    pub(super) fn read(&mut self, entries: &[Entry]) {
+        if let Some(largest) = entries.iter().map(Entry::size).max() {
+            self.count = next_count(self.count, self.batch, self.budget, largest);
+        }
+    }
+}
+
+/// The permits for `entries`, just read with `read` permits (one each): each entry gets as
+/// many as its size weighs (`weights`). When that is more, the read's permits are given back
+/// and the whole weight asked for at once: waiting for more while holding some could deadlock
+/// with the other readers and the claimer doing the same. None on shutdown meanwhile (the
+/// entries stay pending in the group, taken up by this consumer's next start or a claimer).
+pub(super) async fn hold(
+    ctx: &Context,
+    entries: &[Entry],
+    mut read: OwnedSemaphorePermit,
+    shutdown: &CancellationToken,
+) -> Option<Vec<OwnedSemaphorePermit>> {
+    let worker = &ctx.cfg.worker;
+    let slot = (worker.max_inflight_bytes / worker.max_inflight).max(1);
+    let sizes: Vec<usize> = entries.iter().map(Entry::size).collect();
+    let weights = weights(&sizes, slot, worker.max_inflight);
+    let total: usize = weights.iter().sum();
+    if total > read.num_permits() {
+        drop(read);
+        read = tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            p = ctx.permits.clone().acquire_many_owned(total as u32) => p.expect("never closed"),
+        };
+    }
+    Some(
+        weights
+            .iter()
+            .map(|&w| read.split(w).expect("the permits weighed"))
+            .collect(),
+    )
+}
+
+/// How many permits each entry of `sizes` (bytes) holds: one per started `slot` bytes, at
+/// least one; at most `most` in all (an entry is never refused for its weight: the first
+/// entries take what is left above one each for the rest).
+pub fn weights(sizes: &[usize], slot: usize, most: usize) -> Vec<usize> {
+    let mut extra = most.saturating_sub(sizes.len());
+    sizes
+        .iter()
+        .map(|&size| {
+            let more = (size.div_ceil(slot.max(1))).saturating_sub(1).min(extra);
+            extra -= more;
+            1 + more
+        })
+        .collect()
+}
+
+/// The count after a read of `count` entries whose largest took `largest` bytes: twice the
+/// count at most, `budget / largest` at most, and between 1 and `batch`.
+pub fn next_count(count: usize, batch: usize, budget: usize, largest: usize) -> usize {
+    (budget / largest.max(1))
+        .min(count.saturating_mul(2))
+        .clamp(1, batch.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_entries_reach_the_batch_by_doubling() {
+        let mut count = 1;
+        let mut reads = 0;
+        while count < 512 {
+            count = next_count(count, 512, 16 << 20, 200);
+            reads += 1;
+        }
+        assert_eq!((count, reads), (512, 9));
+        assert_eq!(next_count(512, 512, 16 << 20, 200), 512);
+    }
+
+    #[test]
+    fn a_large_entry_bounds_the_next_read_by_bytes() {
+        // 1 MB entries under a 16 MiB budget: 16 a read, from any count.
+        assert_eq!(next_count(512, 512, 16 << 20, 1 << 20), 16);
+        assert_eq!(next_count(16, 512, 16 << 20, 1 << 20), 16);
+        // Larger than the whole budget: one at a time, never none.
+        assert_eq!(next_count(512, 512, 16 << 20, 100 << 20), 1);
+        assert_eq!(next_count(1, 512, 16 << 20, usize::MAX), 1);
+    }
+
+    #[test]
+    fn an_entry_weighs_a_permit_per_started_slot_of_bytes() {
+        assert_eq!(
+            weights(&[0, 1, 100, 101, 200, 201], 100, 1000),
+            [1, 1, 1, 2, 2, 3]
+        );
+        // The fields held stay within the permits' bytes: weight x slot covers each size.
+        let sizes = [5, 64 << 10, 999, 1 << 20, 3];
+        for (size, w) in sizes.iter().zip(weights(&sizes, 6710, 10_000)) {
+            assert!(w * 6710 >= *size && (w == 1 || (w - 1) * 6710 < *size));
+        }
+    }
+
+    #[test]
+    fn a_read_never_weighs_more_than_all_the_permits() {
+        // The first entries take what is left above one each for the rest.
+        assert_eq!(weights(&[1000, 1000, 1000], 100, 12), [10, 1, 1]);
+        assert_eq!(weights(&[1000, 10, 1000], 1, 3), [1, 1, 1]);
+        assert_eq!(weights(&[], 100, 12), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn the_count_stays_within_one_and_the_batch() {
+        assert_eq!(next_count(usize::MAX, 512, usize::MAX, 0), 512);
+        assert_eq!(next_count(0, 0, 0, 0), 1);
+        assert_eq!(next_count(3, 4, 1 << 20, 1), 4);
+    }
+}
