@@ -289,13 +289,13 @@ fn entries_trimmed_while_pending_are_counted_and_the_rest_end_once() {
 #[test]
 fn a_config_at_every_extreme_runs_and_ends_each_entry_once() {
     let highest = (
-        "  batch: 10000\n  read_bytes: 4294967296\n  max_inflight: 10000000\n  claim_idle: 8h\n  max_deliveries: 1000\n  drain: 365d",
+        "  batch: 10000\n  read_bytes: 4294967296\n  max_inflight: 10000000\n  max_inflight_bytes: 1099511627776\n  claim_idle: 8h\n  max_deliveries: 1000\n  drain: 365d",
         "outbound:\n  streams: [\"in\"]\n  max_len: 4294967295\n  dedupe_ttl: 365d\n  max_event_bytes: 16777216\n  max_event_fields: 3000\n  max_age: 365d\n  routes:\n    a: {rate: 1000/ms, burst: 1000000, max_wait: 7h, max_age: 365d, fallbacks: [b]}\n    b: {rate: 1/h, burst: 1000000, max_wait: 7h}\n\
 inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  rejected_stream: \"pacer:in-rejected\"\n  max_len: 4294967295\n  dedupe_ttl: 365d\n  max_event_bytes: 16777216\n  max_event_fields: 3000\n  limiter_attempts: 20\n  rules:\n    - {name: g, key: [source], algorithm: gcra, limits: [1000/ms], burst: 1000000}\n    - {name: l, key: [source], algorithm: sliding_log, limits: [1000/ms, 10000/h], min_spacing: 365d}\n    - {name: f, key: [source], algorithm: fixed_window, limits: [1000/ms]}\n",
         "  timeout: 365d\n  wait_timeout: 364d\n",
     );
     let lowest = (
-        "  batch: 1\n  read_bytes: 1024\n  max_inflight: 1\n  claim_idle: 1001ms\n  max_deliveries: 1\n  drain: 0s",
+        "  batch: 1\n  read_bytes: 1024\n  max_inflight: 1\n  max_inflight_bytes: 1024\n  claim_idle: 1001ms\n  max_deliveries: 1\n  drain: 0s",
         "outbound:\n  streams: [\"in\"]\n  max_len: 100\n  dedupe_ttl: 1002ms\n  max_event_bytes: 64\n  max_event_fields: 1\n  max_age: 1ms\n  routes:\n    a: {rate: 1/h, burst: 1, max_wait: 0s, max_age: 1ms, fallbacks: [b]}\n    b: {rate: 1/h, burst: 1, max_wait: 0s}\n\
 inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  rejected_stream: \"pacer:in-rejected\"\n  max_len: 100\n  dedupe_ttl: 1002ms\n  max_event_bytes: 64\n  max_event_fields: 1\n  limiter_attempts: 1\n  rules:\n    - {name: g, key: [source], algorithm: gcra, limits: [1/h], burst: 1}\n    - {name: l, key: [source], algorithm: sliding_log, limits: [1/h], min_spacing: 1us}\n    - {name: f, key: [source], algorithm: fixed_window, limits: [1/h]}\n",
         // The shortest timeout that still lets a loaded machine's calls through.
