@@ -49,7 +49,7 @@ pub struct WorkerConfig {
     /// This process's consumer name in the group; empty in the file means `hostname-pid`.
     pub consumer: String,
     pub batch: usize,
-    /// About the most bytes of fields one read brings in (`worker/read_size.rs`).
+    /// About the most bytes of fields one read or claim brings in (`worker/budget.rs`).
     pub read_bytes: usize,
     pub max_inflight: usize,
     /// About the most bytes of fields the entries it holds may take (`worker/budget.rs`).
@@ -307,10 +307,12 @@ fn read_worker(p: &mut Problems, v: Option<Value>) -> WorkerConfig {
             1 << 32,
         ) as usize,
         max_inflight,
+        // By default 64 MiB, or 1 KiB a place when that is more: an event of up to 1 KiB
+        // then always takes one place, however high max_inflight is set.
         max_inflight_bytes: p.integer(
             "worker.max_inflight_bytes",
             &raw.max_inflight_bytes,
-            64 << 20,
+            (64 << 20).max(max_inflight as u64 * 1024),
             1 << 10,
             1 << 40,
         ) as usize,
@@ -364,6 +366,19 @@ outbound:
             said[0].starts_with("route slow: a backlog on it can hold 201 sleeping events"),
             "{said:?}"
         );
+    }
+
+    #[test]
+    fn byte_budgets_default_to_16_and_64_mib_and_1_kib_a_place_beyond() {
+        let c = Config::parse(GOOD, &Overrides::default()).unwrap();
+        let w = &c.worker;
+        assert_eq!((w.read_bytes, w.max_inflight_bytes), (16 << 20, 64 << 20));
+        let many = format!("worker: {{max_inflight: 1000000}}{GOOD}");
+        let c = Config::parse(&many, &Overrides::default()).unwrap();
+        assert_eq!(c.worker.max_inflight_bytes, 1_000_000 << 10);
+        let set = format!("worker: {{max_inflight: 1000000, max_inflight_bytes: 4096}}{GOOD}");
+        let c = Config::parse(&set, &Overrides::default()).unwrap();
+        assert_eq!(c.worker.max_inflight_bytes, 4096);
     }
 
     #[test]

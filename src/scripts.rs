@@ -53,6 +53,7 @@ pub const DISPATCH_BODY: &str = lua!("dispatch.lua");
 pub const EMIT: &str = lua!("lib.lua", "emit.lua");
 pub const VOID: &str = lua!("lib.lua", "void.lua");
 pub const REAP: &str = lua!("reap.lua");
+pub const SIZES: &str = lua!("sizes.lua");
 /// The helpers and the inbound algorithms, as the admission scripts start.
 pub const ADMISSION_LIB: &str = lua!(
     "lib.lua",
@@ -165,6 +166,7 @@ pub struct Scripts {
     emit: Script,
     void: Script,
     reap: Script,
+    sizes: Script,
     admit: Function,
     decide: Function,
 }
@@ -177,6 +179,7 @@ impl Default for Scripts {
             emit: Script::new(EMIT),
             void: Script::new(VOID),
             reap: Script::new(REAP),
+            sizes: Script::new(SIZES),
             admit: Function::new("admit", ADMISSION_LIB, ADMIT_BODY),
             decide: Function::new("decide", ADMISSION_LIB, DECIDE_BODY),
         }
@@ -186,7 +189,7 @@ impl Default for Scripts {
 impl Scripts {
     /// Loads every script into Redis's script cache (readiness means this has happened).
     pub async fn load<C: ConnectionLike>(&self, con: &mut C) -> Result<()> {
-        for script in [&self.emit, &self.void, &self.reap] {
+        for script in [&self.emit, &self.void, &self.reap, &self.sizes] {
             script.prepare_invoke().load_async(con).await?;
         }
         for function in [&self.schedule, &self.dispatch, &self.admit, &self.decide] {

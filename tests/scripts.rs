@@ -1194,3 +1194,61 @@ fn schedule_decides_plain_events_as_plan_and_gate_say() {
         "{fast} calls began on the usual path, {other} not"
     );
 }
+
+/// `sizes.lua` counts, in Redis, how many entries from the first fit in a budget of field
+/// bytes: at least one (an entry larger than the budget goes alone), a deleted entry as 0
+/// bytes, none for no ids; it reads no entry past the first that does not fit.
+#[test]
+fn sizes_counts_the_entries_that_fit_in_a_budget_from_the_first() {
+    let rig = Rig::new("10/s", 1);
+    let mut con = rig.redis.con();
+    // Entries of 9, 99 and 999 bytes of fields (a one-letter name), then one deleted.
+    let ids: Vec<String> = [8, 98, 998, 8]
+        .iter()
+        .map(|n| {
+            redis::cmd("XADD")
+                .arg("s")
+                .arg("*")
+                .arg("v")
+                .arg("x".repeat(*n))
+                .query(&mut con)
+                .unwrap()
+        })
+        .collect();
+    let _: i64 = redis::cmd("XDEL")
+        .arg("s")
+        .arg(&ids[3])
+        .query(&mut con)
+        .unwrap();
+    let fitting = |ids: &[&String], budget: usize| -> usize {
+        let ids: Vec<&str> = ids.iter().map(|s| s.as_str()).collect();
+        let mut con = rig.con.clone();
+        rig.rt
+            .block_on(rig.scripts.fitting(&mut con, "s", &ids, budget))
+            .unwrap()
+    };
+    let all: Vec<&String> = ids.iter().collect();
+    assert_eq!(fitting(&all, 1_107), 4, "a deleted entry weighs nothing");
+    assert_eq!(fitting(&all[..3], 1_107), 3);
+    assert_eq!(fitting(&all, 1_106), 2);
+    assert_eq!(fitting(&all, 108), 2);
+    assert_eq!(fitting(&all, 107), 1);
+    assert_eq!(fitting(&all, 0), 1, "one at least");
+    assert_eq!(
+        fitting(&[&ids[2], &ids[0]], 500),
+        1,
+        "larger than the budget: alone"
+    );
+    assert_eq!(fitting(&[], 500), 0);
+    // Stops at the first that does not fit: the 1,000 bytes are never read.
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(fitting(&all, 50), 1);
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut con)
+        .unwrap();
+    assert!(stats.contains("cmdstat_xrange:calls=2,"), "{stats}");
+}

@@ -1,5 +1,6 @@
 //! Writing to shared output streams once (`emit.lua`), settling a poison event's decision
-//! (`void.lua`) and deleting departed consumers (`reap.lua`).
+//! (`void.lua`), deleting departed consumers (`reap.lua`) and sizing pending entries before
+//! they are taken again (`sizes.lua`).
 
 use super::{push_fields, KeyIndex, Reply, Scripts, Writing};
 use crate::error::Result;
@@ -109,5 +110,23 @@ impl Scripts {
             .arg(min_idle.as_millis() as u64)
             .arg(me);
         Ok(call.invoke_async(con).await?)
+    }
+
+    /// How many of entries `ids` of `stream`, from the first, fit in `budget` bytes of fields
+    /// together (at least one; see `lua/sizes.lua`).
+    pub async fn fitting<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        stream: &str,
+        ids: &[&str],
+        budget: usize,
+    ) -> Result<usize> {
+        let mut call = self.sizes.prepare_invoke();
+        call.key(stream).arg(budget);
+        for id in ids {
+            call.arg(*id);
+        }
+        let n: i64 = call.invoke_async(con).await?;
+        Ok((n.max(0) as usize).min(ids.len()))
     }
 }

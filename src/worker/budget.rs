@@ -10,14 +10,17 @@
 //! another worker) reads them the same way and is killed in turn, and the whole group stops on
 //! a handful of entries.
 //!
-//! Redis says nothing of an entry's size before it is read, so the count learns it, as TCP's
-//! slow start learns a path: the first read asks for one entry, and each read after one that
-//! brought entries asks for at most twice as many as that one did and at most `read_bytes`
-//! over the largest entry it brought. Small entries reach `batch` within ten reads (a few
-//! milliseconds at start); one large entry shrinks the next read at once. A worker started, or
-//! a claimer turned, on a stream of huge entries takes them one read of about `read_bytes` at a
-//! time, so a crash of that kind does not repeat itself. What it cannot bound is a read right
-//! after small entries, of a run of large ones: up to the last count, times their size.
+//! Redis says nothing of an entry's size before it is sent, so a reader learns it: each read
+//! after one that brought entries asks for at most `read_bytes` over the largest entry it
+//! brought, and at most twice as many as that one did (`batch` again within a few reads once
+//! entries are small). Entries taken again are counted in Redis before they are taken
+//! (`lua/sizes.lua`), and taken as many as fit in `read_bytes`, one at least: what a claimer
+//! takes from a silent consumer, and what a reader takes up that its consumer name held before
+//! a restart. Those are the entries a worker may have been killed for holding, so a crash of
+//! that kind does not repeat itself, on the restart or on another worker. What it cannot bound
+//! is a first read, or a read right after small entries, of a run of large ones: up to the
+//! count it asks, times their size, once (the worker learns from it, or dies of it and its
+//! successor takes the entries up counted).
 //!
 //! **Holding.** Sleeping events keep their fields until dispatched, so `max_inflight` alone
 //! let 10,000 events at the 64 KiB `max_event_bytes` default hold 640 MB. An entry holds one
@@ -30,7 +33,7 @@ use crate::event::Entry;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 
-/// The entry count for reads of one stream (by a reader, or a claimer's pages).
+/// The entry count for new reads of one stream.
 #[derive(Debug, Clone)]
 pub(super) struct ReadSize {
     batch: usize,
@@ -39,12 +42,12 @@ pub(super) struct ReadSize {
 }
 
 impl ReadSize {
-    /// Starts at one entry: nothing is known of the stream's entries yet.
+    /// Starts at `batch`: nothing is known of the stream's entries yet.
     pub(super) fn new(batch: usize, budget: usize) -> Self {
         ReadSize {
             batch,
             budget,
-            count: 1,
+            count: batch.max(1),
         }
     }
 
@@ -120,7 +123,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn small_entries_reach_the_batch_by_doubling() {
+    fn small_entries_bring_the_count_back_to_the_batch_by_doubling() {
         let mut count = 1;
         let mut reads = 0;
         while count < 512 {

@@ -8,7 +8,7 @@
 //! ones alone: listing the group's whole pending list walked every entry the live workers hold
 //! asleep (a hundred thousand each, at `max_inflight`), on every tick, to find none.
 
-use super::budget::{self, ReadSize};
+use super::budget;
 use super::context::Context;
 use super::placers::Placers;
 use super::reader;
@@ -32,9 +32,7 @@ const REAP_EVERY_TICKS: u64 = 10;
 pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: CancellationToken) {
     let idle = ctx.cfg.worker.claim_idle;
     let every = (idle / 2).clamp(Duration::from_millis(50), Duration::from_secs(10));
-    // Claiming brings entries in as a read does, and bounds its pages alike: the entries a
-    // worker was killed for holding are the ones a claimer takes next.
-    let mut size = ReadSize::new(ctx.cfg.worker.batch, ctx.cfg.worker.read_bytes);
+    let batch = ctx.cfg.worker.batch;
     // Counts failures only to say the first one: the reader and the dispatcher report Redis
     // trouble too, and the next tick tries again anyway.
     let mut failures = Backoff::default();
@@ -65,13 +63,12 @@ pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: Canc
                 let mut from = "-".to_string();
                 while rounds > 0 {
                     rounds -= 1;
-                    let count = size.count();
                     let permits = tokio::select! {
                         _ = shutdown.cancelled() => return,
-                        p = ctx.permits.clone().acquire_many_owned(count as u32) => p.expect("never closed"),
+                        p = ctx.permits.clone().acquire_many_owned(batch as u32) => p.expect("never closed"),
                     };
-                    let claimed = claim(&ctx, stream, idle, holder, (&from, count));
-                    let (listed, last, entries) = match telemetry::timed("claim", claimed).await {
+                    let claimed = claim(&ctx, stream, idle, holder, (&from, batch));
+                    let (more, last, entries) = match telemetry::timed("claim", claimed).await {
                         Ok(c) => {
                             failures.succeed();
                             c
@@ -84,7 +81,6 @@ pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: Canc
                             break;
                         }
                     };
-                    size.read(&entries);
                     if !entries.is_empty() {
                         info!(%stream, count = entries.len(), %holder, "claimed entries left pending by another consumer");
                         telemetry::claimed(stream, entries.len());
@@ -95,7 +91,7 @@ pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: Canc
                         reader::handle(&ctx, entries, held, &placers, &shutdown).await;
                     }
                     match last {
-                        Some(last) if listed >= count => from = format!("({last}"),
+                        Some(last) if more => from = format!("({last}"),
                         _ => break,
                     }
                 }
@@ -125,27 +121,36 @@ async fn silent_holders<C: redis::aio::ConnectionLike>(
 }
 
 /// Lists up to `count` entries `holder` has held on `stream` longer than `idle`, from `from`,
-/// and claims them unless `holder` has come back meanwhile; returns how many were listed, the
-/// last listed, and the entries this worker won.
+/// and claims as many of them as fit in `read_bytes` (counted in Redis first, `sizes.lua`:
+/// `holder` may have been killed for holding them, and claiming them all at once would kill
+/// this worker too) unless `holder` has come back meanwhile; returns whether a page may follow,
+/// the last entry listed and taken, and the entries this worker won.
 async fn claim(
     ctx: &Context,
     stream: &Arc<str>,
     idle: Duration,
     holder: &str,
     (from, count): (&str, usize),
-) -> Result<(usize, Option<String>, Vec<Entry>)> {
+) -> Result<(bool, Option<String>, Vec<Entry>)> {
     let mut con = ctx.con.clone();
     let group = &ctx.cfg.worker.group;
     let page = streams::pending_idle(&mut con, stream, group, idle, (from, count), holder).await?;
-    let listed = page.entries;
+    let mut listed = page.entries;
     if listed.is_empty() {
-        return Ok((page.listed, page.last, Vec::new()));
+        return Ok((false, None, Vec::new()));
     }
     // Asked again just before the claim: it may have been only stalled, and be back.
     let silent = silent_holders(&mut con, ctx, stream, idle).await?;
     if !silent.iter().any(|s| s == holder) {
-        return Ok((page.listed, None, Vec::new()));
+        return Ok((false, None, Vec::new()));
     }
+    let ids: Vec<&str> = listed.iter().map(|l| l.id.as_str()).collect();
+    let fit = (ctx.scripts)
+        .fitting(&mut con, stream, &ids, ctx.cfg.worker.read_bytes)
+        .await?;
+    let more = page.listed >= count || fit < listed.len();
+    listed.truncate(fit.max(1));
+    let last = listed.last().map(|l| l.id.clone());
     let mut entries = streams::claim(&mut con, stream, group, &ctx.consumer, idle, &listed).await?;
     // An entry deleted from the stream while pending (a producer trimmed it) is gone: Redis 7
     // drops it from the group when claimed (older versions return it without fields). The
@@ -183,7 +188,7 @@ async fn claim(
             "pending entries were deleted from the input stream before they were finished (trimmed by a producer?); they are lost to pacer"
         );
     }
-    Ok((page.listed, page.last, entries))
+    Ok((more, last, entries))
 }
 
 /// Deletes consumers of departed workers (each run joins under a new name) once they hold

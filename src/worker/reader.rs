@@ -27,8 +27,8 @@ pub(super) const READ_BLOCK: Duration = Duration::from_millis(500);
 /// Reads batches of one input stream until shutdown; each batch is taken to its end before the
 /// next read. One reader per stream: streams in different cluster slots cannot share one
 /// XREADGROUP, and a read of one stream returns at most the entries it holds permits for
-/// (`budget`: `batch` at most, fewer when entries are large), so the reader can always
-/// take what it read.
+/// (`budget`: `batch` at most, fewer when entries are large; a recovery read, as many of its
+/// own pending entries as fit in `read_bytes`), so the reader can always take what it read.
 pub(super) async fn run(
     ctx: &Arc<Context>,
     stream: Arc<str>,
@@ -53,7 +53,11 @@ pub(super) async fn run(
     // The stream's key holds another kind of value: said once, until a read succeeds again.
     let mut wrong_type = false;
     while !shutdown.is_cancelled() {
-        let count = size.count();
+        let count = if recover {
+            recovery_count(ctx, &mut con, &stream, last_seen.as_deref()).await
+        } else {
+            size.count()
+        };
         let permits = tokio::select! {
             _ = shutdown.cancelled() => return,
             p = ctx.permits.clone().acquire_many_owned(count as u32) => p.expect("never closed"),
@@ -132,6 +136,40 @@ pub(super) async fn run(
         };
         handle(ctx, entries, held, placers, shutdown).await;
     }
+}
+
+/// How many of the entries this consumer holds pending after `after` the next recovery read
+/// takes: as many as fit in `read_bytes`, counted in Redis (`sizes.lua`), since a predecessor
+/// under this name may have been killed for holding them; `batch` when it holds none (the read
+/// then finds none and recovery ends), one when Redis cannot say.
+async fn recovery_count(
+    ctx: &Context,
+    con: &mut RedisConn,
+    stream: &str,
+    after: Option<&str>,
+) -> usize {
+    let worker = &ctx.cfg.worker;
+    let from = after.map_or_else(|| "-".to_string(), |id| format!("({id}"));
+    let counted: crate::error::Result<usize> = async {
+        let page = streams::pending_idle(
+            con,
+            stream,
+            &worker.group,
+            Duration::ZERO,
+            (&from, worker.batch),
+            &ctx.consumer,
+        )
+        .await?;
+        if page.entries.is_empty() {
+            return Ok(worker.batch);
+        }
+        let ids: Vec<&str> = page.entries.iter().map(|e| e.id.as_str()).collect();
+        ctx.scripts
+            .fitting(con, stream, &ids, worker.read_bytes)
+            .await
+    }
+    .await;
+    counted.unwrap_or(1)
 }
 
 /// Takes one batch of entries (each with its permit) on: outbound events to their routes'

@@ -121,6 +121,12 @@ pub fn pending(redis: &RedisServer, stream: &str, group: &str) -> i64 {
 /// last-delivered-id). Pending alone reads 0 while the workers have not come back to a node
 /// (after a failover) to read what was pushed there meanwhile.
 pub fn unfinished(redis: &RedisServer, stream: &str, group: &str) -> i64 {
+    pending(redis, stream, group).saturating_add(unread(redis, stream, group))
+}
+
+/// Entries of `stream` the group has not delivered yet (after its last-delivered-id; all of
+/// them, as i64::MAX, while it has no such group).
+pub fn unread(redis: &RedisServer, stream: &str, group: &str) -> i64 {
     let groups: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO")
         .arg("GROUPS")
         .arg(stream)
@@ -144,7 +150,7 @@ pub fn unfinished(redis: &RedisServer, stream: &str, group: &str) -> i64 {
         .arg("+")
         .query(&mut redis.con())
         .unwrap();
-    pending(redis, stream, group) + unread.len() as i64
+    unread.len() as i64
 }
 
 /// Where each input entry ended: source id -> the output streams that hold it.
