@@ -960,6 +960,43 @@ fn large_entries_are_taken_up_claimed_and_read_a_few_at_a_time() {
     assert!(peak_mb < 80, "peak resident memory {peak_mb} MB");
 }
 
+/// A worker started on a backlog of 1 MB entries: its first read knows nothing of them, so
+/// what the group would deliver is counted in Redis first (`sizes.lua`), and it asks for as
+/// many as fit in `worker.read_bytes`. Its first read of 512 took 512 MB at once.
+#[test]
+fn a_worker_started_on_a_backlog_of_large_entries_reads_what_fits() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("large-backlog");
+    let port = free_port();
+    let worker = "  batch: 512\n  read_bytes: 4194304\n  drain: 1s";
+    let body =
+        "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 1000/s, max_wait: 500ms}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, text.replace("timeout: 500ms", "timeout: 5s")).unwrap();
+    pacer::testkit::create_group(&mut redis.con(), "in", "pacer");
+    let blob = vec![b'x'; 1 << 20];
+    let events: Vec<_> = (0..100)
+        .map(|i| {
+            let mut e = event(&[("route", "a"), ("i", &i.to_string())]);
+            e.push(("blob".to_string(), blob.clone()));
+            e
+        })
+        .collect();
+    let ids = push(&redis, "in", &events);
+    let pacer = start(&cfg, port);
+    assert!(
+        wait_until(Duration::from_secs(60), || lengths(&redis, &["pacer:dead"])
+            == [100]
+            && pending(&redis, "in", "pacer") == 0),
+        "{}",
+        pacer.log_text()
+    );
+    let peak_mb = pacer::testkit::peak_rss(pacer.pid()) / 1024;
+    assert_each_once(&redis, &ids, &["pacer:{a}:ready", "pacer:dead"], "in");
+    assert!(peak_mb < 80, "peak resident memory {peak_mb} MB");
+}
+
 /// Events just under the 64 KiB `max_event_bytes` default, on a route slower than they come:
 /// each holds one of the `max_inflight` permits per started `max_inflight_bytes /
 /// max_inflight` bytes, so the worker holds about `max_inflight_bytes` of them asleep (69 of

@@ -1196,8 +1196,9 @@ fn schedule_decides_plain_events_as_plan_and_gate_say() {
 }
 
 /// `sizes.lua` counts, in Redis, how many entries from the first fit in a budget of field
-/// bytes: at least one (an entry larger than the budget goes alone), a deleted entry as 0
-/// bytes, none for no ids; it reads no entry past the first that does not fit.
+/// bytes, of given ids or of what a group would deliver next: at least one (an entry larger
+/// than the budget goes alone), a deleted entry as 0 bytes, none for no ids; it reads no entry
+/// past the first that does not fit.
 #[test]
 fn sizes_counts_the_entries_that_fit_in_a_budget_from_the_first() {
     let rig = Rig::new("10/s", 1);
@@ -1251,4 +1252,28 @@ fn sizes_counts_the_entries_that_fit_in_a_budget_from_the_first() {
         .query(&mut con)
         .unwrap();
     assert!(stats.contains("cmdstat_xrange:calls=2,"), "{stats}");
+    // What a group would deliver next: here the 99 and 999 bytes after its first entry.
+    let _: () = redis::cmd("XGROUP")
+        .arg(&["CREATE", "s", "g", ids[0].as_str()])
+        .query(&mut con)
+        .unwrap();
+    let next = |group: &str, most: usize, budget: usize| -> usize {
+        let mut con = rig.con.clone();
+        rig.rt
+            .block_on(rig.scripts.fitting_next(&mut con, "s", group, most, budget))
+            .unwrap()
+    };
+    assert_eq!(next("g", 10, 1_000), 1);
+    assert_eq!(next("g", 10, 98), 1, "one at least");
+    assert_eq!(
+        next("g", 10, 1_098),
+        10,
+        "both fit, and nothing after: the whole count"
+    );
+    assert_eq!(next("g", 1, 1_098), 1);
+    assert_eq!(
+        next("nobody", 7, 0),
+        7,
+        "no such group: the read will say so"
+    );
 }

@@ -122,11 +122,28 @@ impl Scripts {
         budget: usize,
     ) -> Result<usize> {
         let mut call = self.sizes.prepare_invoke();
-        call.key(stream).arg(budget);
+        call.key(stream).arg(budget).arg("ids");
         for id in ids {
             call.arg(*id);
         }
         let n: i64 = call.invoke_async(con).await?;
         Ok((n.max(0) as usize).min(ids.len()))
+    }
+
+    /// How many of the entries `group` would deliver next on `stream`, at most `most`, fit in
+    /// `budget` bytes of fields together (at least one; `most` when fewer are there to deliver;
+    /// see `lua/sizes.lua`).
+    pub async fn fitting_next<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        stream: &str,
+        group: &str,
+        most: usize,
+        budget: usize,
+    ) -> Result<usize> {
+        let mut call = self.sizes.prepare_invoke();
+        call.key(stream).arg(budget).arg("new").arg(group).arg(most);
+        let n: i64 = call.invoke_async(con).await?;
+        Ok((n.max(1) as usize).min(most.max(1)))
     }
 }

@@ -13,14 +13,15 @@
 //! Redis says nothing of an entry's size before it is sent, so a reader learns it: each read
 //! after one that brought entries asks for at most `read_bytes` over the largest entry it
 //! brought, and at most twice as many as that one did (`batch` again within a few reads once
-//! entries are small). Entries taken again are counted in Redis before they are taken
-//! (`lua/sizes.lua`), and taken as many as fit in `read_bytes`, one at least: what a claimer
-//! takes from a silent consumer, and what a reader takes up that its consumer name held before
-//! a restart. Those are the entries a worker may have been killed for holding, so a crash of
-//! that kind does not repeat itself, on the restart or on another worker. What it cannot bound
-//! is a first read, or a read right after small entries, of a run of large ones: up to the
-//! count it asks, times their size, once (the worker learns from it, or dies of it and its
-//! successor takes the entries up counted).
+//! entries are small). Where it has nothing to learn from, what it will take is counted in
+//! Redis first (`lua/sizes.lua`), and it takes as many as fit in `read_bytes`, one at least:
+//! what a claimer takes from a silent consumer, what a reader takes up that its consumer name
+//! held before a restart (the entries a worker may have been killed for holding, so a crash of
+//! that kind does not repeat itself, on the restart or on another worker), and a new read after
+//! one that brought nothing (a worker started on a backlog). What it cannot bound: a read that
+//! waits for new entries takes up to its count of whatever arrives, and a read right after
+//! small entries, up to its count of a run of large ones; once (the worker learns from it, or
+//! dies of it and its successor takes the entries up counted).
 //!
 //! **Holding.** Sleeping events keep their fields until dispatched, so `max_inflight` alone
 //! let 10,000 events at the 64 KiB `max_event_bytes` default hold 640 MB. An entry holds one

@@ -52,9 +52,19 @@ pub(super) async fn run(
     let mut recover = true;
     // The stream's key holds another kind of value: said once, until a read succeeds again.
     let mut wrong_type = false;
+    // Whether the last read brought nothing: the next one knows nothing of what it will bring
+    // (a worker started on a backlog), so what is there is counted in Redis first.
+    let mut blind = true;
     while !shutdown.is_cancelled() {
         let count = if recover {
             recovery_count(ctx, &mut con, &stream, last_seen.as_deref()).await
+        } else if blind {
+            let group = &ctx.cfg.worker.group;
+            let (most, budget) = (size.count(), ctx.cfg.worker.read_bytes);
+            (ctx.scripts)
+                .fitting_next(&mut con, &stream, group, most, budget)
+                .await
+                .unwrap_or(1)
         } else {
             size.count()
         };
@@ -97,6 +107,7 @@ pub(super) async fn run(
                     last_seen = Some(newest.id.clone());
                 }
                 size.read(&entries);
+                blind = entries.is_empty();
                 entries
             }
             Err(e) => {
