@@ -495,10 +495,11 @@ fn concurrent_requests_share_redis_calls_and_each_gets_its_own_answer() {
             "s{t}: {n} in {seconds:.2}s"
         );
     }
-    // decide.lua runs as a Redis Function: every call was an FCALL.
+    // decide.lua runs as a Redis Function: every call was an FCALL. (The one script call is
+    // the stream reader's, sizing its first read: `sizes.lua`.)
     let calls = command_calls(&mut api.redis.con(), "fcall");
     assert!(calls > 0 && calls < 320, "{calls} calls for 320 requests");
-    assert_eq!(command_calls(&mut api.redis.con(), "evalsha"), 0);
+    assert!(command_calls(&mut api.redis.con(), "evalsha") <= 1);
 }
 
 #[test]

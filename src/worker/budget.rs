@@ -17,11 +17,11 @@
 //! Redis first (`lua/sizes.lua`), and it takes as many as fit in `read_bytes`, one at least:
 //! what a claimer takes from a silent consumer, what a reader takes up that its consumer name
 //! held before a restart (the entries a worker may have been killed for holding, so a crash of
-//! that kind does not repeat itself, on the restart or on another worker), and a new read after
-//! one that brought nothing (a worker started on a backlog). What it cannot bound: a read that
-//! waits for new entries takes up to its count of whatever arrives, and a read right after
-//! small entries, up to its count of a run of large ones; once (the worker learns from it, or
-//! dies of it and its successor takes the entries up counted).
+//! that kind does not repeat itself, on the restart or on another worker), and a reader's first
+//! new read (a worker started on a backlog). What it cannot bound: a read that waits for new
+//! entries takes up to its count of whatever arrives, and a read right after small entries, up
+//! to its count of a run of large ones; once (the worker learns from it, or dies of it and its
+//! successor takes the entries up counted).
 //!
 //! **Holding.** Sleeping events keep their fields until dispatched, so `max_inflight` alone
 //! let 10,000 events at the 64 KiB `max_event_bytes` default hold 640 MB. An entry holds one

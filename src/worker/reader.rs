@@ -52,10 +52,12 @@ pub(super) async fn run(
     let mut recover = true;
     // The stream's key holds another kind of value: said once, until a read succeeds again.
     let mut wrong_type = false;
-    // Whether the last read brought nothing: the next one knows nothing of what it will bring
-    // (a worker started on a backlog), so what is there is counted in Redis first.
+    // Until the first new read: it knows nothing of what it will bring (a worker started on a
+    // backlog), so what is there is counted in Redis first. Only then: an idle reader asking
+    // before every read would add a script call every READ_BLOCK for nothing.
     let mut blind = true;
     while !shutdown.is_cancelled() {
+        let fresh = !recover;
         let count = if recover {
             recovery_count(ctx, &mut con, &stream, last_seen.as_deref()).await
         } else if blind {
@@ -107,7 +109,7 @@ pub(super) async fn run(
                     last_seen = Some(newest.id.clone());
                 }
                 size.read(&entries);
-                blind = entries.is_empty();
+                blind &= !fresh;
                 entries
             }
             Err(e) => {
