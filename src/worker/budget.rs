@@ -12,8 +12,8 @@
 //!
 //! Redis says nothing of an entry's size before it is sent, so a reader learns it: each read
 //! after one that brought entries asks for at most `read_bytes` over the largest entry it
-//! brought, and at most twice as many as that one did (`batch` again within a few reads once
-//! entries are small). Where it has nothing to learn from, what it will take is counted in
+//! brought, and at most twice as many as it brought (`batch` again within a few full reads
+//! once entries are small). Where it has nothing to learn from, what it will take is counted in
 //! Redis first (`lua/sizes.lua`), and it takes as many as fit in `read_bytes`, one at least:
 //! what a claimer takes from a silent consumer, what a reader takes up that its consumer name
 //! held before a restart (the entries a worker may have been killed for holding, so a crash of
@@ -60,13 +60,14 @@ impl ReadSize {
     /// Learns from what a read brought (nothing, from a read that brought nothing).
     pub(super) fn read(&mut self, entries: &[Entry]) {
         if let Some(largest) = entries.iter().map(Entry::size).max() {
-            self.count = next_count(self.count, self.batch, self.budget, largest);
+            self.count = next_count(entries.len(), self.batch, self.budget, largest);
         }
     }
 }
 
 /// The permits for `entries`, just read with `read` permits (one each): each entry gets as
-/// many as its size weighs (`weights`). When that is more, the read's permits are given back
+/// many as its size weighs (`weights`), all of them together at most what the other reads
+/// leave. When that is more, the read's permits are given back
 /// and the whole weight asked for at once: waiting for more while holding some could deadlock
 /// with the other readers and the claimer doing the same. None on shutdown meanwhile (the
 /// entries stay pending in the group, taken up by this consumer's next start or a claimer).
@@ -79,7 +80,15 @@ pub(super) async fn hold(
     let worker = &ctx.cfg.worker;
     let slot = (worker.max_inflight_bytes / worker.max_inflight).max(1);
     let sizes: Vec<usize> = entries.iter().map(Entry::size).collect();
-    let weights = weights(&sizes, slot, worker.max_inflight);
+    // What the other reads may hold meanwhile (each reader's waiting read and the claimer's
+    // page, `batch` each) is left to them: a read that weighed more would wait until they were
+    // all idle (a claim waited 0.6 s a round for the readers' blocking reads to end).
+    let others = (ctx.streams.len() + 1) * worker.batch;
+    let most = worker
+        .max_inflight
+        .saturating_sub(others)
+        .max(entries.len());
+    let weights = weights(&sizes, slot, most);
     let total: usize = weights.iter().sum();
     if total > read.num_permits() {
         drop(read);
@@ -111,11 +120,13 @@ pub fn weights(sizes: &[usize], slot: usize, most: usize) -> Vec<usize> {
         .collect()
 }
 
-/// The count after a read of `count` entries whose largest took `largest` bytes: twice the
-/// count at most, `budget / largest` at most, and between 1 and `batch`.
-pub fn next_count(count: usize, batch: usize, budget: usize, largest: usize) -> usize {
+/// The count after a read that brought `brought` entries, the largest of `largest` bytes:
+/// twice what it brought at most (not twice what it asked for: a trickle of small entries, one
+/// a read, would otherwise take a count learned on large ones back to `batch` in a few reads),
+/// `budget / largest` at most, and between 1 and `batch`.
+pub fn next_count(brought: usize, batch: usize, budget: usize, largest: usize) -> usize {
     (budget / largest.max(1))
-        .min(count.saturating_mul(2))
+        .min(brought.saturating_mul(2))
         .clamp(1, batch.max(1))
 }
 
@@ -133,6 +144,17 @@ mod tests {
         }
         assert_eq!((count, reads), (512, 9));
         assert_eq!(next_count(512, 512, 16 << 20, 200), 512);
+    }
+
+    #[test]
+    fn a_trickle_of_small_entries_grows_the_count_by_what_it_brings() {
+        // Learned on 1 MB entries: 16. Then reads of one small entry each keep it at 2.
+        let mut count = next_count(512, 512, 16 << 20, 1 << 20);
+        assert_eq!(count, 16);
+        for _ in 0..10 {
+            count = next_count(1, 512, 16 << 20, 100);
+        }
+        assert_eq!(count, 2);
     }
 
     #[test]
