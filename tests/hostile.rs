@@ -21,6 +21,33 @@ fn wide(head: &[(&str, &str)], n: usize) -> Vec<(String, Vec<u8>)> {
     e
 }
 
+/// Events `from .. from + n` on route `a` (field `i`), each with a `blob` of `size` bytes.
+fn blob_events(from: usize, n: usize, size: usize) -> Vec<Vec<(String, Vec<u8>)>> {
+    let blob = vec![b'x'; size];
+    (from..from + n)
+        .map(|i| {
+            let mut e = event(&[("route", "a"), ("i", &i.to_string())]);
+            e.push(("blob".to_string(), blob.clone()));
+            e
+        })
+        .collect()
+}
+
+/// As `config`, with a 5 s `redis.timeout`: time for calls of megabytes on a slow machine (a
+/// call over redis.timeout is retried).
+fn config_for_large_calls(
+    dir: &TempDir,
+    redis: &RedisServer,
+    port: u16,
+    worker: &str,
+    body: &str,
+) -> std::path::PathBuf {
+    let cfg = config(dir, "c.yaml", redis, port, worker, body);
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, text.replace("timeout: 500ms", "timeout: 5s")).unwrap();
+    cfg
+}
+
 #[test]
 fn wide_huge_and_binary_events_end_once_and_their_batch_mates_once() {
     hostile_mix(1);
@@ -837,19 +864,10 @@ fn huge_inbound_events_are_admitted_in_calls_of_bounded_size() {
     let dir = TempDir::new("huge-in");
     let port = free_port();
     let body = "inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  rejected_stream: \"pacer:in-rejected\"\n  max_event_bytes: 16777216\n  rules:\n    - {name: all, key: [source], limits: [1000/s]}\n";
-    let cfg = config(
-        &dir,
-        "c.yaml",
-        &redis,
-        port,
-        "  batch: 16\n  read_bytes: 1073741824\n  drain: 1s",
-        body,
-    );
-    // Time for a 64 MiB call on a slow machine (a call over redis.timeout is retried).
-    let text = std::fs::read_to_string(&cfg).unwrap();
-    std::fs::write(&cfg, text.replace("timeout: 500ms", "timeout: 5s")).unwrap();
-    // All six in the stream before the worker starts: one read (a worker's first asks for its
-    // whole batch), one batch.
+    // read_bytes above the six's 72 MiB: they come in one read.
+    let worker = "  batch: 16\n  read_bytes: 1073741824\n  drain: 1s";
+    let cfg = config_for_large_calls(&dir, &redis, port, worker, body);
+    // All six in the stream before the worker starts: one read, one batch.
     pacer::testkit::create_group(&mut redis.con(), "pacer:in", "pacer");
     let big = vec![b'x'; 12 << 20];
     let events: Vec<Vec<(String, Vec<u8>)>> = (0..6)
@@ -907,24 +925,11 @@ fn large_entries_are_taken_up_claimed_and_read_a_few_at_a_time() {
         "  consumer: me\n  batch: 512\n  read_bytes: 4194304\n  claim_idle: 2s\n  drain: 1s";
     let body =
         "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 1000/s, max_wait: 500ms}\n";
-    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
-    // Time for a few megabytes a call on a slow machine (a call over redis.timeout is retried).
-    let text = std::fs::read_to_string(&cfg).unwrap();
-    std::fs::write(&cfg, text.replace("timeout: 500ms", "timeout: 5s")).unwrap();
+    let cfg = config_for_large_calls(&dir, &redis, port, worker, body);
     pacer::testkit::create_group(&mut redis.con(), "in", "pacer");
-    let blob = vec![b'x'; 1 << 20];
-    let large = |from: usize| -> Vec<Vec<(String, Vec<u8>)>> {
-        (from..from + 100)
-            .map(|i| {
-                let mut e = event(&[("route", "a"), ("i", &i.to_string())]);
-                e.push(("blob".to_string(), blob.clone()));
-                e
-            })
-            .collect()
-    };
     let mut ids = Vec::new();
     for (i, holder) in ["me", "gone"].iter().enumerate() {
-        ids.extend(push(&redis, "in", &large(i * 100)));
+        ids.extend(push(&redis, "in", &blob_events(i * 100, 100, 1 << 20)));
         let taken: redis::Value = redis::cmd("XREADGROUP")
             .arg(&[
                 "GROUP", "pacer", holder, "COUNT", "100", "STREAMS", "in", ">",
@@ -934,7 +939,7 @@ fn large_entries_are_taken_up_claimed_and_read_a_few_at_a_time() {
         drop(taken);
     }
     assert_eq!(pending(&redis, "in", "pacer"), 200);
-    ids.extend(push(&redis, "in", &large(200)));
+    ids.extend(push(&redis, "in", &blob_events(200, 100, 1 << 20)));
     let pacer = start(&cfg, port);
     assert!(
         wait_until(Duration::from_secs(60), || lengths(&redis, &["pacer:dead"])
@@ -971,19 +976,9 @@ fn a_worker_started_on_a_backlog_of_large_entries_reads_what_fits() {
     let worker = "  batch: 512\n  read_bytes: 4194304\n  drain: 1s";
     let body =
         "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 1000/s, max_wait: 500ms}\n";
-    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
-    let text = std::fs::read_to_string(&cfg).unwrap();
-    std::fs::write(&cfg, text.replace("timeout: 500ms", "timeout: 5s")).unwrap();
+    let cfg = config_for_large_calls(&dir, &redis, port, worker, body);
     pacer::testkit::create_group(&mut redis.con(), "in", "pacer");
-    let blob = vec![b'x'; 1 << 20];
-    let events: Vec<_> = (0..100)
-        .map(|i| {
-            let mut e = event(&[("route", "a"), ("i", &i.to_string())]);
-            e.push(("blob".to_string(), blob.clone()));
-            e
-        })
-        .collect();
-    let ids = push(&redis, "in", &events);
+    let ids = push(&redis, "in", &blob_events(0, 100, 1 << 20));
     let pacer = start(&cfg, port);
     assert!(
         wait_until(Duration::from_secs(60), || lengths(&redis, &["pacer:dead"])
@@ -1011,15 +1006,7 @@ fn large_events_are_held_within_max_inflight_bytes() {
     let body =
         "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 50/s, burst: 1, max_wait: 60s}\n";
     let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
-    let blob = vec![b'x'; 60_000];
-    let events: Vec<_> = (0..400)
-        .map(|i| {
-            let mut e = event(&[("route", "a"), ("i", &i.to_string())]);
-            e.push(("blob".to_string(), blob.clone()));
-            e
-        })
-        .collect();
-    let ids = push(&redis, "in", &events);
+    let ids = push(&redis, "in", &blob_events(0, 400, 60_000));
     let pacer = start(&cfg, port);
     let mut most_asleep = 0.0_f64;
     let ended = wait_until(Duration::from_secs(40), || {
