@@ -53,8 +53,8 @@ pub(super) async fn run(
     // The stream's key holds another kind of value: said once, until a read succeeds again.
     let mut wrong_type = false;
     // Until the first new read: it knows nothing of what it will bring (a worker started on a
-    // backlog), so what is there is counted in Redis first. Only then: an idle reader asking
-    // before every read would add a script call every READ_BLOCK for nothing.
+    // backlog), so what is there is counted in Redis first. That read alone: an idle reader
+    // asking before every read would add a script call every READ_BLOCK for nothing.
     let mut blind = true;
     while !shutdown.is_cancelled() {
         let fresh = !recover;
