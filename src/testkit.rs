@@ -573,10 +573,15 @@ pub fn metric_at(port: u16, needle: &str) -> f64 {
 
 /// The most resident memory process `pid` has held (KiB, VmHWM); 0 once it is gone.
 pub fn peak_rss(pid: u32) -> u64 {
+    status_kib(pid, "VmHWM")
+}
+
+/// A KiB figure of /proc/`pid`/status (`VmRSS`, `VmHWM`); 0 once the process is gone.
+fn status_kib(pid: u32, key: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0)
 }
@@ -584,12 +589,7 @@ pub fn peak_rss(pid: u32) -> u64 {
 /// Process `pid`'s resident memory (KiB) and CPU time so far (user + system, seconds), from
 /// /proc; zeros once it is gone.
 pub fn rss_and_cpu(pid: u32) -> (u64, f64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let rss = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0);
+    let rss = status_kib(pid, "VmRSS");
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // The fields after the command name, which is in parentheses and may hold spaces; utime
     // and stime are the 12th and 13th of them, in clock ticks (100 a second on Linux).

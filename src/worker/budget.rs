@@ -30,7 +30,6 @@
 //! `max_inflight`.
 
 use super::context::Context;
-use crate::event::Entry;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 
@@ -57,38 +56,35 @@ impl ReadSize {
         self.count
     }
 
-    /// Learns from what a read brought (nothing, from a read that brought nothing).
-    pub(super) fn read(&mut self, entries: &[Entry]) {
-        if let Some(largest) = entries.iter().map(Entry::size).max() {
-            self.count = next_count(entries.len(), self.batch, self.budget, largest);
+    /// Learns from what a read brought: its entries' `sizes` (nothing, from a read that
+    /// brought nothing).
+    pub(super) fn read(&mut self, sizes: &[usize]) {
+        if let Some(&largest) = sizes.iter().max() {
+            self.count = next_count(sizes.len(), self.batch, self.budget, largest);
         }
     }
 }
 
-/// The permits for `entries`, just read with `read` permits (one each): each entry gets as
-/// many as its size weighs (`weights`), all of them together at most what the other reads
-/// leave. When that is more, the read's permits are given back
-/// and the whole weight asked for at once: waiting for more while holding some could deadlock
-/// with the other readers and the claimer doing the same. None on shutdown meanwhile (the
-/// entries stay pending in the group, taken up by this consumer's next start or a claimer).
+/// The permits for entries of `sizes` (bytes, `Entry::size`), just read with `read` permits
+/// (one each): each entry gets as many as its size weighs (`weights`), all of them together at
+/// most what the other reads leave. When that is more, the read's permits are given back and
+/// the whole weight asked for at once: waiting for more while holding some could deadlock with
+/// the other readers and the claimer doing the same. None on shutdown meanwhile (the entries
+/// stay pending in the group, taken up by this consumer's next start or a claimer).
 pub(super) async fn hold(
     ctx: &Context,
-    entries: &[Entry],
+    sizes: &[usize],
     mut read: OwnedSemaphorePermit,
     shutdown: &CancellationToken,
 ) -> Option<Vec<OwnedSemaphorePermit>> {
     let worker = &ctx.cfg.worker;
     let slot = (worker.max_inflight_bytes / worker.max_inflight).max(1);
-    let sizes: Vec<usize> = entries.iter().map(Entry::size).collect();
     // What the other reads may hold meanwhile (each reader's waiting read and the claimer's
     // page, `batch` each) is left to them: a read that weighed more would wait until they were
     // all idle (a claim waited 0.6 s a round for the readers' blocking reads to end).
     let others = (ctx.streams.len() + 1) * worker.batch;
-    let most = worker
-        .max_inflight
-        .saturating_sub(others)
-        .max(entries.len());
-    let weights = weights(&sizes, slot, most);
+    let most = worker.max_inflight.saturating_sub(others).max(sizes.len());
+    let weights = weights(sizes, slot, most);
     let total: usize = weights.iter().sum();
     if total > read.num_permits() {
         drop(read);

@@ -84,7 +84,8 @@ pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: Canc
                     if !entries.is_empty() {
                         info!(%stream, count = entries.len(), %holder, "claimed entries left pending by another consumer");
                         telemetry::claimed(stream, entries.len());
-                        let Some(held) = budget::hold(&ctx, &entries, permits, &shutdown).await
+                        let sizes: Vec<usize> = entries.iter().map(Entry::size).collect();
+                        let Some(held) = budget::hold(&ctx, &sizes, permits, &shutdown).await
                         else {
                             return;
                         };

@@ -91,7 +91,7 @@ pub(super) async fn run(
             ),
         )
         .await;
-        let entries = match read {
+        let (entries, sizes) = match read {
             Ok(entries) => {
                 ctx.health.succeeded();
                 backoff.succeed();
@@ -108,9 +108,10 @@ pub(super) async fn run(
                 if let Some(newest) = entries.last() {
                     last_seen = Some(newest.id.clone());
                 }
-                size.read(&entries);
+                let sizes: Vec<usize> = entries.iter().map(Entry::size).collect();
+                size.read(&sizes);
                 blind &= !fresh;
-                entries
+                (entries, sizes)
             }
             Err(e) => {
                 // The stream deleted under a blocked read: Redis is fine, and the next read says
@@ -144,7 +145,7 @@ pub(super) async fn run(
                 continue;
             }
         };
-        let Some(held) = budget::hold(ctx, &entries, permits, shutdown).await else {
+        let Some(held) = budget::hold(ctx, &sizes, permits, shutdown).await else {
             return;
         };
         handle(ctx, entries, held, placers, shutdown).await;
