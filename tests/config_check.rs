@@ -97,6 +97,19 @@ fn pacer_config_names_the_file_and_a_missing_file_is_a_clear_error() {
     );
 }
 
+/// An endless file (or one that keeps growing) is refused at the config's bound: before,
+/// `--config /dev/zero` grew by a gigabyte a second until the OOM killer came.
+#[test]
+fn an_endless_config_file_is_refused_at_its_bound() {
+    let (code, _, stderr) = pacer(&["check-config", "--config", "/dev/zero"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr
+            .contains("/dev/zero: cannot read the config file: it holds more than 16777216 bytes"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn a_bad_metrics_listen_override_is_refused_naming_its_source() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.yaml");

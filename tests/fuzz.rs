@@ -338,7 +338,7 @@ fn numeric_config() -> impl Strategy<Value = String> {
         )
     };
     let redis = (
-        d(&["2ms", "1s", "365d"]),
+        d(&["10ms", "1s", "365d"]),
         // Its least (WAIT counts whole milliseconds), under every valid timeout.
         d(&["1ms"]),
         n(&["0", "3", "100"]),

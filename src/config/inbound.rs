@@ -180,6 +180,7 @@ pub(super) fn read_inbound(
         "partition_by",
         "partitioned_outputs",
         "rules",
+        "api",
     ];
     p.unknown_keys("inbound", &raw.unknown, &known);
     let flow = read_flow(p, "inbound", &raw.flow, "pacer:in-rejected");
@@ -192,7 +193,8 @@ pub(super) fn read_inbound(
     let lifetime = worker
         .claim_idle
         .saturating_mul(worker.max_deliveries as u32);
-    if flow.dedupe_ttl <= lifetime {
+    let guessed = p.said_any(&["worker.claim_idle", "worker.max_deliveries"]);
+    if flow.dedupe_ttl <= lifetime && !guessed {
         p.push(
             "inbound.dedupe_ttl",
             format!(
@@ -221,7 +223,7 @@ pub(super) fn read_inbound(
         &raw.partitioned_outputs,
         false,
     );
-    if partitioned_outputs && partitions <= 1 {
+    if partitioned_outputs && partitions <= 1 && !p.said("inbound.partitions") {
         p.push(
             "inbound.partitioned_outputs",
             "only means something with inbound.partitions above 1",
@@ -365,7 +367,7 @@ fn read_partition_by(
     rules: &[InboundRule],
 ) -> Option<String> {
     if partitions <= 1 {
-        if !matches!(v, None | Some(Value::Null)) {
+        if !matches!(v, None | Some(Value::Null)) && !p.said("inbound.partitions") {
             p.push(
                 "inbound.partition_by",
                 "only means something with inbound.partitions above 1",

@@ -87,7 +87,8 @@ pub(super) fn check_recovery(p: &mut Problems, worker: &WorkerConfig, outbound: 
         .claim_idle
         .saturating_mul(worker.max_deliveries as u32)
         .saturating_add(longest_wait);
-    if !outbound.flow.dedupe_ttl.is_zero() && outbound.flow.dedupe_ttl <= lifetime {
+    let guessed = p.said_any(&["worker.claim_idle", "worker.max_deliveries"]);
+    if !outbound.flow.dedupe_ttl.is_zero() && outbound.flow.dedupe_ttl <= lifetime && !guessed {
         p.push(
             "outbound.dedupe_ttl",
             format!(

@@ -3,6 +3,7 @@
 
 use serde::de::DeserializeOwned;
 use serde_yaml::{Mapping, Value};
+use std::collections::HashSet;
 use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
@@ -41,32 +42,52 @@ impl fmt::Display for ConfigError {
     }
 }
 
+/// What [`Problems::string_list`] keeps in place of an item that is not a string: a config that
+/// has one is refused, and no name a check compares it with can be this.
+pub const NOT_A_STRING: &str = "\u{0}(not a string)";
+
 /// The longest duration any setting may hold.
 pub const DURATION_MAX: Duration = Duration::from_secs(365 * 24 * 3600);
 
-/// Collects problems while a config is read.
+/// Collects problems while a config is read: the first at each path. A value that could not
+/// be read is one problem, not also the checks of what was put in its place (`redis.url: expected
+/// a string` and then `needs at least one URL`, found by review).
 #[derive(Debug, Default)]
-pub struct Problems(pub Vec<Problem>);
+pub struct Problems {
+    list: Vec<Problem>,
+    paths: HashSet<String>,
+}
 
 impl Problems {
     pub fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
-        self.0.push(Problem {
-            path: path.into(),
-            message: message.into(),
-        });
+        let path = path.into();
+        if self.paths.insert(path.clone()) {
+            self.list.push(Problem {
+                path,
+                message: message.into(),
+            });
+        }
     }
 
-    /// Whether a problem at `path` is listed already: a value that could not be read is one
-    /// problem, not also the checks of the default put in its place.
+    /// Whether a problem at `path` is listed already.
     pub fn said(&self, path: &str) -> bool {
-        self.0.iter().any(|p| p.path == path)
+        self.paths.contains(path)
+    }
+
+    /// Whether any of `paths` has a problem: a check across settings then says nothing, as it
+    /// would judge the defaults put in place of the values refused (`dedupe_ttl must be more
+    /// than ... (1year 2h)` computed from a default claim_idle, found by review).
+    pub fn said_any(&self, paths: &[&str]) -> bool {
+        paths.iter().any(|path| self.said(path))
     }
 
     pub fn into_result<T>(self, value: impl FnOnce() -> T) -> Result<T, ConfigError> {
-        if self.0.is_empty() {
+        if self.list.is_empty() {
             Ok(value())
         } else {
-            Err(ConfigError { problems: self.0 })
+            Err(ConfigError {
+                problems: self.list,
+            })
         }
     }
 
@@ -217,20 +238,24 @@ impl Problems {
         }
     }
 
+    /// A list of strings. An item that is not one is a problem, and is kept in the list as
+    /// [`NOT_A_STRING`] so that the items after it keep their index in what later checks say
+    /// of them (they said `streams[1]` of the third item after a number, found by review); a
+    /// later check of its own index is not said, as its path has a problem already.
     pub fn string_list(&mut self, path: &str, v: &Option<Value>) -> Vec<String> {
         match v {
             None | Some(Value::Null) => Vec::new(),
             Some(Value::Sequence(items)) => items
                 .iter()
                 .enumerate()
-                .filter_map(|(i, item)| match item {
-                    Value::String(s) => Some(s.clone()),
+                .map(|(i, item)| match item {
+                    Value::String(s) => s.clone(),
                     other => {
                         self.push(
                             format!("{path}[{i}]"),
                             format!("expected a string, got {}", kind(other)),
                         );
-                        None
+                        NOT_A_STRING.to_string()
                     }
                 })
                 .collect(),

@@ -9,6 +9,7 @@
 //!
 //! Over 400 lines: the redis: section's every rule, about half of it a unit test per rule.
 
+use super::files;
 use super::problems::{join, Problems};
 use super::raw::{RawRedis, RawSentinel, RawTls};
 use super::Overrides;
@@ -17,7 +18,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde_yaml::Value;
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -300,9 +301,20 @@ pub(super) fn read_redis(p: &mut Problems, v: Option<Value>, overrides: &Overrid
         .collect();
     let parsed = read_urls(p, url_path, mode, &urls);
 
+    const TIMEOUT_MIN: Duration = Duration::from_millis(10);
     let timeout = p.duration("redis.timeout", &raw.timeout, Duration::from_secs(1));
-    if timeout.is_zero() {
-        p.push("redis.timeout", "must be more than 0");
+    // Below a few milliseconds no call can be answered in time (a batch's script alone takes
+    // about one): 2ns passed and the worker never became ready, its log blaming the ACL for
+    // the timed-out function load (found by review).
+    if timeout < TIMEOUT_MIN && !p.said("redis.timeout") {
+        p.push(
+            "redis.timeout",
+            format!(
+                "must be at least {}, got {}",
+                humantime::format_duration(TIMEOUT_MIN),
+                humantime::format_duration(timeout)
+            ),
+        );
     }
 
     let (username, password) = read_credentials(p, &raw, overrides, url_path, &parsed);
@@ -500,7 +512,7 @@ fn read_credentials(
 /// Reads a password file: the first line, without its line end. Empty is a problem, not "no
 /// password": a file that was meant to hold one and does not must not turn auth off.
 fn read_password_file(p: &mut Problems, path: &str, file: &str) -> Option<Secret> {
-    match std::fs::read_to_string(file) {
+    match files::read_text(Path::new(file), files::SECRET_MAX) {
         Ok(text) => {
             let line = text.lines().next().unwrap_or("");
             if line.is_empty() {
@@ -622,7 +634,7 @@ enum Pem {
 /// Reads a PEM file and checks it holds what it should, so a wrong file is a config problem
 /// and not a TLS failure at the first connection.
 fn read_pem(p: &mut Problems, path: &str, file: PathBuf, what: Pem) -> Option<PemFile> {
-    let pem = match std::fs::read(&file) {
+    let pem = match files::read(&file, files::PEM_MAX) {
         Ok(pem) => pem,
         Err(e) => {
             p.push(path, format!("cannot read {}: {e}", file.display()));

@@ -193,7 +193,9 @@ pub(super) fn read_rules(p: &mut Problems, v: Option<Value>) -> Vec<InboundRule>
         ];
         p.unknown_keys(&path, &raw.unknown, &known);
         let name = p.string(&join(&path, "name"), &raw.name, None);
-        if !name.is_empty() {
+        // An empty name given is checked like any other (it ran, as rule "", found by review);
+        // one missing or not a string is said already.
+        if !p.said(&join(&path, "name")) {
             if let Err(e) = check_name("rule names", &name) {
                 p.push(join(&path, "name"), e);
             } else if !names.insert(name.clone()) {
