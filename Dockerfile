@@ -36,7 +36,7 @@ COPY --from=builder /out/pacer /usr/local/bin/pacer
 # PACER_REDIS_URL. Mount your own at /etc/pacer/config.yaml to change routes.
 COPY deploy/kubernetes/base/config.yaml /etc/pacer/config.yaml
 ENV PACER_CONFIG=/etc/pacer/config.yaml \
-    RUST_LOG=info
+    RUST_LOG=info,redis=error
 USER 10001:10001
 # /metrics, /healthz, /readyz
 EXPOSE 9464

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
   PACER_REDIS_SENTINEL_PASSWORD  the sentinels' own password (instead of redis.sentinel.password_file)
   PACER_METRICS_LISTEN           metrics.listen (for `run`; --metrics-listen wins)
   PACER_LOG_FORMAT               text or json (instead of --log-format)
-  RUST_LOG                       the log filter (default info)"
+  RUST_LOG                       the log filter (default info,redis=error)"
 )]
 struct Cli {
     /// Log format (filter with RUST_LOG).
@@ -49,8 +49,8 @@ struct ConfigArg {
 struct RunArgs {
     #[command(flatten)]
     config: ConfigArg,
-    /// Serve /metrics, /healthz and /readyz here instead of the config's metrics.listen (also
-    /// PACER_METRICS_LISTEN; this flag wins).
+    /// Where `run` serves /metrics, /healthz and /readyz, instead of the config's
+    /// metrics.listen (also PACER_METRICS_LISTEN; this flag wins); check-config checks it.
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
 }
