@@ -63,14 +63,23 @@ impl Drop for TempDir {
 /// How many times the Redis behind `con` has run `command` (lowercase, as `INFO
 /// commandstats` names it: `fcall`, `evalsha`), refused calls not counted.
 pub fn command_calls(con: &mut impl redis::ConnectionLike, command: &str) -> u64 {
+    command_stat(con, command, "calls")
+}
+
+/// One counter of `command`'s line in `INFO commandstats` (`calls`, `rejected_calls`,
+/// `failed_calls`), 0 when Redis has none.
+pub fn command_stat(con: &mut impl redis::ConnectionLike, command: &str, stat: &str) -> u64 {
     let stats: String = redis::cmd("INFO")
         .arg("commandstats")
         .query(con)
         .expect("INFO commandstats");
     stats
         .lines()
-        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-        .and_then(|l| l.split(',').next()?.parse().ok())
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:")))
+        .and_then(|l| {
+            l.split(',')
+                .find_map(|kv| kv.strip_prefix(&format!("{stat}="))?.parse().ok())
+        })
         .unwrap_or(0)
 }
 
