@@ -270,12 +270,15 @@ impl RedisConn {
                 let client = builder.build().map_err(|e| setup(e.to_string()))?;
                 // Pending: connects in the background, so a cluster down at start is waited
                 // for, and reconnects to the seed nodes when every known node is lost.
-                let con = client.get_pending_async_connection_with_config(
-                    ClusterConfig::new()
-                        .set_connection_timeout(cfg.timeout)
-                        .set_response_timeout(response_timeout),
-                );
-                Inner::Cluster(cluster::ClusterConn::new(con, seeds, cfg.timeout))
+                let config = ClusterConfig::new()
+                    .set_connection_timeout(cfg.timeout)
+                    .set_response_timeout(response_timeout);
+                Inner::Cluster(cluster::ClusterConn::new(
+                    client,
+                    config,
+                    seeds,
+                    cfg.timeout,
+                ))
             }
             RedisMode::Sentinel => Inner::Sentinel(
                 sentinel::SentinelConn::new(cfg, &infos, db, certs, response_timeout)

@@ -451,6 +451,95 @@ fn partitioned_admission(own_outputs: bool) {
     );
 }
 
+/// A master frozen (as a partition cuts it off, with no reset), its replica promoted while it
+/// stays frozen: pacer's calls to it only time out, and redis-rs sent them there again until
+/// it thawed (two routes sent nothing for 6 s after a promotion, found by review). After two
+/// timeouts the cluster connection is made anew, reads the slots again and finds the promoted
+/// replica: the route on it takes every event pushed while the old master is still frozen.
+#[test]
+fn a_frozen_masters_route_follows_its_promoted_replica_before_the_thaw() {
+    let cluster = Cluster::start_with(3, 1, &["--cluster-require-full-coverage", "no"]);
+    let masters = cluster.masters();
+    let dir = TempDir::new("frozen-promoted");
+    let route = cluster.name_on(masters[2], "r");
+    let input = cluster.name_on(masters[0], "out");
+    let body = format!(
+        "outbound:\n  streams: [{input}]\n  routes:\n    {route}: {{rate: 100/s, burst: 10, max_wait: 5s}}\n"
+    );
+    let (config, port) = worker_config(&dir, &cluster, "", WORKER, &body, 0);
+    let pacer = start(&config, port);
+    let push_n = |n: usize, tag: &str| -> Vec<(String, String)> {
+        let mut con = cluster.con(masters[0]);
+        (0..n)
+            .map(|i| {
+                let id: String = redis::cmd("XADD")
+                    .arg(&input)
+                    .arg("*")
+                    .arg("route")
+                    .arg(&route)
+                    .arg("n")
+                    .arg(format!("{tag}{i}"))
+                    .query(&mut con)
+                    .unwrap();
+                (input.clone(), id)
+            })
+            .collect()
+    };
+    let xlen = |node: u16| -> usize {
+        redis::cmd("XLEN")
+            .arg(ready(&route))
+            .query(&mut cluster.con(node))
+            .unwrap_or(0)
+    };
+    let mut pushed = push_n(20, "before");
+    assert!(
+        wait_until(Duration::from_secs(10), || xlen(masters[2]) == 20),
+        "{}",
+        pacer.log_text()
+    );
+    let replica = cluster.replicas_of(masters[2])[0];
+    // Let the replica catch up, then freeze the master and promote the replica without it.
+    std::thread::sleep(Duration::from_millis(300));
+    cluster.pause(masters[2]);
+    let _: () = redis::cmd("CLUSTER")
+        .arg("FAILOVER")
+        .arg("TAKEOVER")
+        .query(&mut cluster.con(replica))
+        .unwrap();
+    let promoted = wait_until(Duration::from_secs(10), || {
+        let role: Vec<redis::Value> = redis::cmd("ROLE")
+            .query(&mut cluster.con(replica))
+            .unwrap_or_default();
+        matches!(role.first(), Some(redis::Value::BulkString(r)) if r == b"master")
+    });
+    assert!(promoted, "the replica was not promoted");
+    pushed.extend(push_n(50, "during"));
+    let followed = wait_until(Duration::from_secs(15), || xlen(replica) >= 70);
+    let on_promoted = xlen(replica);
+    cluster.resume(masters[2]);
+    assert!(
+        followed,
+        "{on_promoted} of 70 on the promoted replica while the old master was frozen:\n{}",
+        pacer.log_text()
+    );
+    assert!(
+        pacer
+            .log_text()
+            .contains("connecting anew to read the slots again"),
+        "{}",
+        pacer.log_text()
+    );
+    cluster.wait_stable(Duration::from_secs(15));
+    let outputs = [ready(&route), "pacer:rejected".into(), "pacer:dead".into()];
+    assert_each_once(
+        &cluster,
+        &pushed,
+        &outputs,
+        std::slice::from_ref(&input),
+        &[pacer],
+    );
+}
+
 /// Issue 15, point 2: one route's trouble never blocks another's. Three masters without
 /// replicas (and `cluster-require-full-coverage no`, without which Redis itself refuses every
 /// slot while one master is down); one route per master, their events interleaved in one input

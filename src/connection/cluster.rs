@@ -12,6 +12,7 @@
 //! the script cached there.
 
 use redis::aio::ConnectionLike;
+use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
 use redis::{
@@ -20,11 +21,19 @@ use redis::{
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+use tracing::warn;
+
+/// Timeouts within `STUCK_WITHIN` after which the cluster is asked whether slots moved (see
+/// `Renewal`).
+const STUCK_AFTER: u32 = 2;
+const STUCK_WITHIN: Duration = Duration::from_secs(5);
+/// The least time between two askings of the cluster whether slots moved.
+const RENEW_EVERY: Duration = Duration::from_secs(1);
 
 #[derive(Clone)]
 pub(super) struct ClusterConn {
-    con: ClusterConnection,
+    renewal: Arc<Renewal>,
     /// Script sources by SHA1, from every `SCRIPT LOAD` sent through any clone.
     scripts: Arc<Mutex<HashMap<String, Arc<[u8]>>>>,
     /// The configured nodes, each reachable on its own (`seed_without_cluster`).
@@ -33,16 +42,156 @@ pub(super) struct ClusterConn {
     timeout: Duration,
 }
 
+/// The cluster connection, made anew when calls keep timing out and the cluster has moved a
+/// failed master's slots. redis-rs refreshes its slot map on MOVED, READONLY or a connection it
+/// sees close, but answers a timeout by sending again to the same node: a master frozen or cut
+/// off without a reset (a network partition) kept its slots' calls there after the cluster had
+/// promoted its replica, until it thawed (found by review: two routes sent nothing for 6 s after
+/// the promotion). A new connection asks the nodes for the slots again, and finds the promoted
+/// replica. Only then: a new connection also waits on the frozen node while it connects, which
+/// held up the routes on the healthy masters when it was made on every timeout.
+struct Renewal {
+    client: ClusterClient,
+    config: ClusterConfig,
+    current: Mutex<Current>,
+    /// The configured nodes, asked whether a failed master's slots moved.
+    seeds: Arc<[redis::Client]>,
+    timeout: Duration,
+}
+
+struct Current {
+    con: ClusterConnection,
+    /// Counts the connections made: a call's timeout counts only against the one it used.
+    generation: u64,
+    /// Timeouts since `first_timeout` (on this connection).
+    timeouts: u32,
+    first_timeout: Instant,
+    /// When the cluster was last asked whether slots moved.
+    checked: Instant,
+}
+
+impl Renewal {
+    fn con(&self) -> (ClusterConnection, u64) {
+        let c = self.current.lock().expect("not poisoned");
+        (c.con.clone(), c.generation)
+    }
+
+    /// Counts a call's timeout against the connection it used; when they pile up, asks the
+    /// cluster (in the background) whether a failed master's slots moved, and if so renews it.
+    fn note<T>(self: &Arc<Self>, generation: u64, result: &RedisResult<T>) {
+        if !matches!(result, Err(e) if e.is_timeout()) {
+            return;
+        }
+        let mut c = self.current.lock().expect("not poisoned");
+        if c.generation != generation {
+            return;
+        }
+        let now = Instant::now();
+        if now.duration_since(c.first_timeout) > STUCK_WITHIN || c.timeouts == 0 {
+            c.first_timeout = now;
+            c.timeouts = 0;
+        }
+        c.timeouts += 1;
+        if c.timeouts < STUCK_AFTER || now.duration_since(c.checked) < RENEW_EVERY {
+            return;
+        }
+        c.checked = now;
+        let renewal = self.clone();
+        tokio::spawn(async move {
+            if !renewal.slots_moved().await {
+                return;
+            }
+            let mut c = renewal.current.lock().expect("not poisoned");
+            if c.generation != generation {
+                return;
+            }
+            warn!(
+                "cluster calls time out and a failed master's slots have moved: connecting anew to read the slots again"
+            );
+            c.con = renewal
+                .client
+                .get_pending_async_connection_with_config(renewal.config.clone());
+            c.generation += 1;
+            c.timeouts = 0;
+        });
+    }
+
+    /// Whether the first configured node that answers names a failed master that holds no
+    /// slots: its replica was promoted in its place.
+    async fn slots_moved(&self) -> bool {
+        let mut nodes = redis::cmd("CLUSTER");
+        nodes.arg("NODES");
+        ask_each_seed(&self.seeds, self.timeout, &nodes, |_, text| {
+            Some(failed_master_without_slots(&text))
+        })
+        .await
+        .unwrap_or(false)
+    }
+}
+
+/// Asks each of `seeds` in turn `cmd`, on a connection of its own bounded by `timeout`, until
+/// `take` makes something of a node's answer; a node that does not answer is skipped.
+async fn ask_each_seed<R>(
+    seeds: &[redis::Client],
+    timeout: Duration,
+    cmd: &Cmd,
+    mut take: impl FnMut(&redis::Client, String) -> Option<R>,
+) -> Option<R> {
+    let config = AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(timeout))
+        .set_response_timeout(Some(timeout));
+    for seed in seeds {
+        let Ok(mut con) = seed
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+        else {
+            continue;
+        };
+        let answer: RedisResult<String> = cmd.query_async(&mut con).await;
+        if let Some(r) = answer.ok().and_then(|a| take(seed, a)) {
+            return Some(r);
+        }
+    }
+    None
+}
+
+/// Whether `CLUSTER NODES` text names a master flagged `fail` (agreed, not `fail?`) that holds
+/// no slots: the cluster gave them to its promoted replica. (A failed master whose slots were
+/// not moved, having no replica, keeps them listed.)
+fn failed_master_without_slots(nodes: &str) -> bool {
+    nodes.lines().any(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let flags: Vec<&str> = fields.get(2).map_or(vec![], |f| f.split(',').collect());
+        flags.contains(&"master") && flags.contains(&"fail") && fields.len() <= 8
+    })
+}
+
 impl ClusterConn {
     pub(super) fn new(
-        con: ClusterConnection,
+        client: ClusterClient,
+        config: ClusterConfig,
         seeds: Vec<redis::Client>,
         timeout: Duration,
     ) -> Self {
+        let now = Instant::now();
+        let con = client.get_pending_async_connection_with_config(config.clone());
+        let seeds: Arc<[redis::Client]> = seeds.into();
         ClusterConn {
-            con,
+            renewal: Arc::new(Renewal {
+                client,
+                config,
+                current: Mutex::new(Current {
+                    con,
+                    generation: 0,
+                    timeouts: 0,
+                    first_timeout: now,
+                    checked: now - RENEW_EVERY,
+                }),
+                seeds: seeds.clone(),
+                timeout,
+            }),
             scripts: Arc::default(),
-            seeds: seeds.into(),
+            seeds,
             timeout,
         }
     }
@@ -52,25 +201,13 @@ impl ClusterConn {
     /// (left for a while as a known gap). Each node is asked on a connection of its own; one
     /// that does not answer is skipped, as a cluster still starting may not.
     pub(super) async fn seed_without_cluster(&self) -> Option<String> {
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(self.timeout))
-            .set_response_timeout(Some(self.timeout));
-        for seed in self.seeds.iter() {
-            let Ok(mut con) = seed
-                .get_multiplexed_async_connection_with_config(&config)
-                .await
-            else {
-                continue;
-            };
-            let info: RedisResult<String> = redis::cmd("INFO")
-                .arg("cluster")
-                .query_async(&mut con)
-                .await;
-            if info.is_ok_and(|i| i.contains("cluster_enabled:0")) {
-                return Some(seed.get_connection_info().addr().to_string());
-            }
-        }
-        None
+        let mut info = redis::cmd("INFO");
+        info.arg("cluster");
+        ask_each_seed(&self.seeds, self.timeout, &info, |seed, text| {
+            text.contains("cluster_enabled:0")
+                .then(|| seed.get_connection_info().addr().to_string())
+        })
+        .await
     }
 
     pub(super) async fn req_command(&mut self, cmd: &Cmd) -> RedisResult<Value> {
@@ -88,7 +225,9 @@ impl ClusterConn {
                 self.remember(source);
             }
         }
-        let result = self.con.req_packed_command(cmd).await;
+        let (mut con, generation) = self.renewal.con();
+        let result = con.req_packed_command(cmd).await;
+        self.renewal.note(generation, &result);
         // A server's error reply may come back as an `Err` or inside `Ok` (redis-rs leaves some
         // to `query_async` to extract): NOSCRIPT is looked for in both.
         let noscript = match &result {
@@ -109,7 +248,9 @@ impl ClusterConn {
                 for a in &args[2..] {
                     eval.arg(*a);
                 }
-                self.con.req_packed_command(&eval).await
+                let result = con.req_packed_command(&eval).await;
+                self.renewal.note(generation, &result);
+                result
             }
             None => result,
         }
@@ -126,14 +267,17 @@ impl ClusterConn {
         count: usize,
     ) -> RedisResult<Vec<Value>> {
         let route = Route::with_key(key, SlotAddr::Master);
-        self.con
+        let (mut con, generation) = self.renewal.con();
+        let result = con
             .route_pipeline(
                 pipeline,
                 0,
                 count,
                 SingleNodeRoutingInfo::SpecificNode(route),
             )
-            .await
+            .await;
+        self.renewal.note(generation, &result);
+        result
     }
 
     pub(super) fn req_packed_commands<'a>(
@@ -142,7 +286,12 @@ impl ClusterConn {
         offset: usize,
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
-        self.con.req_packed_commands(pipeline, offset, count)
+        Box::pin(async move {
+            let (mut con, generation) = self.renewal.con();
+            let result = con.req_packed_commands(pipeline, offset, count).await;
+            self.renewal.note(generation, &result);
+            result
+        })
     }
 
     fn remember(&self, source: &[u8]) {
@@ -162,5 +311,28 @@ impl ClusterConn {
             .expect("not poisoned")
             .get(&sha.to_ascii_lowercase())
             .cloned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_master_is_promoted_away_only_once_its_slots_are_gone() {
+        let promoted = "\
+a1 127.0.0.1:7001@17001 master,fail - 0 0 1 disconnected
+b2 127.0.0.1:7002@17002 myself,master - 0 0 2 connected 5461-10922
+c3 127.0.0.1:7004@17004 master - 0 0 4 connected 0-5460
+d4 127.0.0.1:7005@17005 slave,fail b2 0 0 2 disconnected
+";
+        assert!(failed_master_without_slots(promoted));
+        let no_replica = promoted.replace(
+            "master,fail - 0 0 1 disconnected",
+            "master,fail - 0 0 1 disconnected 0-5460",
+        );
+        assert!(!failed_master_without_slots(&no_replica));
+        let suspected = promoted.replace("master,fail ", "master,fail? ");
+        assert!(!failed_master_without_slots(&suspected));
     }
 }
