@@ -13,7 +13,9 @@
 //! - `reader`: reading batches, and the path every batch takes (parse, admit, place, finish);
 //!   `budget`: how many entries a read asks for, and how many permits an entry holds, so
 //!   that large entries are read few at a time and held within `max_inflight_bytes`;
-//! - `claim`: claiming what other consumers left pending, and deleting departed consumers;
+//! - `claim`: claiming what other consumers left pending, taking up what this worker's own
+//!   name holds pending but the worker no longer does (`held`: which entries it holds), and
+//!   deleting departed consumers;
 //! - `placement`: which route an outbound event goes to and when, and resuming a decision an
 //!   earlier delivery recorded; `placers`: one placement task per route, so that one route's
 //!   trouble never holds up another's;
@@ -31,6 +33,7 @@ mod claim;
 mod context;
 mod dispatcher;
 mod heartbeat;
+mod held;
 mod inbound;
 mod monitor;
 mod outputs;
@@ -81,6 +84,7 @@ impl Worker {
         } else {
             cfg.worker.consumer.clone()
         };
+        let permits = Arc::new(Semaphore::new(cfg.worker.max_inflight));
         let ctx = Context {
             consumer,
             scripts: Scripts::default(),
@@ -88,11 +92,12 @@ impl Worker {
             health,
             clock: RedisClock::default(),
             time: Arc::new(SystemClock),
+            held: held::Held::new(streams.len(), permits.clone()),
             streams,
             rejected: OutputKeys::new(&cfg.outbound.flow.rejected_stream),
             dead: OutputKeys::new(&cfg.outbound.flow.dead_letter_stream),
             marker_ttl_ms: cfg.outbound.flow.dedupe_ttl.as_millis() as u64,
-            permits: Arc::new(Semaphore::new(cfg.worker.max_inflight)),
+            permits,
             cluster: AtomicBool::new(false),
             policy_seen: Default::default(),
             broken_routes: Default::default(),

@@ -1093,3 +1093,92 @@ fn the_claimer_lists_only_silent_consumers_entries() {
     );
     assert_each_once(&redis, &ids, &["pacer:{a}:ready"], "in");
 }
+
+/// An entry pending under a live worker's own name that the worker does not hold is taken up
+/// by that worker and ends once; what it does hold past claim_idle (dead letters waiting on a
+/// dead-letter stream of the wrong kind) it leaves alone. A failover leaves such an entry: the
+/// worker dispatched and acknowledged it on a master about to be demoted, and both writes went
+/// with it (a helper's attack left 162 after one `SENTINEL FAILOVER`). Made here the way the new
+/// master sees it: the entry read under the worker's name by another client, in a transaction
+/// no blocked read can come between. Before, nothing took it while the worker lived.
+#[test]
+fn an_entry_stranded_under_a_live_workers_name_is_taken_up_and_ends_once() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("stranded");
+    let port = free_port();
+    let cfg = config(
+        &dir,
+        "w.yaml",
+        &redis,
+        port,
+        "  claim_idle: 1500ms\n  consumer: w1",
+        "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 100/s, max_wait: 100ms}\n",
+    );
+    let mut con = redis.con();
+    let _: () = redis::cmd("SET")
+        .arg("pacer:dead")
+        .arg("written by something else")
+        .query(&mut con)
+        .unwrap();
+    let w = start(&cfg, port);
+    let bad: Vec<_> = (0..3).map(|_| event(&[("to", "nowhere")])).collect();
+    let mut ids = push(&redis, "in", &bad);
+    assert!(wait_until(Duration::from_secs(5), || w
+        .log_text()
+        .contains("a key holds the wrong kind of value")));
+    let (stranded,): (String,) = redis::pipe()
+        .atomic()
+        .cmd("XADD")
+        .arg("in")
+        .arg("*")
+        .arg("route")
+        .arg("a")
+        .cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("pacer")
+        .arg("w1")
+        .arg("COUNT")
+        .arg(1)
+        .arg("STREAMS")
+        .arg("in")
+        .arg(">")
+        .ignore()
+        .query(&mut con)
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || !read(&redis, "pacer:{a}:ready")
+            .is_empty()),
+        "the stranded entry {stranded} was never taken up\n{}",
+        w.log_text()
+    );
+    ids.push(stranded.clone());
+    // The held ones were never taken up again: each still pending, delivered once.
+    let held: Vec<i64> = pending_ids_and_deliveries(&redis)
+        .into_iter()
+        .map(|(id, deliveries)| {
+            assert!(ids[..3].contains(&id), "{id} is pending");
+            deliveries
+        })
+        .collect();
+    assert_eq!(held, [1, 1, 1], "{}", w.log_text());
+    assert_eq!(claimed(port), 1.0, "{}", w.log_text());
+    let _: () = redis::cmd("DEL").arg("pacer:dead").query(&mut con).unwrap();
+    assert!(wait_until(Duration::from_secs(5), || pending(
+        &redis, "in", "pacer"
+    ) == 0));
+    let at = assert_each_once(&redis, &ids, &["pacer:{a}:ready", "pacer:dead"], "in");
+    assert_eq!(at[&stranded], ["pacer:{a}:ready"]);
+}
+
+/// The entries pending in `in`'s group, with how often each was delivered.
+fn pending_ids_and_deliveries(redis: &RedisServer) -> Vec<(String, i64)> {
+    let rows: Vec<(String, String, i64, i64)> = redis::cmd("XPENDING")
+        .arg("in")
+        .arg("pacer")
+        .arg("-")
+        .arg("+")
+        .arg(100)
+        .query(&mut redis.con())
+        .unwrap();
+    rows.into_iter().map(|(id, _, _, n)| (id, n)).collect()
+}

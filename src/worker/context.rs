@@ -27,6 +27,8 @@ pub(crate) struct Context {
     pub(crate) time: Arc<dyn Clock>,
     /// Every input stream: the outbound ones, then the inbound ones.
     pub(crate) streams: Vec<Arc<str>>,
+    /// The entries this worker holds, by stream (`held`).
+    pub(crate) held: super::held::Held,
     pub(crate) rejected: OutputKeys,
     pub(crate) dead: OutputKeys,
     pub(crate) marker_ttl_ms: u64,
@@ -51,6 +53,15 @@ pub(crate) struct Context {
 }
 
 impl Context {
+    /// The index of input stream `name` in `streams` (`usize::MAX` for none: registers
+    /// nothing).
+    pub(crate) fn stream_index(&self, name: &str) -> usize {
+        self.streams
+            .iter()
+            .position(|s| **s == *name)
+            .unwrap_or(usize::MAX)
+    }
+
     /// With `redis.wait_replicas`, whether that many replicas hold everything `key`'s node held
     /// after the caller's last call (a fresh write to that node, then `WAIT` up to
     /// `wait_timeout`). Redis replicates asynchronously: a master that dies before its replicas

@@ -26,10 +26,10 @@ use crate::event::{self, Entry, Fields, Reason, Refused};
 use crate::keys::{InboundKeys, OutputKeys};
 use crate::scripts::{call_len, AdmitItem, AdmitReply, AdmitTargets, Admitted};
 use crate::telemetry::{self, InboundOutcome};
+use crate::worker::held::Hold;
 use futures_util::future::join_all;
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
@@ -38,9 +38,9 @@ use tracing::{debug, warn};
 pub(super) async fn admit(
     ctx: &Arc<Context>,
     entries: Vec<Entry>,
-    permits: Vec<OwnedSemaphorePermit>,
+    permits: Vec<Hold>,
     stop: &CancellationToken,
-) -> (Vec<Entry>, Vec<OwnedSemaphorePermit>) {
+) -> (Vec<Entry>, Vec<Hold>) {
     let Some(cfg) = &ctx.cfg.inbound else {
         return (entries, permits);
     };
@@ -49,7 +49,7 @@ pub(super) async fn admit(
         .zip(permits)
         .partition(|(e, _)| cfg.flow.streams.iter().any(|s| *s == *e.stream));
     if !inbound.is_empty() {
-        let (entries, held): (Vec<Entry>, Vec<OwnedSemaphorePermit>) = inbound.into_iter().unzip();
+        let (entries, held): (Vec<Entry>, Vec<Hold>) = inbound.into_iter().unzip();
         let decided = decide_batch(ctx, cfg, entries, stop).await;
         // Written beside the reading, not before the next read: an output that cannot be
         // written (its key of another kind) holds only the entries bound for it, with their

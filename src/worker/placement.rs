@@ -15,8 +15,8 @@ use crate::marker::Marker;
 use crate::pacing;
 use crate::scripts::{EventRef, ScheduleItem, ScheduleReply, Scheduled};
 use crate::telemetry;
+use crate::worker::held::Hold;
 use std::collections::BTreeMap;
-use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -35,11 +35,11 @@ pub(crate) struct Placing {
     /// Redis µs by which it must go (its first decision's time plus its wait), once a route
     /// that slotted it could not meet the slot: its fallbacks get only what is left.
     deadline_us: Option<i64>,
-    pub(crate) permit: OwnedSemaphorePermit,
+    pub(crate) permit: Hold,
 }
 
 impl Placing {
-    pub(crate) fn new(event: OutboundEvent, permit: OwnedSemaphorePermit) -> Self {
+    pub(crate) fn new(event: OutboundEvent, permit: Hold) -> Self {
         Placing {
             event,
             next: 0,
@@ -52,12 +52,7 @@ impl Placing {
     }
 
     /// The same event, to be decided anew on `route` (its decision there is gone).
-    fn again_on(
-        event: OutboundEvent,
-        ctx: &Context,
-        route: usize,
-        permit: OwnedSemaphorePermit,
-    ) -> Self {
+    fn again_on(event: OutboundEvent, ctx: &Context, route: usize, permit: Hold) -> Self {
         let next = position(ctx, &event, route);
         Placing {
             next,
@@ -71,7 +66,7 @@ impl Placing {
         event: OutboundEvent,
         ctx: &Context,
         route: usize,
-        permit: OwnedSemaphorePermit,
+        permit: Hold,
     ) -> Self {
         Placing {
             check_held: true,
@@ -88,7 +83,7 @@ impl Placing {
         ctx: &Context,
         route: usize,
         (wait_us, deadline_us): (i64, i64),
-        permit: OwnedSemaphorePermit,
+        permit: Hold,
     ) -> Self {
         let mut p = Placing::again_on(event, ctx, route, permit);
         p.offered(wait_us);

@@ -4,6 +4,7 @@
 
 use super::budget::{self, ReadSize};
 use super::context::Context;
+use super::held::{self, Hold};
 use super::outputs::{self, Finished};
 use super::placement::Placing;
 use super::placers::Placers;
@@ -39,6 +40,7 @@ pub(super) async fn run(
     let mut size = ReadSize::new(ctx.cfg.worker.batch, ctx.cfg.worker.read_bytes);
     let mut backoff = Backoff::default();
     let one = std::slice::from_ref(&stream);
+    let index = ctx.stream_index(&stream);
     // The newest entry a read handed over. A read whose reply is lost (a timeout: the worker
     // stalled, or the network dropped it) may still have delivered entries to this consumer;
     // nothing else would see them before `claim_idle`, so the reader then reads its own pending
@@ -145,10 +147,9 @@ pub(super) async fn run(
                 continue;
             }
         };
-        let Some(held) = budget::hold(ctx, &sizes, permits, shutdown).await else {
+        if !take_on(ctx, (index, entries), &sizes, permits, placers, shutdown).await {
             return;
-        };
-        handle(ctx, entries, held, placers, shutdown).await;
+        }
     }
 }
 
@@ -186,12 +187,39 @@ async fn recovery_count(
     counted.unwrap_or(1)
 }
 
+/// Takes on `entries` of the stream at `index` in `Context::streams`, just read or claimed with
+/// `permits` (one each), of `sizes`: registered as held at once, before their permits are
+/// weighed (which may wait: they are pending on this worker meanwhile), then `handle`d. False
+/// on shutdown while weighing.
+pub(super) async fn take_on(
+    ctx: &Arc<Context>,
+    (index, entries): (usize, Vec<Entry>),
+    sizes: &[usize],
+    permits: OwnedSemaphorePermit,
+    placers: &Placers,
+    shutdown: &CancellationToken,
+) -> bool {
+    let registered = (ctx.held).register(index, entries.iter().map(|e| e.id.as_str()));
+    let Some(permits) = budget::hold(ctx, sizes, permits, shutdown).await else {
+        return false;
+    };
+    handle(
+        ctx,
+        entries,
+        held::holds(permits, registered),
+        placers,
+        shutdown,
+    )
+    .await;
+    true
+}
+
 /// Takes one batch of entries (each with its permit) on: outbound events to their routes'
 /// placement tasks, everything that ends here (inbound, poison, bad input) finished here.
 pub(super) async fn handle(
     ctx: &Arc<Context>,
     entries: Vec<Entry>,
-    permits: Vec<OwnedSemaphorePermit>,
+    permits: Vec<Hold>,
     placers: &Placers,
     stop: &CancellationToken,
 ) {

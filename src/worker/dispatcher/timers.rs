@@ -4,17 +4,17 @@
 
 use crate::clock::RedisClock;
 use crate::event::OutboundEvent;
+use crate::worker::held::Hold;
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
 use std::time::{Duration, Instant};
-use tokio::sync::OwnedSemaphorePermit;
 
 /// An event waiting for its slot. It holds what the dispatch needs and nothing more (a worker
 /// may hold a hundred thousand): the event with its packed fields, and its decision.
 pub(crate) struct Sleeper {
     pub(crate) event: OutboundEvent,
     /// Released when the event is finished or dropped: bounds what one process holds.
-    pub(crate) permit: OwnedSemaphorePermit,
+    pub(crate) permit: Hold,
     /// The route it sleeps on (`Route::index`): its own or a fallback.
     pub(crate) route: usize,
     /// Its recorded slot and the latest it may go (µs of Redis time).
@@ -34,7 +34,7 @@ impl Sleeper {
     /// `decided_us`.
     pub(crate) fn new(
         event: OutboundEvent,
-        permit: OwnedSemaphorePermit,
+        permit: Hold,
         route: usize,
         slot_us: i64,
         deadline_us: i64,
@@ -196,8 +196,6 @@ mod tests {
     use crate::clock::{Clock, FakeClock};
     use crate::config::{Config, Overrides};
     use crate::event::{parse_outbound, Entry};
-    use std::sync::Arc;
-    use tokio::sync::Semaphore;
 
     fn sleeper(n: u64, slot_us: i64) -> Sleeper {
         let cfg = Config::parse(
@@ -212,7 +210,7 @@ mod tests {
             deliveries: 1,
         };
         let event = parse_outbound(entry, &cfg.outbound).unwrap();
-        let permit = Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap();
+        let permit = crate::worker::held::hold_for_test();
         Sleeper::new(event, permit, 0, slot_us, slot_us + 1_000_000, 0)
     }
 
