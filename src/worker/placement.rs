@@ -350,8 +350,11 @@ fn reject_full(p: Placing, done: &mut Finished) {
     // Rounded up, as retry_after is: rounded down, a wait of 1000.4 ms read "1000 ms" against
     // a max_wait of 1s, as if it fitted.
     let retry_after_ms = (wait_us as u64).div_ceil(1000) as i64;
+    // "Before its deadline", not "within max_wait": a wait counts from the event's first
+    // decision, so one held up since (a stalled worker, a failover that wiped its dispatch) is
+    // passed over for a wait of a millisecond, which read as if 1 ms were too long.
     let detail = format!(
-        "no route could take it within its wait; the shortest wait offered was {retry_after_ms} ms"
+        "no route could take it before its deadline (max_wait from its first decision); the shortest wait offered was {retry_after_ms} ms"
     );
     done.rejected.push(Rejection {
         event: p.event,
