@@ -287,8 +287,14 @@ fn read_worker(p: &mut Problems, v: Option<Value>) -> WorkerConfig {
     ];
     p.unknown_keys("worker", &raw.unknown, &known);
     let group = p.string("worker.group", &raw.group, Some("pacer"));
+    let consumer = p.string("worker.consumer", &raw.consumer, Some(""));
     if group.is_empty() {
         p.push("worker.group", "must not be empty");
+    }
+    for (path, name) in [("worker.group", &group), ("worker.consumer", &consumer)] {
+        if let Err(e) = crate::keys::check_name(name) {
+            p.push(path, e);
+        }
     }
     let batch = p.integer("worker.batch", &raw.batch, 512, 1, 10_000) as usize;
     let max_inflight = p.integer(
@@ -334,7 +340,7 @@ fn read_worker(p: &mut Problems, v: Option<Value>) -> WorkerConfig {
     }
     WorkerConfig {
         group,
-        consumer: p.string("worker.consumer", &raw.consumer, Some("")),
+        consumer,
         batch,
         read_bytes: p.integer(
             "worker.read_bytes",

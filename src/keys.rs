@@ -131,6 +131,28 @@ pub fn api_probe() -> &'static str {
     "pacer:{api}:probe"
 }
 
+/// Longest stream, group or consumer name a config may give, in bytes. Redis takes 512 MB; a
+/// name that long is a mistake, sent with every call (a 50 MB group name was taken).
+pub const NAME_MAX: usize = 1024;
+
+/// Why a stream, group or consumer name cannot be used: longer than [`NAME_MAX`], a control
+/// character, or whitespace at either end (a name pasted with a space names another key than
+/// the producers write to, and pacer would wait on it for good).
+pub fn check_name(name: &str) -> Result<(), String> {
+    if name.len() > NAME_MAX {
+        return Err(format!(
+            "must be at most {NAME_MAX} bytes, got {}",
+            name.len()
+        ));
+    }
+    if name.chars().any(char::is_control) || name.trim() != name {
+        return Err(format!(
+            "{name:?} has a control character or whitespace at either end"
+        ));
+    }
+    Ok(())
+}
+
 /// Why a stream name cannot be used: a `{` that does not open a usable hash tag makes Redis hash
 /// the whole name, which companion keys could not follow; and a `}` with no `{` would close the
 /// tag of a companion key early (`pacer:{ready}a}:bucket` hashes on `ready`, not on the stream's
@@ -139,6 +161,7 @@ pub fn check_stream_name(name: &str) -> Result<(), String> {
     if name.is_empty() {
         return Err("must not be empty".into());
     }
+    check_name(name)?;
     if name.contains('{') && hash_tag(name) == name {
         return Err(format!(
             "{name:?} has a '{{' that opens no hash tag; write a tag like pacer:{{x}}:ready or no braces at all"

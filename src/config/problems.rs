@@ -114,8 +114,8 @@ impl Problems {
     pub fn unknown_keys(&mut self, path: &str, unknown: &Mapping, known: &[&str]) {
         for key in unknown.keys() {
             let name = match key {
-                Value::String(s) => s.clone(),
-                other => format!("{other:?}"),
+                Value::String(s) => shown_key(s),
+                other => shown_key(&format!("{other:?}")),
             };
             self.push(
                 join(path, &name),
@@ -265,6 +265,22 @@ impl Problems {
             }
         }
     }
+}
+
+/// An unknown key as a message shows it: whole when it reads like a key (up to 64 letters,
+/// digits, `_`, `-`, `.`), else by its first 8 characters and its length. A file that is no
+/// config (`/etc/shadow` named by mistake) was echoed whole, a line a key, password hashes and
+/// all.
+fn shown_key(key: &str) -> String {
+    let plain = key.len() <= 64
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+    if plain {
+        return key.to_string();
+    }
+    let start: String = key.chars().take(8).collect();
+    format!("{start:?}… ({} bytes)", key.len())
 }
 
 pub fn join(path: &str, key: &str) -> String {
