@@ -193,6 +193,15 @@ impl Problems {
                 self.push(path, format!("a duration cannot be negative, got {s:?}"));
                 default
             }
+            // humantime reads "M" as a month (30.44 days): "1M" meant as a minute was taken as
+            // a month and passed every bound.
+            Some(Value::String(s)) if has_month(s) => {
+                self.push(
+                    path,
+                    format!("months are not taken (\"M\" is a month, not a minute: write 1m or 1min), got {s:?}"),
+                );
+                default
+            }
             Some(Value::String(s)) => match humantime::parse_duration(s) {
                 Ok(d) if d <= DURATION_MAX => d,
                 Ok(_) => {
@@ -265,6 +274,12 @@ impl Problems {
             }
         }
     }
+}
+
+/// Whether duration text `s` names months: a unit "M", "month" or "months".
+fn has_month(s: &str) -> bool {
+    s.split(|c: char| !c.is_ascii_alphabetic())
+        .any(|unit| matches!(unit, "M" | "month" | "months"))
 }
 
 /// An unknown key as a message shows it: whole when it reads like a key (up to 64 letters,
