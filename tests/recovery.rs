@@ -1098,7 +1098,7 @@ fn the_claimer_lists_only_silent_consumers_entries() {
 /// by that worker and ends once; what it does hold past claim_idle (dead letters waiting on a
 /// dead-letter stream of the wrong kind) it leaves alone. A failover leaves such an entry: the
 /// worker dispatched and acknowledged it on a master about to be demoted, and both writes went
-/// with it (a helper's attack left 162 after one `SENTINEL FAILOVER`). Made here the way the new
+/// with it (a helper's attack left 559-706 after each `SENTINEL FAILOVER`). Made here the way the new
 /// master sees it: the entry read under the worker's name by another client, in a transaction
 /// no blocked read can come between. Before, nothing took it while the worker lived.
 #[test]

@@ -89,6 +89,15 @@ impl Slots {
     }
 }
 
+impl Stream {
+    /// Clears `slot` (nothing for `NO_SLOT`).
+    fn clear(&self, slot: u32) {
+        if slot != NO_SLOT {
+            self.slots.lock().expect("never poisoned").clear(slot);
+        }
+    }
+}
+
 impl Held {
     pub(crate) fn new(streams: usize, permits: Arc<Semaphore>) -> Self {
         Held {
@@ -181,13 +190,7 @@ pub(crate) struct Registered {
 
 impl Drop for Registered {
     fn drop(&mut self) {
-        if self.slot != NO_SLOT {
-            self.stream
-                .slots
-                .lock()
-                .expect("never poisoned")
-                .clear(self.slot);
-        }
+        self.stream.clear(self.slot);
     }
 }
 
@@ -203,13 +206,7 @@ pub(crate) struct Hold {
 
 impl Drop for Hold {
     fn drop(&mut self) {
-        if self.slot != NO_SLOT {
-            self.stream
-                .slots
-                .lock()
-                .expect("never poisoned")
-                .clear(self.slot);
-        }
+        self.stream.clear(self.slot);
         self.stream.permits.add_permits(self.permits as usize);
     }
 }
