@@ -149,10 +149,10 @@ impl Refused {
 pub struct OutboundEvent {
     /// The input stream and entry that carry it.
     pub stream: Arc<str>,
-    pub id: String,
+    pub id: Box<str>,
     pub deliveries: u64,
     /// The producer's idempotency key (`id`), if it gave one; without it the entry is the event.
-    pub event_id: Option<String>,
+    pub event_id: Option<Box<str>>,
     /// Its own route (`Route::index`); its fallbacks come from the config.
     pub route: usize,
     pub cost: u64,
@@ -175,7 +175,7 @@ impl OutboundEvent {
     pub fn entry(&self) -> Entry {
         Entry {
             stream: self.stream.clone(),
-            id: self.id.clone(),
+            id: self.id.to_string(),
             fields: self.carried.to_fields(),
             deliveries: self.deliveries,
         }
@@ -184,9 +184,10 @@ impl OutboundEvent {
     /// The event's idempotency key as its markers name it: the producer's `id`, else
     /// `<stream>/<entry id>`.
     pub fn key(&self) -> String {
-        self.event_id
-            .clone()
-            .unwrap_or_else(|| format!("{}/{}", self.stream, self.id))
+        match &self.event_id {
+            Some(id) => id.to_string(),
+            None => format!("{}/{}", self.stream, self.id),
+        }
     }
 }
 
@@ -207,9 +208,9 @@ pub fn parse_outbound(
             );
             Ok(OutboundEvent {
                 stream: entry.stream,
-                id: entry.id,
+                id: entry.id.into(),
                 deliveries: entry.deliveries,
-                event_id,
+                event_id: event_id.map(String::into_boxed_str),
                 route,
                 cost,
                 max_wait,
