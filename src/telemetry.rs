@@ -233,7 +233,8 @@ pub fn stream_state(stream: &str, group: &str, pending: i64, lag: Option<i64>) {
     }
 }
 
-/// Entries this worker claimed from consumers that left them pending longer than `claim_idle`.
+/// Entries this worker claimed that were left pending longer than `claim_idle`: by silent
+/// consumers, or under its own name after it let them go (stranded by a failover, `held`).
 pub fn claimed(stream: &str, n: usize) {
     counter!(CLAIMED_TOTAL, "stream" => stream.to_string()).increment(n as u64);
 }

@@ -163,11 +163,8 @@ impl Worker {
         let heartbeat = tokio::spawn(heartbeat::run(ctx.clone(), hard_stop.clone()));
         let claimer = tokio::spawn(claim::run(ctx.clone(), placers.clone(), shutdown.clone()));
         let work = async {
-            let readers = ctx
-                .streams
-                .iter()
-                .zip(self.reader_cons)
-                .map(|(stream, con)| reader::run(&ctx, stream.clone(), con, &placers, &shutdown));
+            let readers = (self.reader_cons.into_iter().enumerate())
+                .map(|(index, con)| reader::run(&ctx, index, con, &placers, &shutdown));
             futures_util::future::join_all(readers).await;
             let _ = claimer.await;
             // The placement tasks end on shutdown; with them the dispatcher's inbox closes.

@@ -53,15 +53,6 @@ pub(crate) struct Context {
 }
 
 impl Context {
-    /// The index of input stream `name` in `streams` (`usize::MAX` for none: registers
-    /// nothing).
-    pub(crate) fn stream_index(&self, name: &str) -> usize {
-        self.streams
-            .iter()
-            .position(|s| **s == *name)
-            .unwrap_or(usize::MAX)
-    }
-
     /// With `redis.wait_replicas`, whether that many replicas hold everything `key`'s node held
     /// after the caller's last call (a fresh write to that node, then `WAIT` up to
     /// `wait_timeout`). Redis replicates asynchronously: a master that dies before its replicas

@@ -20,8 +20,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-/// The entries held, per input stream (by its index in `Context::streams`; one more at the end
-/// for entries of none, which registers nothing).
+/// The entries held, per input stream (by its index in `Context::streams`).
 pub(crate) struct Held {
     streams: Vec<Arc<Stream>>,
 }
@@ -33,11 +32,10 @@ pub(crate) struct Stream {
 }
 
 /// Entry ids in slots (`key`: 8 bytes where a `String` takes 40 and more, and a worker may hold
-/// a hundred thousand), each entry's `Hold` naming its slot: a hash set by id cost a
-/// worker holding 100,000 sleeping events 8 MiB more, past the 64 MiB it is held to. In pages
-/// of `PAGE`, so that growing never copies the lot (a doubling `Vec` left the old halves to the
-/// allocator: 2 MiB more). Searched only by `unheld`, on the rare ticks that look for stranded
-/// entries.
+/// a hundred thousand), each entry's `Hold` naming its slot: a hash set by id cost a worker
+/// holding 100,000 sleeping events 8 MiB more, past the 64 MiB it is held to. In pages of
+/// `PAGE`, so that growing never copies the lot. Searched only by `unheld`, on the rare ticks
+/// that look for stranded entries.
 #[derive(Default)]
 struct Slots {
     pages: Vec<Box<[u64]>>,
@@ -45,8 +43,7 @@ struct Slots {
     free: Vec<u32>,
 }
 
-/// Slots per page (256 KiB: above glibc's mmap threshold, so pages come from the kernel and not
-/// from between the sleeping events' allocations).
+/// Slots per page (128 KiB).
 const PAGE: usize = 16384;
 
 /// A slot no entry is in, and the id of a free slot (Redis never gives `0-0`).
@@ -101,7 +98,7 @@ impl Stream {
 impl Held {
     pub(crate) fn new(streams: usize, permits: Arc<Semaphore>) -> Self {
         Held {
-            streams: (0..=streams)
+            streams: (0..streams)
                 .map(|_| {
                     Arc::new(Stream {
                         permits: permits.clone(),
@@ -113,9 +110,7 @@ impl Held {
     }
 
     fn stream(&self, index: usize) -> &Arc<Stream> {
-        self.streams
-            .get(index)
-            .unwrap_or_else(|| self.streams.last().expect("one at least"))
+        &self.streams[index]
     }
 
     /// Registers the entries `ids` of the stream at `stream`, one guard each, in order.
@@ -124,13 +119,12 @@ impl Held {
         stream: usize,
         ids: impl Iterator<Item = &'a str>,
     ) -> Vec<Registered> {
-        let known = stream < self.streams.len() - 1;
         let stream = self.stream(stream);
         let mut slots = stream.slots.lock().expect("never poisoned");
         ids.map(|id| Registered {
             stream: stream.clone(),
             slot: match parse_id(id) {
-                Some(id) if known && id != FREE => slots.put(id),
+                Some(id) if id != FREE => slots.put(id),
                 _ => NO_SLOT,
             },
         })
@@ -233,7 +227,7 @@ pub(crate) fn holds(permits: Vec<OwnedSemaphorePermit>, registered: Vec<Register
 #[cfg(test)]
 pub(crate) fn hold_for_test() -> Hold {
     let permits = Arc::new(Semaphore::new(1));
-    let held = Held::new(0, permits.clone());
+    let held = Held::new(1, permits.clone());
     let permit = permits.try_acquire_owned().expect("one");
     holds(vec![permit], held.register(0, ["1-0"].into_iter()))
         .pop()
@@ -307,13 +301,6 @@ mod tests {
         assert_eq!(unheld(&held, 0, &["nope", "7-0"]), ["nope"]);
         drop(r);
         assert_eq!(held.count(0), 0);
-        let none = held.register(5, ["8-0"].into_iter());
-        assert_eq!(
-            held.count(5),
-            0,
-            "a stream the worker does not read registers nothing"
-        );
-        drop(none);
     }
 
     #[test]

@@ -25,22 +25,22 @@ use tracing::{debug, info, warn};
 /// How long one XREADGROUP blocks: also how long a SIGTERM may wait for the reader to notice.
 pub(super) const READ_BLOCK: Duration = Duration::from_millis(500);
 
-/// Reads batches of one input stream until shutdown; each batch is taken to its end before the
+/// Reads batches of one input stream (at `index` in `Context::streams`) until shutdown; each batch is taken to its end before the
 /// next read. One reader per stream: streams in different cluster slots cannot share one
 /// XREADGROUP, and a read of one stream returns at most the entries it holds permits for
 /// (`budget`: `batch` at most, fewer when entries are large; a recovery read, as many of its
 /// own pending entries as fit in `read_bytes`), so the reader can always take what it read.
 pub(super) async fn run(
     ctx: &Arc<Context>,
-    stream: Arc<str>,
+    index: usize,
     mut con: RedisConn,
     placers: &Placers,
     shutdown: &CancellationToken,
 ) {
     let mut size = ReadSize::new(ctx.cfg.worker.batch, ctx.cfg.worker.read_bytes);
     let mut backoff = Backoff::default();
+    let stream = ctx.streams[index].clone();
     let one = std::slice::from_ref(&stream);
-    let index = ctx.stream_index(&stream);
     // The newest entry a read handed over. A read whose reply is lost (a timeout: the worker
     // stalled, or the network dropped it) may still have delivered entries to this consumer;
     // nothing else would see them before `claim_idle`, so the reader then reads its own pending
