@@ -166,10 +166,13 @@ impl Config {
     }
 
     /// What the config allows but may not mean: each route whose backlog can hold as many
-    /// sleeping events as `worker.max_inflight`. A worker holds every event it read until its
-    /// slot, one permit each: one such backlog takes every permit, and the other routes' events
-    /// wait unread behind it at its pace (a 100/s route took 100 s to start behind a 2/s route
-    /// of max_wait 100s, found by review). Said by `check-config` and at start.
+    /// sleeping events as `worker.max_inflight`. A worker holds every event it sleeps on, one
+    /// permit each. Until 2026-11-29 one such backlog took every permit and the other routes'
+    /// events waited unread behind it at its pace (a 100/s route took 100 s to start behind a
+    /// 2/s route of max_wait 100s, found by review); now the route holds at most its share of
+    /// the worker's places and parks the rest of what it reads (`worker::share`), which costs a
+    /// second read of each parked entry, and past `16 x max_inflight` parked the worker stops
+    /// reading. Said by `check-config` and at start.
     ///
     /// Also a config of many routes with their histograms on: 100,000 routes served 220 MB of
     /// /metrics per scrape (5 s to render) and took a worker to 1.1 GB (found by review).
@@ -194,7 +197,7 @@ impl Config {
                 let sleepers = r.bucket.window_limit(wait_us);
                 (sleepers >= permits).then(|| {
                     format!(
-                        "route {}: a backlog on it can hold {sleepers} sleeping events (rate x max_wait), and a worker holds at most worker.max_inflight ({permits}): one backlog fills a worker, and every other route's events wait unread behind it; raise max_inflight, lower max_wait, or give the route an input stream and workers of its own",
+                        "route {}: a backlog on it can hold {sleepers} sleeping events (rate x max_wait), and a worker holds at most worker.max_inflight ({permits}): past its share of them the route parks what the worker reads for it (read again once it has room, a second read of each), and past 16 x max_inflight parked the worker stops reading and every other route's events wait behind it; raise max_inflight, lower max_wait, or give the route an input stream and workers of its own",
                         r.name
                     )
                 })

@@ -127,6 +127,30 @@ pub async fn read_group<C: ConnectionLike>(
     Ok(out)
 }
 
+/// The entries `ids` of `stream` read again by id (`XRANGE id id` each, one round trip), with
+/// `deliveries` each: None for one the stream no longer holds (trimmed or deleted).
+pub async fn entries_by_id<C: ConnectionLike>(
+    con: &mut C,
+    stream: &Arc<str>,
+    ids: &[(String, u64)],
+) -> Result<Vec<Option<Entry>>> {
+    let mut pipe = redis::pipe();
+    for (id, _) in ids {
+        pipe.cmd("XRANGE").arg(stream.as_ref()).arg(id).arg(id);
+    }
+    let replies: Vec<Value> = pipe.query_async(con).await?;
+    if replies.len() != ids.len() {
+        return Err(Error::reply("read", "one reply per XRANGE"));
+    }
+    let mut out = Vec::with_capacity(ids.len());
+    for (reply, (id, deliveries)) in replies.into_iter().zip(ids) {
+        let mut found = Vec::new();
+        parse_entries(reply, stream, *deliveries, &mut found)?;
+        out.push(found.into_iter().find(|e| e.id == *id));
+    }
+    Ok(out)
+}
+
 /// Parses `[[id, [f, v, ...]], ...]`. An entry deleted while pending comes back with no fields
 /// (`nil`); it is kept, fieldless, so that it is dead-lettered and acknowledged, not stuck.
 pub fn parse_entries(

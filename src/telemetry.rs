@@ -13,6 +13,7 @@ pub const EVENTS_TOTAL: &str = "pacer_events_total";
 pub const WAIT_SECONDS: &str = "pacer_wait_seconds";
 pub const LATENESS_SECONDS: &str = "pacer_lateness_seconds";
 pub const SLEEPING_EVENTS: &str = "pacer_sleeping_events";
+pub const PARKED_EVENTS: &str = "pacer_parked_events";
 pub const ROUTE_QUEUE_SECONDS: &str = "pacer_route_queue_seconds";
 pub const REDIS_DURATION_SECONDS: &str = "pacer_redis_command_duration_seconds";
 pub const REDIS_ERRORS_TOTAL: &str = "pacer_redis_errors_total";
@@ -225,6 +226,11 @@ pub fn sleeping(n: usize) {
     gauge!(SLEEPING_EVENTS).set(n as f64);
 }
 
+/// Entries a route has parked: read while it had no room in the worker (`worker::share`).
+pub fn parked(route: &str, n: usize) {
+    gauge!(PARKED_EVENTS, "route" => route.to_string()).set(n as f64);
+}
+
 pub fn stream_state(stream: &str, group: &str, pending: i64, lag: Option<i64>) {
     let labels = [("stream", stream.to_string()), ("group", group.to_string())];
     gauge!(STREAM_PENDING, &labels).set(pending as f64);
@@ -415,6 +421,7 @@ pub fn register(cfg: &crate::config::Config) {
         }
         counter!(REPLANNED_TOTAL, "route" => route.clone()).absolute(0);
         gauge!(ROUTE_QUEUE_SECONDS, "route" => route.clone()).set(0.0);
+        gauge!(PARKED_EVENTS, "route" => route.clone()).set(0.0);
     }
     for outcome in [Outcome::DeadLettered, Outcome::Duplicate] {
         outbound_events("none", outcome).absolute(0);

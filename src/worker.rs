@@ -20,6 +20,8 @@
 //!   earlier delivery recorded; `placers`: one placement task per route, so that one route's
 //!   trouble never holds up another's;
 //! - `poison`: ending entries delivered too often;
+//! - `share`: how the routes share the worker's places, so that one route's backlog never
+//!   holds up another's events (what a route may not take now, its placement task parks);
 //! - `dispatcher` (timers in `dispatcher/timers`): holding events until their slots and
 //!   dispatching them;
 //! - `outputs`: rejections, dead letters and acknowledgements;
@@ -37,11 +39,13 @@ mod held;
 mod inbound;
 mod monitor;
 mod outputs;
+mod parked;
 mod placement;
 mod placers;
 mod poison;
 mod prepare;
 mod reader;
+mod share;
 mod waker;
 
 use crate::clock::{RedisClock, SystemClock};
@@ -85,6 +89,20 @@ impl Worker {
             cfg.worker.consumer.clone()
         };
         let permits = Arc::new(Semaphore::new(cfg.worker.max_inflight));
+        // Kept from long queues: what the readers and the claimer ask for at once. A lone route
+        // with no inbound flow beside it keeps nothing from itself.
+        let others = cfg.outbound.order.len() > 1 || cfg.inbound.is_some();
+        let reserve = if others {
+            cfg.worker.batch * (streams.len() + 1)
+        } else {
+            0
+        };
+        let shares = share::Shares::new(
+            cfg.outbound.order.len(),
+            permits.clone(),
+            cfg.worker.max_inflight,
+            reserve,
+        );
         let ctx = Context {
             consumer,
             scripts: Scripts::default(),
@@ -98,6 +116,7 @@ impl Worker {
             dead: OutputKeys::new(&cfg.outbound.flow.dead_letter_stream),
             marker_ttl_ms: cfg.outbound.flow.dedupe_ttl.as_millis() as u64,
             permits,
+            shares,
             cluster: AtomicBool::new(false),
             policy_seen: Default::default(),
             broken_routes: Default::default(),

@@ -918,3 +918,75 @@ fn cluster_mode_on_a_server_without_cluster_support_is_refused_at_start() {
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains(&hint), "{stderr}");
 }
+
+/// One route's backlog holds up no other route on a cluster either: the slow route parks what
+/// it has no room for (`worker/share.rs`) and takes it back by id from the input stream on its
+/// own master, while the fast route's events, on another master, pushed behind the backlog, go
+/// out at once. Every entry ends once, the slow route at its rate, no call across slots.
+#[test]
+fn a_routes_backlog_is_parked_and_taken_back_on_a_cluster() {
+    let cluster = Cluster::start(3, 0);
+    let masters = cluster.masters();
+    let dir = TempDir::new("cluster-parked");
+    let (slow, fast) = (
+        cluster.name_on(masters[1], "slow"),
+        cluster.name_on(masters[2], "fast"),
+    );
+    let input = cluster.name_on(masters[0], "in");
+    let body = format!(
+        "outbound:\n  streams: [{input}]\n  routes:\n    {slow}: {{rate: 25/s, burst: 1, max_wait: 20s}}\n    {fast}: {{rate: 1000/s, burst: 10, max_wait: 1s}}\n"
+    );
+    let worker = "  batch: 20\n  max_inflight: 100\n  drain: 1s\n  claim_idle: 30s";
+    let mut pushed = Vec::new();
+    let mut con = cluster.server_of(&input).con();
+    for (route, n) in [(&slow, 250), (&fast, 50)] {
+        let mut pipe = redis::pipe();
+        for i in 0..n {
+            pipe.cmd("XADD")
+                .arg(&input)
+                .arg("*")
+                .arg("route")
+                .arg(route.as_str())
+                .arg("n")
+                .arg(i);
+        }
+        let ids: Vec<String> = pipe.query(&mut con).unwrap();
+        pushed.extend(ids.into_iter().map(|id| (input.clone(), id)));
+    }
+    let (config, port) = worker_config(&dir, &cluster, "", worker, &body, 0);
+    let pacer = start(&config, port);
+    let fast_out = wait_until(Duration::from_secs(5), || {
+        entries(&cluster, &ready(&fast)).len() == 50
+    });
+    assert!(
+        fast_out,
+        "the fast route waited:\n{}",
+        tail(&pacer.log_text())
+    );
+    assert!(
+        metric_at(port, "pacer_parked_events") > 0.0,
+        "nothing parked"
+    );
+    let outputs = vec![
+        ready(&slow),
+        ready(&fast),
+        "pacer:rejected".to_string(),
+        "pacer:dead".to_string(),
+    ];
+    let at = assert_each_once(
+        &cluster,
+        &pushed,
+        &outputs,
+        std::slice::from_ref(&input),
+        std::slice::from_ref(&pacer),
+    );
+    assert!(
+        at.values().all(|s| s[0].ends_with(":ready")),
+        "every event fits its wait"
+    );
+    let times: Vec<i64> = entries(&cluster, &ready(&slow))
+        .iter()
+        .map(|e| e.ms)
+        .collect();
+    assert_windows(&slow, &times, 25.0, 1.0);
+}

@@ -10,7 +10,7 @@ mod common;
 
 use common::*;
 use pacer::keys::InboundKeys;
-use pacer::testkit::{free_port, wait_until, Pacer, RedisServer, TempDir};
+use pacer::testkit::{free_port, http_get, metric, wait_until, Pacer, RedisServer, TempDir};
 use std::time::Duration;
 
 /// An event of `n` empty fields (they count 0 bytes, so `max_event_bytes` does not stop it)
@@ -1026,6 +1026,65 @@ fn large_events_are_held_within_max_inflight_bytes() {
     let weight = 60_020_f64.div_euclid(419.0) + 1.0;
     assert!(
         most_asleep >= 10.0 && most_asleep <= (10_000.0 / weight).floor(),
+        "at most {most_asleep} asleep at once"
+    );
+}
+
+/// The same events where the worker serves another route too: the slow route holds at most its
+/// share of the worker's places and parks the rest of what is read for it (`worker/share.rs`).
+/// Each parked event is weighed again when taken back, as a read's are (144 places each), so
+/// the worker still holds at most about `max_inflight_bytes` of them asleep, not one place
+/// each; the other route's events, pushed behind the backlog, go out at once; every event is
+/// dispatched once, at the rate.
+#[test]
+fn large_parked_events_are_weighed_again_when_taken_back() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("large-parked");
+    let port = free_port();
+    let worker = "  batch: 64\n  read_bytes: 1048576\n  max_inflight: 10000\n  max_inflight_bytes: 4194304\n  claim_idle: 70s\n  drain: 1s";
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 50/s, burst: 1, max_wait: 60s}\n    b: {rate: 1000/s, burst: 10, max_wait: 1s}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
+    let mut ids = push(&redis, "in", &blob_events(0, 400, 60_000));
+    let others: Vec<_> = (0..20)
+        .map(|i| event(&[("route", "b"), ("n", &i.to_string())]))
+        .collect();
+    ids.extend(push(&redis, "in", &others));
+    let pacer = start(&cfg, port);
+    let mut most_asleep = 0.0_f64;
+    let mut most_parked = 0.0_f64;
+    let b_out = wait_until(Duration::from_secs(5), || {
+        lengths(&redis, &["pacer:{b}:ready"]) == [20]
+    });
+    assert!(
+        b_out,
+        "route b waited behind a's backlog:\n{}",
+        pacer.log_text()
+    );
+    let ended = wait_until(Duration::from_secs(40), || {
+        let text = http_get(port, "/metrics")
+            .map(|(_, t)| t)
+            .unwrap_or_default();
+        most_asleep = most_asleep.max(metric(&text, "pacer_sleeping_events"));
+        most_parked = most_parked.max(metric(&text, "pacer_parked_events{route=\"a\"}"));
+        lengths(&redis, &["pacer:{a}:ready"]) == [400]
+    });
+    assert!(ended, "{}", pacer.log_text());
+    assert_each_once(
+        &redis,
+        &ids,
+        &[
+            "pacer:{a}:ready",
+            "pacer:{b}:ready",
+            "pacer:rejected",
+            "pacer:dead",
+        ],
+        "in",
+    );
+    assert_rate(&redis, "pacer:{a}:ready", 50.0, 1.0);
+    let weight = 60_020_f64.div_euclid(419.0) + 1.0;
+    assert!(most_parked > 20.0, "a parked {most_parked} at most");
+    assert!(
+        most_asleep >= 10.0 && most_asleep <= (10_000.0 / weight).floor() + 1.0,
         "at most {most_asleep} asleep at once"
     );
 }

@@ -7,7 +7,9 @@
 mod common;
 
 use common::pressure::*;
-use common::{assert_each_once, config, read, start};
+use common::{
+    assert_each_once, assert_rate, config, event, lengths, push, read, redis_time_ms, start,
+};
 use pacer::pacing::LATE_US;
 use pacer::testkit::{free_port, wait_until, RedisServer, TempDir};
 use std::time::Duration;
@@ -125,4 +127,70 @@ fn a_stall_never_stretches_a_wait_past_max_wait() {
         "a 3 s stall on a 1 s wait must reject some: {w:?}"
     );
     assert!(w.dispatched > 30, "{w:?}");
+}
+
+/// One route's backlog never holds up another route's events. Two slow routes (20/s, max_wait
+/// 60 s) are sent 300 events each, one's behind the other's, and 50 events for a fast route are
+/// pushed behind them all; one worker holds at most 100 sleeping events. Before, it held 100 of
+/// the first slow route's and read nothing more until they went out: the second slow route and
+/// the fast route waited unread behind its backlog, the fast one about 15 s (a 100/s route took
+/// 100 s to start behind a 2/s route, found by review). Now a route with a long queue holds at
+/// most its share of the worker's places once they run short, and parks the rest of what it
+/// reads (its fields let go, read again when it has room): the fast events go out within
+/// seconds, the second slow route starts at once and gets its share, and every event still goes,
+/// once, at its route's rate.
+#[test]
+fn one_routes_backlog_never_holds_up_another_routes_events() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("shares");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 20/s, burst: 1, max_wait: 60s}\n    b: {rate: 20/s, burst: 1, max_wait: 60s}\n    fast: {rate: 1000/s, burst: 10, max_wait: 1s}\n";
+    let worker = "  batch: 20\n  max_inflight: 100\n  claim_idle: 90s";
+    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
+    let events = |route: &str, n: usize| -> Vec<_> {
+        (0..n)
+            .map(|i| event(&[("route", route), ("n", &i.to_string())]))
+            .collect()
+    };
+    let mut ids = push(&redis, "in", &events("a", 300));
+    ids.extend(push(&redis, "in", &events("b", 300)));
+    ids.extend(push(&redis, "in", &events("fast", 50)));
+    let started = redis_time_ms(&redis);
+    let pacer = start(&cfg, port);
+    let ready = ["pacer:{a}:ready", "pacer:{b}:ready", "pacer:{fast}:ready"];
+    let fast_out = wait_until(Duration::from_secs(5), || {
+        lengths(&redis, &[ready[2]])[0] == 50
+    });
+    assert!(
+        fast_out,
+        "the fast route's events waited behind the slow routes' backlogs: out {:?}\n{}",
+        lengths(&redis, &ready),
+        pacer.log_text()
+    );
+    let outputs = [ready[0], ready[1], ready[2], "pacer:rejected", "pacer:dead"];
+    let mut con = redis.con();
+    let done = wait_until(Duration::from_secs(60), || {
+        entries(&mut con, &outputs) >= ids.len()
+    });
+    assert!(done, "not every entry ended:\n{}", pacer.log_text());
+    let at = assert_each_once(&redis, &ids, &outputs, "in");
+    assert!(
+        at.values().all(|s| ready.contains(&s[0].as_str())),
+        "every event fits its wait, so every one goes out"
+    );
+    for stream in &ready[..2] {
+        let times = assert_rate(&redis, stream, 20.0, 1.0);
+        // Each slow route started within seconds, and so ran at its rate from then on: 300
+        // events at 20/s take 15 s.
+        assert!(
+            times[0] - started < 5000,
+            "{stream} started {} ms in",
+            times[0] - started
+        );
+        let span = times[times.len() - 1] - times[0];
+        assert!(
+            span < 16_000,
+            "{stream} took {span} ms for 300 events at 20/s"
+        );
+    }
 }

@@ -1182,3 +1182,86 @@ fn pending_ids_and_deliveries(redis: &RedisServer) -> Vec<(String, i64)> {
         .unwrap();
     rows.into_iter().map(|(id, _, _, n)| (id, n)).collect()
 }
+
+/// Entries a route parks (read while it has no room in the worker, their fields let go:
+/// `worker/share.rs`) are still the worker's. Trimmed from the input while parked, they are
+/// acknowledged and counted lost when the route takes them back, never dispatched; the worker
+/// killed with kill -9 while others are parked, its restart under the same name takes those up
+/// from its pending list; every other entry ends once, at its route's rate.
+#[test]
+fn parked_entries_end_once_through_a_trim_and_kill_minus_nine() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("parked");
+    let worker =
+        "  batch: 20\n  max_inflight: 100\n  drain: 1s\n  claim_idle: 90s\n  consumer: same";
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    slow: {rate: 50/s, burst: 1, max_wait: 60s}\n    fast: {rate: 1000/s, burst: 10, max_wait: 1s}\n";
+    let port = free_port();
+    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
+    let on = |route: &str, n: usize| -> Vec<_> {
+        (0..n)
+            .map(|i| event(&[("route", route), ("n", &i.to_string())]))
+            .collect()
+    };
+    let mut ids = push(&redis, "in", &on("slow", 600));
+    ids.extend(push(&redis, "in", &on("fast", 100)));
+    let mut first = start(&cfg, port);
+    assert!(
+        wait_until(Duration::from_secs(10), || metric_at(
+            port,
+            "pacer_parked_events"
+        ) > 300.0),
+        "the slow route parked nothing:\n{}",
+        first.log_text()
+    );
+    // 30 of the parked ones trimmed (the route reaches its 300th event after 6 s).
+    let trimmed: Vec<String> = ids[300..330].to_vec();
+    let _: i64 = redis::cmd("XDEL")
+        .arg("in")
+        .arg(&trimmed)
+        .query(&mut redis.con())
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(20), || metric_at(
+            port,
+            "pacer_input_deleted_total"
+        ) >= 30.0),
+        "the trimmed entries were never counted lost:\n{}",
+        first.log_text()
+    );
+    assert!(
+        metric_at(port, "pacer_parked_events") > 100.0,
+        "killed with entries parked"
+    );
+    first.signal("KILL");
+    let _ = first.wait_for(Duration::from_secs(5));
+    let restarted = start(&cfg, port);
+    let kept: Vec<String> = ids
+        .iter()
+        .filter(|id| !trimmed.contains(id))
+        .cloned()
+        .collect();
+    let outputs = [
+        "pacer:{slow}:ready",
+        "pacer:{fast}:ready",
+        "pacer:rejected",
+        "pacer:dead",
+    ];
+    assert!(
+        wait_until(Duration::from_secs(30), || pending(&redis, "in", "pacer")
+            == 0),
+        "still pending:\n{}",
+        restarted.log_text()
+    );
+    let at = assert_each_once(&redis, &kept, &outputs, "in");
+    assert!(
+        at.values().all(|s| s[0].ends_with(":ready")),
+        "every event fits its wait: {:?}",
+        at.values().filter(|s| !s[0].ends_with(":ready")).count()
+    );
+    assert_eq!(
+        metric_at(port, "pacer_input_deleted_total"),
+        0.0,
+        "counted once, before"
+    );
+    assert_rate(&redis, outputs[0], 50.0, 1.0);
+}

@@ -77,14 +77,7 @@ pub(super) async fn hold(
     mut read: OwnedSemaphorePermit,
     shutdown: &CancellationToken,
 ) -> Option<Vec<OwnedSemaphorePermit>> {
-    let worker = &ctx.cfg.worker;
-    let slot = (worker.max_inflight_bytes / worker.max_inflight).max(1);
-    // What the other reads may hold meanwhile (each reader's waiting read and the claimer's
-    // page, `batch` each) is left to them: a read that weighed more would wait until they were
-    // all idle (a claim waited 0.6 s a round for the readers' blocking reads to end).
-    let others = (ctx.streams.len() + 1) * worker.batch;
-    let most = worker.max_inflight.saturating_sub(others).max(sizes.len());
-    let weights = weights(sizes, slot, most);
+    let weights = weighed(ctx, sizes);
     let total: usize = weights.iter().sum();
     if total > read.num_permits() {
         drop(read);
@@ -93,12 +86,52 @@ pub(super) async fn hold(
             p = ctx.permits.clone().acquire_many_owned(total as u32) => p.expect("never closed"),
         };
     }
-    Some(
-        weights
-            .iter()
-            .map(|&w| read.split(w).expect("the permits weighed"))
-            .collect(),
-    )
+    Some(split(read, &weights))
+}
+
+/// As `hold`, for entries that hold no permits yet, without waiting: the permits of as many of
+/// them as fit in `room` permits, in order (one at least), if those are free now, else None.
+/// (A route's placement task taking back what it parked must not wait: the permits it would
+/// wait for may be held by the events queued for it.)
+pub(super) fn try_hold(
+    ctx: &Context,
+    sizes: &[usize],
+    room: usize,
+) -> Option<Vec<OwnedSemaphorePermit>> {
+    let weights = weighed(ctx, sizes);
+    let (mut total, mut kept) = (0, 0);
+    for w in &weights {
+        if kept > 0 && total + w > room {
+            break;
+        }
+        total += w;
+        kept += 1;
+    }
+    let permits = ctx
+        .permits
+        .clone()
+        .try_acquire_many_owned(total as u32)
+        .ok()?;
+    Some(split(permits, &weights[..kept]))
+}
+
+/// The permits entries of `sizes` hold (`weights`, with the worker's settings).
+fn weighed(ctx: &Context, sizes: &[usize]) -> Vec<usize> {
+    let worker = &ctx.cfg.worker;
+    let slot = (worker.max_inflight_bytes / worker.max_inflight).max(1);
+    // What the other reads may hold meanwhile (each reader's waiting read and the claimer's
+    // page, `batch` each) is left to them: a read that weighed more would wait until they were
+    // all idle (a claim waited 0.6 s a round for the readers' blocking reads to end).
+    let others = (ctx.streams.len() + 1) * worker.batch;
+    let most = worker.max_inflight.saturating_sub(others).max(sizes.len());
+    weights(sizes, slot, most)
+}
+
+fn split(mut permits: OwnedSemaphorePermit, weights: &[usize]) -> Vec<OwnedSemaphorePermit> {
+    weights
+        .iter()
+        .map(|&w| permits.split(w).expect("the permits weighed"))
+        .collect()
 }
 
 /// How many permits each entry of `sizes` (bytes) holds: one per started `slot` bytes, at

@@ -304,19 +304,32 @@ async fn take(
             }
         }
     }
-    if !deleted.is_empty() {
-        // Acknowledged so that no claimer meets them again (a no-op where Redis dropped them).
-        let ids: Vec<&str> = deleted.iter().map(String::as_str).collect();
-        streams::ack(con, stream, group, &ids).await?;
-        telemetry::input_deleted(stream, deleted.len());
-        warn!(
-            %stream,
-            count = deleted.len(),
-            first = %deleted[0],
-            "pending entries were deleted from the input stream before they were finished (trimmed by a producer?); they are lost to pacer"
-        );
-    }
+    lost(ctx, con, stream, &deleted).await?;
     Ok((listed.len(), entries))
+}
+
+/// Entries of `stream` pending on this worker that the stream no longer holds (a producer
+/// trimmed them): acknowledged, so that no claimer meets them again (a no-op where Redis
+/// dropped them), counted and said.
+pub(super) async fn lost(
+    ctx: &Context,
+    con: &mut crate::connection::RedisConn,
+    stream: &str,
+    deleted: &[String],
+) -> Result<()> {
+    if deleted.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<&str> = deleted.iter().map(String::as_str).collect();
+    streams::ack(con, stream, &ctx.cfg.worker.group, &ids).await?;
+    telemetry::input_deleted(stream, deleted.len());
+    warn!(
+        %stream,
+        count = deleted.len(),
+        first = %deleted[0],
+        "pending entries were deleted from the input stream before they were finished (trimmed by a producer?); they are lost to pacer"
+    );
+    Ok(())
 }
 
 /// Deletes consumers of departed workers (each run joins under a new name) once they hold

@@ -34,6 +34,9 @@ pub(crate) struct Context {
     pub(crate) marker_ttl_ms: u64,
     /// One permit per event this process holds; the reader stops when they run out.
     pub(crate) permits: Arc<Semaphore>,
+    /// What each route's sleeping events hold of the permits, and the entries parked until
+    /// their routes have room (`share`).
+    pub(crate) shares: Arc<super::share::Shares>,
     /// Whether Redis is a cluster (found when preparing): then one script may touch only keys of
     /// one slot, and acknowledging an input entry in the script that writes its output works only
     /// where the input stream shares the output's slot.

@@ -232,16 +232,15 @@ impl State {
     fn fire(&mut self, due: Vec<Sleeper>) {
         let mut by_route: BTreeMap<usize, Vec<Sleeper>> = BTreeMap::new();
         for s in due {
-            by_route.entry(s.route).or_default().push(s);
+            by_route.entry(s.route()).or_default().push(s);
         }
         let taken_to = self.ctx.time.now() + self.timers.lead();
         let mut by_call: BTreeMap<(u16, Option<usize>), Groups> = BTreeMap::new();
         for (route, mut group) in by_route {
             if let Some(f) = self.failing.get(&route).filter(|f| f.retry_at > taken_to) {
                 let at = f.retry_at;
-                for mut s in group {
-                    s.wake = at;
-                    self.timers.requeue(s);
+                for s in group {
+                    self.timers.requeue(s, at);
                 }
                 continue;
             }
@@ -341,14 +340,13 @@ impl State {
                         warn!(error = %e, %route, events = group.len(), "dispatch failed; retrying with backoff");
                     }
                     delays.insert(index, delay);
-                    for mut s in group {
-                        s.wake = received + delay;
-                        self.timers.requeue(s);
+                    for s in group {
+                        self.timers.requeue(s, received + delay);
                     }
                 }
-                for mut s in waiting {
-                    s.wake = received + delays.get(&s.route).copied().unwrap_or_default();
-                    self.timers.requeue(s);
+                for s in waiting {
+                    let delay = delays.get(&s.route()).copied().unwrap_or_default();
+                    self.timers.requeue(s, received + delay);
                 }
                 return;
             }
@@ -395,7 +393,7 @@ impl State {
         *group = kept;
         let (also, waiting): (Vec<Sleeper>, Vec<Sleeper>) = waiting
             .into_iter()
-            .partition(|s| s.route == *index && past(s));
+            .partition(|s| s.route() == *index && past(s));
         late.extend(also);
         if late.is_empty() {
             return waiting;

@@ -198,6 +198,23 @@ pub(crate) struct Hold {
     slot: u32,
 }
 
+impl Hold {
+    /// How many of the worker's places it holds.
+    pub(crate) fn places(&self) -> u32 {
+        self.permits
+    }
+
+    /// Gives its places back and keeps its registration: the entry is still held (parked).
+    pub(crate) fn into_registered(mut self) -> Registered {
+        let permits = std::mem::take(&mut self.permits);
+        self.stream.permits.add_permits(permits as usize);
+        Registered {
+            stream: self.stream.clone(),
+            slot: std::mem::replace(&mut self.slot, NO_SLOT),
+        }
+    }
+}
+
 impl Drop for Hold {
     fn drop(&mut self) {
         self.stream.clear(self.slot);

@@ -92,6 +92,18 @@ impl Placing {
         p
     }
 
+    /// Whether it is on its first try: nothing decided for it on any route yet, by this
+    /// delivery or an earlier one (an entry delivered before may carry a decision on record,
+    /// whose slot must not wait).
+    pub(crate) fn is_fresh(&self) -> bool {
+        self.event.deliveries <= 1
+            && self.next == 0
+            && self.best_wait_us.is_none()
+            && self.expect.is_none()
+            && !self.check_held
+            && self.deadline_us.is_none()
+    }
+
     fn offered(&mut self, wait_us: i64) {
         self.best_wait_us = Some(self.best_wait_us.map_or(wait_us, |b| b.min(wait_us)));
     }
@@ -210,6 +222,7 @@ pub(crate) async fn place_on(
     let mut placed = Placed::default();
     ctx.clock.observe(reply.end_us, ctx.time.now());
     telemetry::route_queue(&route.name, reply.tat_us - reply.now_us);
+    ctx.shares.queue(route.index, reply.tat_us - reply.now_us);
     let acked = ctx.acks_in_script(&route.keys.ready);
     let items = std::mem::take(&mut reply.items);
     for (p, outcome) in group.into_iter().zip(items) {
@@ -247,10 +260,11 @@ fn decided(
             ctx.route_metrics[route.index].scheduled_wait(slot_us - reply.now_us);
             // As `schedule.lua` records it: its wait, give or take the lateness tolerance.
             let deadline = reply.now_us + max_wait + pacing::LATE_US;
+            let seat = ctx.shares.seat(route.index, p.permit.places());
             placed.sleepers.push(Sleeper::new(
                 p.event,
                 p.permit,
-                route.index,
+                seat,
                 slot_us,
                 deadline,
                 reply.now_us,
@@ -326,10 +340,11 @@ fn decided(
                 deadline_us,
             } => {
                 // Its slot stands (the dispatch call judges whether it can still be met).
+                let seat = ctx.shares.seat(route.index, p.permit.places());
                 placed.sleepers.push(Sleeper::new(
                     p.event,
                     p.permit,
-                    route.index,
+                    seat,
                     slot_us,
                     deadline_us,
                     (deadline_us - max_wait - pacing::LATE_US).min(slot_us),

@@ -3,11 +3,13 @@
 //! the others go on. Each task takes what queued up for its route while its last call was out
 //! and offers it in one call (up to `MAX_CALL` events), so calls grow with the load and their
 //! fixed cost is shared by more events. Events passed over go on to their next route's task;
-//! the ones that must wait go to the dispatcher.
+//! the ones that must wait go to the dispatcher. What the route has no room to hold in the
+//! worker (`share`) it parks (`parked`), and takes back as its sleeping events go out.
 
 use super::context::Context;
 use super::dispatcher::Sleeper;
 use super::outputs::{self, Finished};
+use super::parked::Lot;
 use super::placement::{self, Placing};
 use crate::fault;
 use crate::scripts::call_len;
@@ -21,6 +23,10 @@ use tokio_util::sync::CancellationToken;
 /// backlog after a stall fell to 58–85% of a 1000/s route, at 128 (under 1 ms) it held 99%
 /// (tests/pressure.rs). The price is a little more Redis CPU per event.
 const MAX_CALL: usize = 128;
+
+/// How often a route with entries parked looks for room to take some back: a 1000/s route
+/// sends about ten events a tick, so its parked ones follow without a gap.
+const TAKE_BACK_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The placement tasks' inboxes, one per route (by `Route::index`).
 pub(crate) struct Placers {
@@ -73,6 +79,8 @@ async fn run(
     stop: CancellationToken,
 ) {
     let route = ctx.cfg.outbound.route_at(route);
+    // What this route read while it had no room in the worker (`share`), oldest first.
+    let mut lot = Lot::default();
     loop {
         let mut group = tokio::select! {
             _ = stop.cancelled() => return,
@@ -80,6 +88,8 @@ async fn run(
                 Some(g) => g,
                 None => return,
             },
+            // Parked entries are taken back as the route's sleeping events go out.
+            _ = tokio::time::sleep(TAKE_BACK_EVERY), if !lot.is_empty() => Vec::new(),
         };
         while group.len() < MAX_CALL {
             match rx.try_recv() {
@@ -92,6 +102,14 @@ async fn run(
                 return;
             };
             group = held;
+        }
+        group = lot.admit(&ctx, route, group);
+        if !lot.is_empty() {
+            let Some(mut back) = lot.take_back(&ctx, route, MAX_CALL, &stop).await else {
+                return;
+            };
+            back.append(&mut group);
+            group = back;
         }
         // A group over MAX_CALL events or MAX_CALL_BYTES (one large read) goes in several
         // calls.

@@ -22,6 +22,9 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+/// How often a reader that stopped for the parked entries looks again.
+const PARKED_FULL_WAIT: Duration = Duration::from_millis(50);
+
 /// How long one XREADGROUP blocks: also how long a SIGTERM may wait for the reader to notice.
 pub(super) const READ_BLOCK: Duration = Duration::from_millis(500);
 
@@ -72,6 +75,14 @@ pub(super) async fn run(
         } else {
             size.count()
         };
+        // As many entries parked as a worker keeps (`share`): read no more until some are
+        // taken back, as when every place is held.
+        while ctx.shares.parked_full() {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(PARKED_FULL_WAIT) => {}
+            }
+        }
         let permits = tokio::select! {
             _ = shutdown.cancelled() => return,
             p = ctx.permits.clone().acquire_many_owned(count as u32) => p.expect("never closed"),

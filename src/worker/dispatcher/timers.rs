@@ -5,6 +5,7 @@
 use crate::clock::RedisClock;
 use crate::event::OutboundEvent;
 use crate::worker::held::Hold;
+use crate::worker::share::Seat;
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
 use std::time::{Duration, Instant};
@@ -15,8 +16,9 @@ pub(crate) struct Sleeper {
     pub(crate) event: OutboundEvent,
     /// Released when the event is finished or dropped: bounds what one process holds.
     pub(crate) permit: Hold,
-    /// The route it sleeps on (`Route::index`): its own or a fallback.
-    pub(crate) route: usize,
+    /// The route it sleeps on (its own or a fallback), where its places count in the route's
+    /// share (`share`) until it is dropped.
+    seat: Seat,
     /// Its recorded slot and the latest it may go (µs of Redis time).
     pub(crate) slot_us: i64,
     pub(crate) deadline_us: i64,
@@ -26,16 +28,15 @@ pub(crate) struct Sleeper {
     pub(crate) target_us: i64,
     /// Whether this target was tried already (only first tries teach the lead).
     pub(crate) retried: bool,
-    pub(crate) wake: Instant,
 }
 
 impl Sleeper {
-    /// An event decided to go out on `route` at `slot_us`, by `deadline_us`; decided at
-    /// `decided_us`.
+    /// An event decided to go out on the `seat`'s route at `slot_us`, by `deadline_us`; decided
+    /// at `decided_us`.
     pub(crate) fn new(
         event: OutboundEvent,
         permit: Hold,
-        route: usize,
+        seat: Seat,
         slot_us: i64,
         deadline_us: i64,
         decided_us: i64,
@@ -43,15 +44,18 @@ impl Sleeper {
         Sleeper {
             event,
             permit,
-            route,
+            seat,
             slot_us,
             deadline_us,
             decided_us,
             target_us: slot_us,
             retried: false,
-            // Set when it is queued (`Timers::insert`).
-            wake: Instant::now(),
         }
+    }
+
+    /// The route it sleeps on (`Route::index`).
+    pub(crate) fn route(&self) -> usize {
+        self.seat.route()
     }
 
     /// Moves it to a new slot (the dispatch script recorded it).
@@ -114,9 +118,9 @@ pub(crate) struct Timers {
 impl Timers {
     /// Queues an event for its target on Redis's clock (the lead is applied when it is due, so
     /// what the lead learns counts for every event already queued).
-    pub(crate) fn insert(&mut self, clock: &RedisClock, mut s: Sleeper) {
-        s.wake = clock.local(s.target_us);
-        self.requeue(s);
+    pub(crate) fn insert(&mut self, clock: &RedisClock, s: Sleeper) {
+        let wake = clock.local(s.target_us);
+        self.requeue(s, wake);
     }
 
     /// Queues an event for a target a dispatch reply named: at its place on Redis's clock, but
@@ -127,20 +131,19 @@ impl Timers {
     pub(crate) fn insert_after_reply(
         &mut self,
         clock: &RedisClock,
-        mut s: Sleeper,
+        s: Sleeper,
         received: Instant,
         reply_end_us: i64,
     ) {
         let mapped = clock.local(s.target_us);
         let ahead = (s.target_us - reply_end_us - TRIP_MARGIN_US).max(0) as u64;
-        s.wake = mapped.max(received + Duration::from_micros(ahead));
-        self.requeue(s);
+        self.requeue(s, mapped.max(received + Duration::from_micros(ahead)));
     }
 
-    /// Queues an event at the `wake` it already has.
-    pub(crate) fn requeue(&mut self, s: Sleeper) {
+    /// Queues an event to wake at `wake`.
+    pub(crate) fn requeue(&mut self, s: Sleeper, wake: Instant) {
         self.queue.push(Reverse(Queued {
-            wake: s.wake,
+            wake,
             seq: self.seq,
             sleeper: Box::new(s),
         }));
@@ -211,7 +214,8 @@ mod tests {
         };
         let event = parse_outbound(entry, &cfg.outbound).unwrap();
         let permit = crate::worker::held::hold_for_test();
-        Sleeper::new(event, permit, 0, slot_us, slot_us + 1_000_000, 0)
+        let seat = crate::worker::share::seat_for_test(0);
+        Sleeper::new(event, permit, seat, slot_us, slot_us + 1_000_000, 0)
     }
 
     /// A Redis clock that reads `redis_us` at `at`.

@@ -1,0 +1,203 @@
+//! Entries a route parks while it has no room in the worker (`share`): read, then let go of all
+//! but their place in the group. A parked entry stays pending under this worker and registered
+//! as held (so the heartbeat keeps claimers off it and it is never taken up as stranded), and
+//! keeps only its stream, id and deliveries, about 40 bytes; its fields stay in the input
+//! stream, from which it is read again, by id, once its route has room. In order: a route with
+//! entries parked parks what it is sent after them too, and takes the oldest back first.
+//!
+//! Only events on their first try are parked (nothing decided for them anywhere yet): one
+//! passed on from another route, or carrying a decision of an earlier delivery, keeps its places.
+//!
+//! Producers must not trim an input stream below what pacer has pending (README); an entry
+//! trimmed while parked is acknowledged and counted lost, as the claimer does with one.
+
+use super::budget;
+use super::context::Context;
+use super::held::{self, Registered};
+use super::outputs::{self, Finished};
+use super::placement::Placing;
+use crate::event::{self, Entry};
+use crate::streams;
+use crate::telemetry;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+
+/// One parked entry (delivered once: only events on their first try are parked).
+struct Parked {
+    /// Its input stream, by index in `Context::streams`.
+    stream: u32,
+    /// The places it held when read (`budget`), so that no more are read back than have room.
+    places: u32,
+    /// Its id, `ms-seq`.
+    ms: u64,
+    seq: u64,
+    registered: Registered,
+}
+
+/// One route's parked entries, oldest first.
+#[derive(Default)]
+pub(crate) struct Lot {
+    queue: VecDeque<Parked>,
+}
+
+impl Lot {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// Of `group`, sent to `route`, parks the events on their first try that the route has no
+    /// room to hold now (all of them while it has entries parked: they go after those);
+    /// returns the rest, in order.
+    pub(crate) fn admit(
+        &mut self,
+        ctx: &Context,
+        route: &crate::config::Route,
+        group: Vec<Placing>,
+    ) -> Vec<Placing> {
+        let own: usize = group.iter().map(|p| p.permit.places() as usize).sum();
+        let mut room = if self.queue.is_empty() {
+            ctx.shares.room_with(route.index, own)
+        } else {
+            0
+        };
+        let before = self.queue.len();
+        let mut kept = Vec::with_capacity(group.len());
+        for p in group {
+            let places = p.permit.places() as usize;
+            if !p.is_fresh() || places <= room {
+                room = room.saturating_sub(places);
+                kept.push(p);
+                continue;
+            }
+            // Nothing fits after one that did not: the route takes its events in order.
+            room = 0;
+            match origin(ctx, &p) {
+                Some((stream, ms, seq)) => self.queue.push_back(Parked {
+                    stream,
+                    places: p.permit.places(),
+                    ms,
+                    seq,
+                    registered: p.permit.into_registered(),
+                }),
+                None => kept.push(p),
+            }
+        }
+        let added = self.queue.len() - before;
+        if added > 0 {
+            ctx.shares.park(route.index, added);
+            telemetry::parked(&route.name, self.queue.len());
+        }
+        kept
+    }
+
+    /// Takes back the oldest parked entries `route` has room for now (at most `most`): read
+    /// again, with their places taken again as a read's are (by size), ready to be placed; put
+    /// back as they were if those places are not free now. Entries trimmed meanwhile are
+    /// acknowledged and counted lost; one that no longer parses (it did when read) is
+    /// dead-lettered. None on `stop` (what was taken stays pending).
+    pub(crate) async fn take_back(
+        &mut self,
+        ctx: &Arc<Context>,
+        route: &crate::config::Route,
+        most: usize,
+        stop: &CancellationToken,
+    ) -> Option<Vec<Placing>> {
+        // As many as the places they held when read fit in the room (one at least, so that
+        // one heavier than a whole share still goes).
+        let room = ctx.shares.room_with(route.index, 0);
+        if room == 0 {
+            return Some(Vec::new());
+        }
+        let (mut places, mut n) = (0, 0);
+        for p in self.queue.iter().take(most) {
+            if n > 0 && places + p.places as usize > room {
+                break;
+            }
+            places += p.places as usize;
+            n += 1;
+        }
+        if n == 0 {
+            return Some(Vec::new());
+        }
+        let taken: Vec<Parked> = self.queue.drain(..n).collect();
+        ctx.shares.unpark(route.index, n);
+        telemetry::parked(&route.name, self.queue.len());
+        let mut by_stream: BTreeMap<u32, Vec<Parked>> = BTreeMap::new();
+        for p in taken {
+            by_stream.entry(p.stream).or_default().push(p);
+        }
+        let mut found: Vec<(Parked, Entry)> = Vec::with_capacity(n);
+        // (Each stream's entries in order; streams one after the other.)
+        for (index, parked) in by_stream {
+            let stream = &ctx.streams[index as usize];
+            let ids: Vec<(String, u64)> = parked
+                .iter()
+                .map(|p| (format!("{}-{}", p.ms, p.seq), 1))
+                .collect();
+            let entries = ctx
+                .retry("read", stop, || {
+                    let mut con = ctx.con.clone();
+                    let ids = &ids;
+                    async move { streams::entries_by_id(&mut con, stream, ids).await }
+                })
+                .await?;
+            let mut gone = Vec::new();
+            for ((p, (id, _)), entry) in parked.into_iter().zip(ids).zip(entries) {
+                match entry {
+                    Some(entry) => found.push((p, entry)),
+                    None => gone.push(id),
+                }
+            }
+            ctx.retry("ack", stop, || {
+                let mut con = ctx.con.clone();
+                let gone = &gone;
+                async move { super::claim::lost(ctx, &mut con, stream, gone).await }
+            })
+            .await?;
+        }
+        let sizes: Vec<usize> = found.iter().map(|(_, e)| e.size()).collect();
+        // Weighed again as a read's are (`budget`): those past the room go back in front, in
+        // order, and all of them if the places were taken meanwhile (by a read).
+        let permits = budget::try_hold(ctx, &sizes, room.max(places)).unwrap_or_default();
+        let back = found.split_off(permits.len());
+        if !back.is_empty() {
+            ctx.shares.park(route.index, back.len());
+            for (p, _) in back.into_iter().rev() {
+                self.queue.push_front(p);
+            }
+            telemetry::parked(&route.name, self.queue.len());
+        }
+        let mut placing = Vec::with_capacity(found.len());
+        let (mut done, mut held) = (Finished::default(), Vec::new());
+        let (parked, entries): (Vec<Parked>, Vec<Entry>) = found.into_iter().unzip();
+        let registered = parked.into_iter().map(|p| p.registered).collect();
+        for (entry, hold) in entries.into_iter().zip(held::holds(permits, registered)) {
+            match event::parse_outbound(entry, &ctx.cfg.outbound) {
+                Ok(event) => placing.push(Placing::new(event, hold)),
+                Err((entry, refused)) => {
+                    done.dead.push((entry, refused));
+                    held.push(hold);
+                }
+            }
+        }
+        if !done.is_empty() {
+            let (ctx, stop) = (ctx.clone(), stop.clone());
+            tokio::spawn(async move {
+                outputs::finish(&ctx, done, &stop).await;
+                drop(held);
+            });
+        }
+        Some(placing)
+    }
+}
+
+/// Where `p` is parked from: its stream's index and its id's two numbers; None if its stream
+/// or id is not one a read gives (it is then placed as it is).
+fn origin(ctx: &Context, p: &Placing) -> Option<(u32, u64, u64)> {
+    let stream = ctx.streams.iter().position(|s| **s == *p.event.stream)?;
+    let (ms, seq) = p.event.id.split_once('-')?;
+    let (ms, seq): (u64, u64) = (ms.parse().ok()?, seq.parse().ok()?);
+    // Written back as it was read: no leading zeros or signs to lose.
+    (format!("{ms}-{seq}") == *p.event.id).then_some((stream as u32, ms, seq))
+}

@@ -1,0 +1,283 @@
+//! How a worker shares its places (`worker.max_inflight`) among its routes, so that one route's
+//! backlog never holds up another route's events.
+//!
+//! A sleeping event holds its places until its slot, and the reader reads only while places are
+//! free. Before, a route whose backlog could hold more sleeping events than the worker has
+//! places (rate × max_wait ≥ max_inflight) took them all, and every other route's events waited
+//! unread behind it at its pace: a 100/s route took 100 s to start behind a 2/s route. Now:
+//!
+//! - a route whose queue is short (its plan less than `SHORT_QUEUE` ahead) may take any free
+//!   place: its events give them back within that time;
+//! - a route whose queue is long may take only places beyond a `reserve` kept for the readers
+//!   and for short queues, and of those at most its share: the places beyond the reserve
+//!   divided among the routes holding any (max-min fairness: a route alone may take them all, a
+//!   second one arriving takes places as the first gives them back, until they hold half each).
+//!
+//! What a route may not take now it parks (`placers`): the entry stays pending, its fields are
+//! let go, and it is read again once the route has room. So the readers keep reading, and every
+//! other route's events go on.
+//!
+//! Counted in places, not events: a large event holds several (`budget`).
+
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::sync::Semaphore;
+
+/// A queue this short (how far ahead its plan runs) gives its places back soon enough to take
+/// any: the readers wait at most this long for it.
+pub(crate) const SHORT_QUEUE_US: i64 = 1_000_000;
+
+/// Entries parked per place: a parked entry keeps about 40 bytes (its id and its slot in
+/// `held`), a sleeping one its fields too (several hundred bytes). At the default 10,000
+/// places, 160,000 parked: about 6 MiB.
+const PARKED_PER_PLACE: usize = 16;
+
+/// The worker's places, and what each route's sleeping events hold of them.
+pub(crate) struct Shares {
+    /// Places held by each route's sleeping events, by `Route::index`.
+    held: Box<[AtomicUsize]>,
+    /// Entries each route has parked.
+    parked: Box<[AtomicUsize]>,
+    /// How far ahead each route's plan ran after its last call, µs.
+    queue_us: Box<[AtomicI64]>,
+    /// Which routes are counted active (holding places or with entries parked: wanting them),
+    /// changed only under the lock, when a route's counts cross zero.
+    counted: Mutex<Vec<bool>>,
+    /// How many are.
+    active: AtomicUsize,
+    /// Entries parked, all routes together.
+    parked_total: AtomicUsize,
+    permits: Arc<Semaphore>,
+    total: usize,
+    reserve: usize,
+    /// The most entries parked at once: past it the readers wait, as they did for places.
+    max_parked: usize,
+}
+
+impl Shares {
+    /// `total` places (`permits` hands them out), of which `reserve` (at most half) are kept
+    /// from long queues.
+    pub(crate) fn new(
+        routes: usize,
+        permits: Arc<Semaphore>,
+        total: usize,
+        reserve: usize,
+    ) -> Arc<Self> {
+        let zeros = || (0..routes).map(|_| AtomicUsize::new(0)).collect();
+        Arc::new(Shares {
+            held: zeros(),
+            parked: zeros(),
+            queue_us: (0..routes).map(|_| AtomicI64::new(0)).collect(),
+            counted: Mutex::new(vec![false; routes]),
+            active: AtomicUsize::new(0),
+            parked_total: AtomicUsize::new(0),
+            permits,
+            total,
+            reserve: reserve.min(total / 2),
+            max_parked: total.saturating_mul(PARKED_PER_PLACE),
+        })
+    }
+
+    /// A seat for a sleeping event on `route` holding `places`: counted until dropped.
+    pub(crate) fn seat(self: &Arc<Self>, route: usize, places: u32) -> Seat {
+        if places > 0 && self.held[route].fetch_add(places as usize, Ordering::Relaxed) == 0 {
+            self.settle(route);
+        }
+        Seat {
+            shares: self.clone(),
+            route: route as u32,
+            places,
+        }
+    }
+
+    /// Counts `route` active or not by its counts now (one of them crossed zero).
+    fn settle(&self, route: usize) {
+        let mut counted = self.counted.lock().expect("never poisoned");
+        let now = self.held[route].load(Ordering::Relaxed) > 0
+            || self.parked[route].load(Ordering::Relaxed) > 0;
+        if counted[route] != now {
+            counted[route] = now;
+            if now {
+                self.active.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.active.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Learns how far ahead `route`'s plan runs (from a schedule call's reply).
+    pub(crate) fn queue(&self, route: usize, ahead_us: i64) {
+        self.queue_us[route].store(ahead_us, Ordering::Relaxed);
+    }
+
+    /// How many places `route` may give sleeping events now (`room`), counting as free the
+    /// `own` places that the events asking already hold (those read: they keep them to sleep,
+    /// or give them back when parked).
+    pub(crate) fn room_with(&self, route: usize, own: usize) -> usize {
+        let long = self.queue_us[route].load(Ordering::Relaxed) > SHORT_QUEUE_US;
+        let counted = self.held[route].load(Ordering::Relaxed) > 0
+            || self.parked[route].load(Ordering::Relaxed) > 0;
+        let active = self.active.load(Ordering::Relaxed) + usize::from(!counted);
+        room(
+            Places {
+                total: self.total,
+                free: self.permits.available_permits() + own,
+                reserve: self.reserve,
+            },
+            long,
+            self.held[route].load(Ordering::Relaxed),
+            active,
+        )
+    }
+
+    /// Counts `n` entries parked on `route`.
+    pub(crate) fn park(&self, route: usize, n: usize) {
+        self.parked_total.fetch_add(n, Ordering::Relaxed);
+        if n > 0 && self.parked[route].fetch_add(n, Ordering::Relaxed) == 0 {
+            self.settle(route);
+        }
+    }
+
+    /// Counts `n` entries of `route` taken back.
+    pub(crate) fn unpark(&self, route: usize, n: usize) {
+        self.parked_total.fetch_sub(n, Ordering::Relaxed);
+        if n > 0 && self.parked[route].fetch_sub(n, Ordering::Relaxed) == n {
+            self.settle(route);
+        }
+    }
+
+    /// Whether as many entries are parked as a worker keeps: then the readers wait.
+    pub(crate) fn parked_full(&self) -> bool {
+        self.parked_total.load(Ordering::Relaxed) >= self.max_parked
+    }
+}
+
+/// A sleeping event's places on its route: counted in its route's share until dropped.
+pub(crate) struct Seat {
+    shares: Arc<Shares>,
+    route: u32,
+    places: u32,
+}
+
+impl Seat {
+    pub(crate) fn route(&self) -> usize {
+        self.route as usize
+    }
+}
+
+impl Drop for Seat {
+    fn drop(&mut self) {
+        let (places, route) = (self.places as usize, self.route as usize);
+        if places > 0 && self.shares.held[route].fetch_sub(places, Ordering::Relaxed) == places {
+            self.shares.settle(route);
+        }
+    }
+}
+
+/// The worker's places: all of them, the free ones, and those kept from long queues.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Places {
+    pub(crate) total: usize,
+    pub(crate) free: usize,
+    pub(crate) reserve: usize,
+}
+
+/// How many more places a route holding `held` may give sleeping events, with `active` routes
+/// (this one among them) holding places or waiting for them: every free place for a short
+/// queue; for a `long` one, what is free beyond the reserve, and no more than what is left of
+/// its share (the places beyond the reserve divided among the active routes). Long queues so
+/// never hold the reserve, and one over its share (it took more while alone) adds nothing until
+/// it is back within it, while the places it gives back go to the routes below theirs.
+pub(crate) fn room(places: Places, long: bool, held: usize, active: usize) -> usize {
+    if !long {
+        return places.free;
+    }
+    let share = places.total.saturating_sub(places.reserve) / active.max(1);
+    places
+        .free
+        .saturating_sub(places.reserve)
+        .min(share.saturating_sub(held))
+}
+
+/// A seat on `route` of a worker of its own (for tests of what holds one).
+#[cfg(test)]
+pub(crate) fn seat_for_test(route: usize) -> Seat {
+    let shares = Shares::new(route + 1, Arc::new(Semaphore::new(1)), 1, 0);
+    shares.seat(route, 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn places(total: usize, free: usize, reserve: usize) -> Places {
+        Places {
+            total,
+            free,
+            reserve,
+        }
+    }
+
+    #[test]
+    fn a_short_queue_takes_any_free_place() {
+        assert_eq!(room(places(100, 7, 20), false, 90, 3), 7);
+    }
+
+    #[test]
+    fn a_long_queue_alone_takes_every_place_beyond_the_reserve() {
+        assert_eq!(room(places(100, 100, 20), true, 0, 1), 80);
+        assert_eq!(room(places(100, 30, 20), true, 70, 1), 10);
+        assert_eq!(room(places(100, 20, 20), true, 80, 1), 0);
+    }
+
+    /// A second long queue (its entries parked: it wants places) takes the places the first
+    /// gives back, until they hold half each; the first takes nothing meanwhile.
+    #[test]
+    fn a_second_long_queue_takes_what_the_first_gives_back_until_both_hold_their_share() {
+        let (total, reserve) = (100, 20);
+        let mut held = [80usize, 0];
+        for _ in 0..200 {
+            // The first dispatches one event; then each asks, the first first.
+            if held[0] > 0 {
+                held[0] -= 1;
+            }
+            for r in 0..2 {
+                let free = total - held[0] - held[1];
+                let take = room(places(total, free, reserve), true, held[r], 2);
+                held[r] += take.min(1);
+            }
+            assert!(held[0] + held[1] <= total - reserve, "{held:?}");
+        }
+        assert_eq!(held, [40, 40]);
+    }
+
+    proptest! {
+        /// However long queues interleave, taking at most their room each time, together they
+        /// never hold the reserve, and none grows past its share once they share.
+        #[test]
+        fn long_queues_within_their_room_never_hold_the_reserve(
+            total in 10usize..2000,
+            reserve_pct in 1usize..50,
+            picks in proptest::collection::vec((0usize..6, 1usize..40, any::<bool>()), 1..300),
+        ) {
+            let reserve = total * reserve_pct / 100;
+            let mut held = [0usize; 6];
+            for (route, want, give_back) in picks {
+                if give_back {
+                    held[route] = held[route].saturating_sub(want);
+                    continue;
+                }
+                let before = held[route];
+                let free = total - held.iter().sum::<usize>();
+                let active = held.iter().filter(|h| **h > 0).count() + usize::from(before == 0);
+                let r = room(places(total, free, reserve), true, before, active);
+                held[route] += want.min(r);
+                prop_assert!(held.iter().sum::<usize>() <= total - reserve, "{held:?}");
+                let active = held.iter().filter(|h| **h > 0).count();
+                let share = (total - reserve) / active.max(1);
+                prop_assert!(held[route] <= before.max(share), "{held:?} share {share}");
+            }
+        }
+    }
+}
