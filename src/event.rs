@@ -147,9 +147,8 @@ impl Refused {
 /// thousand of them asleep.
 #[derive(Debug, Clone)]
 pub struct OutboundEvent {
-    /// The input stream and entry that carry it.
+    /// The input stream that carries it (its entry id is `carried`'s head: `id()`).
     pub stream: Arc<str>,
-    pub id: Box<str>,
     pub deliveries: u64,
     /// The producer's idempotency key (`id`), if it gave one; without it the entry is the event.
     pub event_id: Option<Box<str>>,
@@ -158,24 +157,30 @@ pub struct OutboundEvent {
     pub cost: u64,
     /// The event's own `max_wait_ms`, if it set one (each route's `max_wait` caps it).
     pub max_wait: Option<Duration>,
-    /// Every field but pacer's own, packed.
+    /// Its entry id, then every field but pacer's own, packed.
     pub carried: Payload,
 }
 
 impl OutboundEvent {
+    /// The id of the input entry that carries it.
+    pub fn id(&self) -> &str {
+        // Made from the entry's id, a `String`.
+        std::str::from_utf8(self.carried.head()).unwrap_or_default()
+    }
+
     pub fn owner(&self) -> String {
-        owner(&self.stream, &self.id)
+        owner(&self.stream, self.id())
     }
 
     pub fn ms(&self) -> i64 {
-        entry_ms(&self.id)
+        entry_ms(self.id())
     }
 
     /// The entry again, with the fields it carries (for dead letters).
     pub fn entry(&self) -> Entry {
         Entry {
             stream: self.stream.clone(),
-            id: self.id.to_string(),
+            id: self.id().to_string(),
             fields: self.carried.to_fields(),
             deliveries: self.deliveries,
         }
@@ -186,7 +191,7 @@ impl OutboundEvent {
     pub fn key(&self) -> String {
         match &self.event_id {
             Some(id) => id.to_string(),
-            None => format!("{}/{}", self.stream, self.id),
+            None => format!("{}/{}", self.stream, self.id()),
         }
     }
 }
@@ -200,6 +205,7 @@ pub fn parse_outbound(
     match check(&entry, cfg) {
         Ok((route, event_id, cost, max_wait)) => {
             let carried = Payload::new(
+                entry.id.as_bytes(),
                 entry
                     .fields
                     .iter()
@@ -208,7 +214,6 @@ pub fn parse_outbound(
             );
             Ok(OutboundEvent {
                 stream: entry.stream,
-                id: entry.id.into(),
                 deliveries: entry.deliveries,
                 event_id: event_id.map(String::into_boxed_str),
                 route,
@@ -342,7 +347,7 @@ pub fn rejected_fields(
     push(&mut fields, "pacer_detail", detail);
     push(&mut fields, "pacer_retry_after_ms", retry_after_ms.max(0));
     push(&mut fields, "pacer_source_stream", &event.stream);
-    push(&mut fields, "pacer_source_id", &event.id);
+    push(&mut fields, "pacer_source_id", event.id());
     fields
 }
 

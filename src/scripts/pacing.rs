@@ -34,7 +34,7 @@ impl<'a> EventRef<'a> {
     pub fn of(event: &'a OutboundEvent, fields: &'a [(&'a [u8], &'a [u8])]) -> Self {
         EventRef {
             stream: &event.stream,
-            entry_id: &event.id,
+            entry_id: event.id(),
             entry_ms: event.ms(),
             cost: event.cost,
             fields,

@@ -468,7 +468,7 @@ impl State {
                     slot_us,
                     deadline_us,
                 } => {
-                    debug!(entry = %s.event.id, route = %route.name, slot = slot_us, "sleeping on the decision on record");
+                    debug!(entry = %s.event.id(), route = %route.name, slot = slot_us, "sleeping on the decision on record");
                     s.moved(slot_us);
                     s.deadline_us = deadline_us;
                     self.timers
@@ -490,11 +490,11 @@ impl State {
                 }
                 Action::Redecide => {
                     // Logged per batch by `placement::still_held`.
-                    debug!(entry = %s.event.id, route = %route.name, "decision gone (expired or evicted)");
+                    debug!(entry = %s.event.id(), route = %route.name, "decision gone (expired or evicted)");
                     onward.push(Placing::decision_gone(s.event, &ctx, route.index, s.permit));
                 }
                 Action::Drop => {
-                    debug!(entry = %s.event.id, "another worker holds this event now")
+                    debug!(entry = %s.event.id(), "another worker holds this event now")
                 }
             }
         }

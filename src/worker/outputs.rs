@@ -36,7 +36,8 @@ pub(crate) struct Finished {
 
 impl Finished {
     pub(crate) fn ack_event(&mut self, event: &OutboundEvent) {
-        self.acks.push((event.stream.clone(), event.id.to_string()));
+        self.acks
+            .push((event.stream.clone(), event.id().to_string()));
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -76,7 +77,7 @@ pub(crate) async fn finish(ctx: &Context, mut done: Finished, stop: &Cancellatio
         .iter()
         .map(|r| Entry {
             stream: r.event.stream.clone(),
-            id: r.event.id.to_string(),
+            id: r.event.id().to_string(),
             fields: Vec::new(),
             deliveries: r.event.deliveries,
         })

@@ -196,8 +196,8 @@ impl Lot {
 /// or id is not one a read gives (it is then placed as it is).
 fn origin(ctx: &Context, p: &Placing) -> Option<(u32, u64, u64)> {
     let stream = ctx.streams.iter().position(|s| **s == *p.event.stream)?;
-    let (ms, seq) = p.event.id.split_once('-')?;
+    let (ms, seq) = p.event.id().split_once('-')?;
     let (ms, seq): (u64, u64) = (ms.parse().ok()?, seq.parse().ok()?);
     // Written back as it was read: no leading zeros or signs to lose.
-    (format!("{ms}-{seq}") == *p.event.id).then_some((stream as u32, ms, seq))
+    (format!("{ms}-{seq}") == p.event.id()).then_some((stream as u32, ms, seq))
 }

@@ -170,7 +170,7 @@ pub(crate) async fn still_held(
                     &mut con,
                     &p.event.stream,
                     &ctx.cfg.worker.group,
-                    &p.event.id,
+                    p.event.id(),
                     &ctx.consumer,
                 )
                 .await
@@ -309,7 +309,7 @@ fn decided(
         }
         Scheduled::Decided(value) => match next_step(&value) {
             Step::Acknowledge => {
-                debug!(entry = %p.event.id, route = %route.name, "already dispatched by an earlier delivery");
+                debug!(entry = %p.event.id(), route = %route.name, "already dispatched by an earlier delivery");
                 if !acked {
                     placed.finished.ack_event(&p.event);
                 }
@@ -351,7 +351,7 @@ fn decided(
                 ));
             }
             Step::Redecide => {
-                warn!(entry = %p.event.id, route = %route.name, decision = value, "unreadable decision on record; deciding anew");
+                warn!(entry = %p.event.id(), route = %route.name, decision = value, "unreadable decision on record; deciding anew");
                 p.expect = Some(value);
                 placed.onward.push(p);
             }
@@ -453,7 +453,7 @@ async fn wrong_key(
         (route.keys.ready.clone(), "stream"),
     ];
     for ev in events {
-        keys.push((route.keys.decisions(&ev.stream, &ev.id), "hash"));
+        keys.push((route.keys.decisions(&ev.stream, ev.id()), "hash"));
         if let Some(id) = &ev.event_id {
             keys.push((route.keys.claim(id), "string"));
         }

@@ -89,7 +89,7 @@ pub(crate) async fn settle(
                         .void(
                             &mut con,
                             keys,
-                            (&e.stream, &e.id),
+                            (&e.stream, e.id()),
                             e.event_id.as_deref(),
                             ctx.marker_ttl_ms,
                         )
@@ -99,7 +99,7 @@ pub(crate) async fn settle(
             let voided = voided.await?;
             if voided.overwritten {
                 let route = &ctx.cfg.outbound.route_at(route).name;
-                warn!(entry = %e.id, stream = %e.stream, %route, "the route's decision hash holds another kind of value: no decision there to void");
+                warn!(entry = %e.id(), stream = %e.stream, %route, "the route's decision hash holds another kind of value: no decision there to void");
             }
             Some(voided)
         })
@@ -112,7 +112,7 @@ pub(crate) async fn settle(
     for (event, chain) in poison.into_iter().zip(chains) {
         let rest = found.split_off(chain.len());
         let mine = std::mem::replace(&mut found, rest);
-        warn!(entry = %event.id, stream = %event.stream, deliveries = event.deliveries, "poison entry");
+        warn!(entry = %event.id(), stream = %event.stream, deliveries = event.deliveries, "poison entry");
         match verdict(&mine, &event.owner()) {
             Verdict::Acknowledge => done.ack_event(&event),
             Verdict::Duplicate { owner } => {
