@@ -15,6 +15,12 @@
 //! Then the inbound case: events each admitted by `admit.lua` in a call of its own, on two
 //! rules, counted alone.
 //!
+//! Then two floors, each with the same adds: the same reads with each event only copied to a
+//! ready stream with pacer's five fields by a Lua function and acknowledged (nothing decided,
+//! recorded or checked: what this design costs Redis before it decides anything), and the same
+//! copy of events the function reads itself with no pending list (`XREADGROUP … NOACK`: the
+//! floor of a design that reads where it decides, and keeps no pending entry per event).
+//!
 //! `cargo bench --bench script_cost -- [--calls 50] [--per 128] [--fields 2] [--listpack N]
 //! [--paced 200] [--admit 200]` (`--paced 0`, `--admit 0` leave those cases out)
 //!
@@ -310,6 +316,108 @@ fn admitted_alone(
     server.dump(dumps + 1) as f64 / n as f64
 }
 
+/// The floor function: about the least a design that reads through a consumer group and writes
+/// each event's ready entry in a script, with pacer's fields, can cost Redis per event (the
+/// benchmark's phases each include the producer's XADD and the worker's XREADGROUP).
+///
+/// KEYS[1]  the ready stream; KEYS[2] the input stream
+/// ARGV[1]  the consumer group; then per event its entry id, its field count and its fields
+/// Returns the number of events copied. (`floor_noack` beside it: the same copy of events read
+/// in the script with no pending list, the floor of a design that reads where it decides.)
+const FLOOR: &str = r#"#!lua name=floor
+-- KEYS[1] the ready stream, KEYS[2] the input stream. ARGV[1] the group, ARGV[2] a consumer,
+-- ARGV[3] how many to read. Reads them in the script, with no pending list (NOACK), and copies
+-- each as 'floor' does. Returns the number copied.
+redis.register_function('floor_noack', function(keys, args)
+  local read = redis.call('XREADGROUP', 'GROUP', args[1], args[2], 'COUNT', args[3], 'NOACK',
+    'STREAMS', keys[2], '>')
+  local entries = read and read[1][2] or {}
+  for i = 1, #entries do
+    local e = entries[i]
+    redis.call('XADD', keys[1], '*', 'pacer_route', 'r', 'pacer_source_stream', 'in',
+      'pacer_source_id', e[1], 'pacer_slot_us', '1700000000000000', 'pacer_wait_ms', '0',
+      unpack(e[2]))
+  end
+  return #entries
+end)
+redis.register_function('floor', function(keys, args)
+  local at, acks, n = 2, {}, 0
+  while at <= #args do
+    local entry, nf = args[at], tonumber(args[at + 1])
+    redis.call('XADD', keys[1], '*', 'pacer_route', 'r', 'pacer_source_stream', 'in',
+      'pacer_source_id', entry, 'pacer_slot_us', '1700000000000000', 'pacer_wait_ms', '0',
+      unpack(args, at + 2, at + 1 + 2 * nf))
+    n = n + 1
+    acks[n] = entry
+    at = at + 2 + 2 * nf
+  end
+  redis.call('XACK', keys[2], args[1], unpack(acks))
+  return n
+end)
+"#;
+
+/// The floor phase: `calls` rounds of `per` events of `fields` fields added and read as
+/// `round` does, each round's events passed to the floor function, counted between dumps
+/// `dumps` and `dumps + 1`: instructions per event, the producer's XADD and the read included.
+/// What `schedule.lua` costs above it is all that deciding, recording and checking costs.
+fn floor(
+    rt: &tokio::runtime::Runtime,
+    con: &mut redis::aio::MultiplexedConnection,
+    sync: &mut redis::Connection,
+    (calls, per, fields, noack): (usize, usize, usize, bool),
+    (server, dumps): (&Counted, usize),
+) -> f64 {
+    let _: () = redis::cmd("FUNCTION")
+        .arg(&["LOAD", "REPLACE", FLOOR])
+        .query(sync)
+        .unwrap();
+    let copy = |con: &mut redis::aio::MultiplexedConnection| {
+        let values: Vec<Vec<(Vec<u8>, Vec<u8>)>> =
+            (0..per).map(|i| event_fields(i, fields)).collect();
+        if noack {
+            return rt.block_on(async {
+                let mut pipe = redis::pipe();
+                for v in &values {
+                    let cmd = pipe.cmd("XADD").arg("in").arg("*");
+                    for (name, value) in v {
+                        cmd.arg(name).arg(value);
+                    }
+                    cmd.ignore();
+                }
+                let _: () = pipe.query_async(con).await.unwrap();
+                let n: usize = redis::cmd("FCALL")
+                    .arg(&["floor_noack", "2", "floor:ready", "in", GROUP, "c"])
+                    .arg(per)
+                    .query_async(con)
+                    .await
+                    .unwrap();
+                assert_eq!(n, per, "every event copied");
+                n
+            });
+        }
+        rt.block_on(async {
+            let ids = add_and_read(con, &values).await;
+            let mut cmd = redis::cmd("FCALL");
+            cmd.arg(&["floor", "2", "floor:ready", "in", GROUP]);
+            for (id, v) in ids.iter().zip(&values) {
+                cmd.arg(id).arg(v.len());
+                for (name, value) in v {
+                    cmd.arg(name).arg(value);
+                }
+            }
+            let n: usize = cmd.query_async(con).await.unwrap();
+            assert_eq!(n, ids.len(), "every event copied");
+            n
+        })
+    };
+    for _ in 0..10 {
+        copy(con);
+    }
+    server.dump(dumps);
+    let copied: usize = (0..calls).map(|_| copy(con)).sum();
+    server.dump(dumps + 1) as f64 / copied as f64
+}
+
 /// Event `i`'s fields: `fields` of them, about forty bytes each.
 fn event_fields(i: usize, fields: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
     (0..fields)
@@ -459,6 +567,38 @@ fn main() {
         );
         println!("  redis-server instructions per event             {per_event:>8.0}");
     }
+    // Dumps are numbered in order: the admit phase's took the next two if it ran.
+    let floor_dump = admit_dump + if admitted.is_some() { 2 } else { 0 };
+    let lowest = floor(
+        &rt,
+        &mut con,
+        &mut sync,
+        (calls, per, fields, false),
+        (&server, floor_dump),
+    );
+    println!(
+        "the floor: the same adds and reads, each event copied by a Lua function to a ready stream with pacer's five fields, and acknowledged; nothing decided or recorded"
+    );
+    println!("  redis-server instructions per event             {lowest:>8.0}");
+    println!(
+        "  pacer above the floor                           {:>8.0} (the floor is {:.0}% of pacer's count)",
+        with - lowest,
+        100.0 * lowest / with
+    );
+    let noack = floor(
+        &rt,
+        &mut con,
+        &mut sync,
+        (calls, per, fields, true),
+        (&server, floor_dump + 2),
+    );
+    println!(
+        "a floor without a pending list: the same adds, read in the function itself (XREADGROUP NOACK) and copied"
+    );
+    println!(
+        "  redis-server instructions per event             {noack:>8.0} ({:.0}% of pacer's count)",
+        100.0 * noack / with
+    );
     // `PACER_CALLGRIND_KEEP=<dir>`: keep the counts of the phases with the schedule, dispatch
     // and admit calls, per function, for `callgrind_annotate`.
     if let Some(keep) = std::env::var_os("PACER_CALLGRIND_KEEP") {
