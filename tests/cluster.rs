@@ -990,3 +990,71 @@ fn a_routes_backlog_is_parked_and_taken_back_on_a_cluster() {
         .collect();
     assert_windows(&slow, &times, 25.0, 1.0);
 }
+
+/// A master frozen for longer than the worker's places last: events for its route keep coming
+/// and cannot be placed (their route's calls wait on the frozen master), so held in the worker
+/// they would take every place, and the routes on the healthy masters would stop with it. The
+/// frozen route parks what it cannot place (`worker/share.rs`): the others dispatch what
+/// arrives for them throughout, and once the master thaws everything ends once.
+#[test]
+fn a_long_frozen_master_takes_no_places_from_the_other_routes() {
+    let cluster = Cluster::start_with(3, 0, &["--cluster-require-full-coverage", "no"]);
+    let masters = cluster.masters();
+    let dir = TempDir::new("frozen-long");
+    let routes: Vec<String> = masters.iter().map(|&m| cluster.name_on(m, "r")).collect();
+    let input = cluster.name_on(masters[0], "out");
+    let mut body = format!("outbound:\n  streams: [{input}]\n  routes:\n");
+    for r in &routes {
+        body += &format!("    {r}: {{rate: 200/s, burst: 1, max_wait: 5s}}\n");
+    }
+    let worker = "  batch: 32\n  max_inflight: 300\n  drain: 1s\n  claim_idle: 30s";
+    let (config, port) = worker_config(&dir, &cluster, "", worker, &body, 0);
+    let pacer = start(&config, port);
+    let now_ms = |con: &mut redis::Connection| -> i64 {
+        let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();
+        s * 1000 + us / 1000
+    };
+    // 150 events/s per route for 10 s; the third master frozen for 6 s of it: 900 events for
+    // its route, three times the worker's places.
+    let feed_routes = routes.clone();
+    let producer = feed(&cluster, &input, 10, 45, move |tick, i| {
+        event(&[
+            ("route", &feed_routes[i % 3]),
+            ("n", &format!("{tick}.{i}")),
+        ])
+    });
+    let mut clock = cluster.server_of(&input).con();
+    std::thread::sleep(Duration::from_millis(1500));
+    let frozen_at = now_ms(&mut clock);
+    cluster.pause(masters[2]);
+    std::thread::sleep(Duration::from_secs(6));
+    let thawed_at = now_ms(&mut clock);
+    cluster.resume(masters[2]);
+    let pushed = producer.join().unwrap();
+    let mut outputs: Vec<String> = routes.iter().map(|r| ready(r)).collect();
+    outputs.extend(["pacer:rejected".to_string(), "pacer:dead".to_string()]);
+    assert_each_once(
+        &cluster,
+        &pushed,
+        &outputs,
+        std::slice::from_ref(&input),
+        std::slice::from_ref(&pacer),
+    );
+    assert!(entries(&cluster, "pacer:dead").is_empty());
+    // Seconds 2 to 6 of the freeze: long past the 2 s the places last.
+    let (from, to) = (frozen_at + 2000, thawed_at);
+    let seconds = (to - from) as f64 / 1000.0;
+    for route in &routes[..2] {
+        let times: Vec<i64> = entries(&cluster, &ready(route))
+            .iter()
+            .map(|e| e.ms)
+            .collect();
+        assert_windows(route, &times, 200.0, 1.0);
+        let during = times.iter().filter(|&&t| t >= from && t < to).count();
+        assert!(
+            during as f64 >= 0.9 * 150.0 * seconds,
+            "route {route} on a healthy master dispatched {during} in {seconds:.2} s while another master was frozen:\n{}",
+            tail(&pacer.log_text())
+        );
+    }
+}

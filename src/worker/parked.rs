@@ -20,7 +20,7 @@ use crate::event::{self, Entry};
 use crate::streams;
 use crate::telemetry;
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tokio_util::sync::CancellationToken;
 
 /// One parked entry (delivered once: only events on their first try are parked).
@@ -42,13 +42,9 @@ pub(crate) struct Lot {
 }
 
 impl Lot {
-    pub(crate) fn is_empty(&self) -> bool {
-        self.queue.is_empty()
-    }
-
-    /// Of `group`, sent to `route`, parks the events on their first try that the route has no
-    /// room to hold now (all of them while it has entries parked: they go after those);
-    /// returns the rest, in order.
+    /// Of `group`, handed to `route`'s task, parks the events on their first try that the
+    /// route has no room for now (all of them while it has entries parked: they go after
+    /// those); returns the rest, in order.
     pub(crate) fn admit(
         &mut self,
         ctx: &Context,
@@ -91,23 +87,17 @@ impl Lot {
         kept
     }
 
-    /// Takes back the oldest parked entries `route` has room for now (at most `most`): read
-    /// again, with their places taken again as a read's are (by size), ready to be placed; put
-    /// back as they were if those places are not free now. Entries trimmed meanwhile are
-    /// acknowledged and counted lost; one that no longer parses (it did when read) is
-    /// dead-lettered. None on `stop` (what was taken stays pending).
-    pub(crate) async fn take_back(
+    /// The oldest entries whose places when read fit in `room` (one at least, so that one
+    /// heavier than a whole share still goes), at most `most`, taken out.
+    fn take(
         &mut self,
-        ctx: &Arc<Context>,
+        ctx: &Context,
         route: &crate::config::Route,
+        room: usize,
         most: usize,
-        stop: &CancellationToken,
-    ) -> Option<Vec<Placing>> {
-        // As many as the places they held when read fit in the room (one at least, so that
-        // one heavier than a whole share still goes).
-        let room = ctx.shares.room_with(route.index, 0);
+    ) -> Vec<Parked> {
         if room == 0 {
-            return Some(Vec::new());
+            return Vec::new();
         }
         let (mut places, mut n) = (0, 0);
         for p in self.queue.iter().take(most) {
@@ -117,79 +107,111 @@ impl Lot {
             places += p.places as usize;
             n += 1;
         }
-        if n == 0 {
-            return Some(Vec::new());
-        }
         let taken: Vec<Parked> = self.queue.drain(..n).collect();
-        ctx.shares.unpark(route.index, n);
-        telemetry::parked(&route.name, self.queue.len());
-        let mut by_stream: BTreeMap<u32, Vec<Parked>> = BTreeMap::new();
-        for p in taken {
-            by_stream.entry(p.stream).or_default().push(p);
-        }
-        let mut found: Vec<(Parked, Entry)> = Vec::with_capacity(n);
-        // (Each stream's entries in order; streams one after the other.)
-        for (index, parked) in by_stream {
-            let stream = &ctx.streams[index as usize];
-            let ids: Vec<(String, u64)> = parked
-                .iter()
-                .map(|p| (format!("{}-{}", p.ms, p.seq), 1))
-                .collect();
-            let entries = ctx
-                .retry("read", stop, || {
-                    let mut con = ctx.con.clone();
-                    let ids = &ids;
-                    async move { streams::entries_by_id(&mut con, stream, ids).await }
-                })
-                .await?;
-            let mut gone = Vec::new();
-            for ((p, (id, _)), entry) in parked.into_iter().zip(ids).zip(entries) {
-                match entry {
-                    Some(entry) => found.push((p, entry)),
-                    None => gone.push(id),
-                }
-            }
-            ctx.retry("ack", stop, || {
-                let mut con = ctx.con.clone();
-                let gone = &gone;
-                async move { super::claim::lost(ctx, &mut con, stream, gone).await }
-            })
-            .await?;
-        }
-        let sizes: Vec<usize> = found.iter().map(|(_, e)| e.size()).collect();
-        // Weighed again as a read's are (`budget`): those past the room go back in front, in
-        // order, and all of them if the places were taken meanwhile (by a read).
-        let permits = budget::try_hold(ctx, &sizes, room.max(places)).unwrap_or_default();
-        let back = found.split_off(permits.len());
-        if !back.is_empty() {
-            ctx.shares.park(route.index, back.len());
-            for (p, _) in back.into_iter().rev() {
-                self.queue.push_front(p);
-            }
+        if n > 0 {
+            ctx.shares.unpark(route.index, n);
             telemetry::parked(&route.name, self.queue.len());
         }
-        let mut placing = Vec::with_capacity(found.len());
-        let (mut done, mut held) = (Finished::default(), Vec::new());
-        let (parked, entries): (Vec<Parked>, Vec<Entry>) = found.into_iter().unzip();
-        let registered = parked.into_iter().map(|p| p.registered).collect();
-        for (entry, hold) in entries.into_iter().zip(held::holds(permits, registered)) {
-            match event::parse_outbound(entry, &ctx.cfg.outbound) {
-                Ok(event) => placing.push(Placing::new(event, hold)),
-                Err((entry, refused)) => {
-                    done.dead.push((entry, refused));
-                    held.push(hold);
-                }
+        taken
+    }
+
+    /// Puts `back` in front, in order.
+    fn put_back(&mut self, ctx: &Context, route: &crate::config::Route, back: Vec<Parked>) {
+        ctx.shares.park(route.index, back.len());
+        for p in back.into_iter().rev() {
+            self.queue.push_front(p);
+        }
+        telemetry::parked(&route.name, self.queue.len());
+    }
+}
+
+/// Takes back the oldest entries `route` parked in `lot` that it has room for now (at most
+/// `most`): read again, with their places taken again as a read's are (by size), ready to be
+/// placed; put back in front, as they were, if those places are not free now. Entries trimmed
+/// meanwhile are acknowledged and counted lost; one that no longer parses (it did when read)
+/// is dead-lettered. The lot is not held across the reads (the readers park into it
+/// meanwhile). None on `stop` (what was taken stays pending).
+pub(crate) async fn take_back(
+    ctx: &Arc<Context>,
+    lot: &Mutex<Lot>,
+    route: &crate::config::Route,
+    most: usize,
+    stop: &CancellationToken,
+) -> Option<Vec<Placing>> {
+    let room = ctx.shares.room_with(route.index, 0);
+    let taken = lot
+        .lock()
+        .expect("never poisoned")
+        .take(ctx, route, room, most);
+    if taken.is_empty() {
+        return Some(Vec::new());
+    }
+    let places: usize = taken.iter().map(|p| p.places as usize).sum();
+    let mut by_stream: BTreeMap<u32, Vec<Parked>> = BTreeMap::new();
+    for p in taken {
+        by_stream.entry(p.stream).or_default().push(p);
+    }
+    // Each stream's entries in order, the streams one after the other.
+    let mut found: Vec<(Parked, Entry)> = Vec::new();
+    for (index, parked) in by_stream {
+        let stream = &ctx.streams[index as usize];
+        let ids: Vec<(String, u64)> = parked
+            .iter()
+            .map(|p| (format!("{}-{}", p.ms, p.seq), 1))
+            .collect();
+        let entries = ctx
+            .retry("read", stop, || {
+                let mut con = ctx.con.clone();
+                let ids = &ids;
+                async move { streams::entries_by_id(&mut con, stream, ids).await }
+            })
+            .await?;
+        let mut gone = Vec::new();
+        for ((p, (id, _)), entry) in parked.into_iter().zip(ids).zip(entries) {
+            match entry {
+                Some(entry) => found.push((p, entry)),
+                None => gone.push(id),
             }
         }
-        if !done.is_empty() {
-            let (ctx, stop) = (ctx.clone(), stop.clone());
-            tokio::spawn(async move {
-                outputs::finish(&ctx, done, &stop).await;
-                drop(held);
-            });
-        }
-        Some(placing)
+        ctx.retry("ack", stop, || {
+            let mut con = ctx.con.clone();
+            let gone = &gone;
+            async move { super::claim::lost(ctx, &mut con, stream, gone).await }
+        })
+        .await?;
     }
+    let sizes: Vec<usize> = found.iter().map(|(_, e)| e.size()).collect();
+    // Weighed again as a read's are (`budget`): those past the room go back in front, in
+    // order, and all of them if the places were taken meanwhile (by a read).
+    let permits = budget::try_hold(ctx, &sizes, room.max(places)).unwrap_or_default();
+    let back = found.split_off(permits.len());
+    if !back.is_empty() {
+        let back = back.into_iter().map(|(p, _)| p).collect();
+        lot.lock()
+            .expect("never poisoned")
+            .put_back(ctx, route, back);
+    }
+    let mut placing = Vec::with_capacity(found.len());
+    let (mut done, mut held) = (Finished::default(), Vec::new());
+    let (parked, entries): (Vec<Parked>, Vec<Entry>) = found.into_iter().unzip();
+    let registered = parked.into_iter().map(|p| p.registered).collect();
+    for (entry, hold) in entries.into_iter().zip(held::holds(permits, registered)) {
+        match event::parse_outbound(entry, &ctx.cfg.outbound) {
+            Ok(event) => placing.push(Placing::new(event, hold)),
+            Err((entry, refused)) => {
+                done.dead.push((entry, refused));
+                held.push(hold);
+            }
+        }
+    }
+    if !done.is_empty() {
+        let (ctx, stop) = (ctx.clone(), stop.clone());
+        tokio::spawn(async move {
+            outputs::finish(&ctx, done, &stop).await;
+            drop(held);
+        });
+    }
+    Some(placing)
 }
 
 /// Where `p` is parked from: its stream's index and its id's two numbers; None if its stream

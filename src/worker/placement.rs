@@ -16,6 +16,7 @@ use crate::pacing;
 use crate::scripts::{EventRef, ScheduleItem, ScheduleReply, Scheduled};
 use crate::telemetry;
 use crate::worker::held::Hold;
+use crate::worker::share::Seat;
 use std::collections::BTreeMap;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -36,6 +37,9 @@ pub(crate) struct Placing {
     /// that slotted it could not meet the slot: its fallbacks get only what is left.
     deadline_us: Option<i64>,
     pub(crate) permit: Hold,
+    /// Its places counted on the route whose task it was handed to (`Placers::send`), until it
+    /// is placed there: a route whose calls wait on a frozen master holds what it was sent.
+    pub(crate) seat: Option<Seat>,
 }
 
 impl Placing {
@@ -48,6 +52,7 @@ impl Placing {
             check_held: false,
             deadline_us: None,
             permit,
+            seat: None,
         }
     }
 

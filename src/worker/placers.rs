@@ -9,11 +9,11 @@
 use super::context::Context;
 use super::dispatcher::Sleeper;
 use super::outputs::{self, Finished};
-use super::parked::Lot;
+use super::parked::{self, Lot};
 use super::placement::{self, Placing};
 use crate::fault;
 use crate::scripts::call_len;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -28,9 +28,11 @@ const MAX_CALL: usize = 128;
 /// sends about ten events a tick, so its parked ones follow without a gap.
 const TAKE_BACK_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
 
-/// The placement tasks' inboxes, one per route (by `Route::index`).
+/// The placement tasks' inboxes, one per route (by `Route::index`), and what each route parked.
 pub(crate) struct Placers {
     routes: Vec<mpsc::UnboundedSender<Vec<Placing>>>,
+    /// Parked as they are handed over (`send`), taken back by the route's task.
+    lots: Vec<Mutex<Lot>>,
 }
 
 impl Placers {
@@ -47,7 +49,11 @@ impl Placers {
             .iter()
             .map(|_| mpsc::unbounded_channel())
             .unzip();
-        let placers = Arc::new(Placers { routes: senders });
+        let lots = senders.iter().map(|_| Mutex::default()).collect();
+        let placers = Arc::new(Placers {
+            routes: senders,
+            lots,
+        });
         for (route, rx) in receivers.into_iter().enumerate() {
             tokio::spawn(run(
                 ctx.clone(),
@@ -61,13 +67,32 @@ impl Placers {
         placers
     }
 
-    /// Hands events to the task of the route each tries next; an event out of routes is
-    /// rejected into `done`. After shutdown the tasks are gone and events stay pending.
+    /// Hands events to the task of the route each tries next, parking those the route has no
+    /// room for (`share`); an event out of routes is rejected into `done`. After shutdown the
+    /// tasks are gone and events stay pending.
     pub(crate) fn send(&self, ctx: &Context, events: Vec<Placing>, done: &mut Finished) {
-        for (route, group) in placement::route_onward(ctx, events, done) {
-            let _ = self.routes[route].send(group);
+        for (index, group) in placement::route_onward(ctx, events, done) {
+            let route = ctx.cfg.outbound.route_at(index);
+            let sent = group.len();
+            let group = (self.lots[index].lock().expect("never poisoned")).admit(ctx, route, group);
+            // Sent even when all were parked (then empty): the task, perhaps waiting for its
+            // inbox, must know it has entries to take back.
+            if sent > 0 {
+                let _ = self.routes[index].send(seated(ctx, index, group));
+            }
         }
     }
+}
+
+/// `group`, each event's places counted on `route` until it is placed there.
+fn seated(ctx: &Context, route: usize, group: Vec<Placing>) -> Vec<Placing> {
+    group
+        .into_iter()
+        .map(|mut p| {
+            p.seat = Some(ctx.shares.seat(route, p.permit.places()));
+            p
+        })
+        .collect()
 }
 
 async fn run(
@@ -79,9 +104,9 @@ async fn run(
     stop: CancellationToken,
 ) {
     let route = ctx.cfg.outbound.route_at(route);
-    // What this route read while it had no room in the worker (`share`), oldest first.
-    let mut lot = Lot::default();
+    let lot = &placers.lots[route.index];
     loop {
+        let parked = ctx.shares.parked_on(route.index) > 0;
         let mut group = tokio::select! {
             _ = stop.cancelled() => return,
             g = rx.recv() => match g {
@@ -89,7 +114,7 @@ async fn run(
                 None => return,
             },
             // Parked entries are taken back as the route's sleeping events go out.
-            _ = tokio::time::sleep(TAKE_BACK_EVERY), if !lot.is_empty() => Vec::new(),
+            _ = tokio::time::sleep(TAKE_BACK_EVERY), if parked => Vec::new(),
         };
         while group.len() < MAX_CALL {
             match rx.try_recv() {
@@ -103,14 +128,16 @@ async fn run(
             };
             group = held;
         }
-        group = lot.admit(&ctx, route, group);
-        if !lot.is_empty() {
-            let Some(mut back) = lot.take_back(&ctx, route, MAX_CALL, &stop).await else {
+        if ctx.shares.parked_on(route.index) > 0 {
+            let Some(back) = parked::take_back(&ctx, lot, route, MAX_CALL, &stop).await else {
                 return;
             };
+            let mut back = seated(&ctx, route.index, back);
             back.append(&mut group);
             group = back;
         }
+        // In its calls from here: a route whose calls wait long gives nothing back.
+        ctx.shares.busy(route.index, !group.is_empty());
         // A group over MAX_CALL events or MAX_CALL_BYTES (one large read) goes in several
         // calls.
         while !group.is_empty() {
@@ -120,6 +147,9 @@ async fn run(
                 // Shutdown while Redis failed: these entries stay pending.
                 return;
             };
+            if rest.is_empty() {
+                ctx.shares.busy(route.index, false);
+            }
             group = rest;
             if !placed.sleepers.is_empty() {
                 fault::point("scheduled");

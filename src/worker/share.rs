@@ -6,21 +6,28 @@
 //! places (rate × max_wait ≥ max_inflight) took them all, and every other route's events waited
 //! unread behind it at its pace: a 100/s route took 100 s to start behind a 2/s route. Now:
 //!
-//! - a route whose queue is short (its plan less than `SHORT_QUEUE` ahead) may take any free
-//!   place: its events give them back within that time;
+//! - a route whose queue is short (its plan less than `SHORT_QUEUE_US` ahead, and its calls
+//!   answered within as long) may take any free place: its events give them back soon;
 //! - a route whose queue is long may take only places beyond a `reserve` kept for the readers
 //!   and for short queues, and of those at most its share: the places beyond the reserve
 //!   divided among the routes holding any (max-min fairness: a route alone may take them all, a
 //!   second one arriving takes places as the first gives them back, until they hold half each).
 //!
-//! What a route may not take now it parks (`placers`): the entry stays pending, its fields are
-//! let go, and it is read again once the route has room. So the readers keep reading, and every
-//! other route's events go on.
+//! What a route may not take now it parks (`parked`, as the events are handed to its task): the
+//! entry stays pending, its fields are let go, and it is read again once the route has room. So
+//! the readers keep reading, and every other route's events go on.
+//!
+//! A route holds the places of the events asleep on it and of those handed to its task and not
+//! yet placed: a route whose calls wait on a frozen master (a cluster's) held every event sent
+//! to it meanwhile, and once they had taken every place the routes on the healthy masters
+//! stopped too (none of their events dispatched in seconds 2 to 6 of a 6 s freeze, one worker
+//! of 300 places, 150 events a second per route).
 //!
 //! Counted in places, not events: a large event holds several (`budget`).
 
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 use tokio::sync::Semaphore;
 
 /// A queue this short (how far ahead its plan runs) gives its places back soon enough to take
@@ -34,12 +41,17 @@ const PARKED_PER_PLACE: usize = 16;
 
 /// The worker's places, and what each route's sleeping events hold of them.
 pub(crate) struct Shares {
-    /// Places held by each route's sleeping events, by `Route::index`.
+    /// Places held by each route's events (asleep on it, or handed to its task and not yet
+    /// placed), by `Route::index`.
     held: Box<[AtomicUsize]>,
     /// Entries each route has parked.
     parked: Box<[AtomicUsize]>,
     /// How far ahead each route's plan ran after its last call, µs.
     queue_us: Box<[AtomicI64]>,
+    /// Since when each route's task has been in its current calls (ms after `born`; 0: it
+    /// is not): a route whose calls wait on a frozen master gives nothing back either.
+    busy_since_ms: Box<[AtomicU64]>,
+    born: Instant,
     /// Which routes are counted active (holding places or with entries parked: wanting them),
     /// changed only under the lock, when a route's counts cross zero.
     counted: Mutex<Vec<bool>>,
@@ -68,6 +80,8 @@ impl Shares {
             held: zeros(),
             parked: zeros(),
             queue_us: (0..routes).map(|_| AtomicI64::new(0)).collect(),
+            busy_since_ms: (0..routes).map(|_| AtomicU64::new(0)).collect(),
+            born: Instant::now(),
             counted: Mutex::new(vec![false; routes]),
             active: AtomicUsize::new(0),
             parked_total: AtomicUsize::new(0),
@@ -78,7 +92,7 @@ impl Shares {
         })
     }
 
-    /// A seat for a sleeping event on `route` holding `places`: counted until dropped.
+    /// A seat for an event on `route` holding `places`: counted until dropped.
     pub(crate) fn seat(self: &Arc<Self>, route: usize, places: u32) -> Seat {
         if places > 0 && self.held[route].fetch_add(places as usize, Ordering::Relaxed) == 0 {
             self.settle(route);
@@ -110,11 +124,31 @@ impl Shares {
         self.queue_us[route].store(ahead_us, Ordering::Relaxed);
     }
 
-    /// How many places `route` may give sleeping events now (`room`), counting as free the
-    /// `own` places that the events asking already hold (those read: they keep them to sleep,
-    /// or give them back when parked).
+    /// Marks `route`'s task in its calls from now (`busy`) or out of them.
+    pub(crate) fn busy(&self, route: usize, busy: bool) {
+        let since = if busy {
+            // Never 0 (which says "not busy").
+            self.born.elapsed().as_millis() as u64 + 1
+        } else {
+            0
+        };
+        self.busy_since_ms[route].store(since, Ordering::Relaxed);
+    }
+
+    /// Whether `route` gives its places back slowly: its plan runs far ahead, or its task has
+    /// been in its calls that long (they wait on a slow or frozen Redis).
+    fn long(&self, route: usize) -> bool {
+        let since = self.busy_since_ms[route].load(Ordering::Relaxed);
+        let busy_ms = (self.born.elapsed().as_millis() as u64 + 1).saturating_sub(since);
+        self.queue_us[route].load(Ordering::Relaxed) > SHORT_QUEUE_US
+            || (since > 0 && busy_ms as i64 * 1000 > SHORT_QUEUE_US)
+    }
+
+    /// How many places the events on `route` (handed to its task, or asleep on it) may hold
+    /// now (`room`), counting as free the `own` places that the events asking already hold
+    /// (those read: they keep them, or give them back when parked).
     pub(crate) fn room_with(&self, route: usize, own: usize) -> usize {
-        let long = self.queue_us[route].load(Ordering::Relaxed) > SHORT_QUEUE_US;
+        let long = self.long(route);
         let counted = self.held[route].load(Ordering::Relaxed) > 0
             || self.parked[route].load(Ordering::Relaxed) > 0;
         let active = self.active.load(Ordering::Relaxed) + usize::from(!counted);
@@ -146,13 +180,19 @@ impl Shares {
         }
     }
 
+    /// Entries `route` has parked.
+    pub(crate) fn parked_on(&self, route: usize) -> usize {
+        self.parked[route].load(Ordering::Relaxed)
+    }
+
     /// Whether as many entries are parked as a worker keeps: then the readers wait.
     pub(crate) fn parked_full(&self) -> bool {
         self.parked_total.load(Ordering::Relaxed) >= self.max_parked
     }
 }
 
-/// A sleeping event's places on its route: counted in its route's share until dropped.
+/// An event's places on its route (asleep on it, or handed to its task): counted in its route's
+/// share until dropped.
 pub(crate) struct Seat {
     shares: Arc<Shares>,
     route: u32,
