@@ -16,7 +16,6 @@ use crate::pacing;
 use crate::scripts::{EventRef, ScheduleItem, ScheduleReply, Scheduled};
 use crate::telemetry;
 use crate::worker::held::Hold;
-use crate::worker::share::Seat;
 use std::collections::BTreeMap;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -37,9 +36,6 @@ pub(crate) struct Placing {
     /// that slotted it could not meet the slot: its fallbacks get only what is left.
     deadline_us: Option<i64>,
     pub(crate) permit: Hold,
-    /// Its places counted on the route whose task it was handed to (`Placers::send`), until it
-    /// is placed there: a route whose calls wait on a frozen master holds what it was sent.
-    pub(crate) seat: Option<Seat>,
 }
 
 impl Placing {
@@ -52,7 +48,6 @@ impl Placing {
             check_held: false,
             deadline_us: None,
             permit,
-            seat: None,
         }
     }
 

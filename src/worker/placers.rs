@@ -78,21 +78,16 @@ impl Placers {
             // Sent even when all were parked (then empty): the task, perhaps waiting for its
             // inbox, must know it has entries to take back.
             if sent > 0 {
-                let _ = self.routes[index].send(seated(ctx, index, group));
+                ctx.shares.handed(index, places(&group));
+                let _ = self.routes[index].send(group);
             }
         }
     }
 }
 
-/// `group`, each event's places counted on `route` until it is placed there.
-fn seated(ctx: &Context, route: usize, group: Vec<Placing>) -> Vec<Placing> {
-    group
-        .into_iter()
-        .map(|mut p| {
-            p.seat = Some(ctx.shares.seat(route, p.permit.places()));
-            p
-        })
-        .collect()
+/// The places `group`'s events hold.
+fn places(group: &[Placing]) -> usize {
+    group.iter().map(|p| p.permit.places() as usize).sum()
 }
 
 async fn run(
@@ -123,16 +118,18 @@ async fn run(
             }
         }
         if group.iter().any(|p| p.check_held) {
+            let handed = places(&group);
             let Some(held) = placement::still_held(&ctx, group, &stop).await else {
                 return;
             };
             group = held;
+            ctx.shares.placed(route.index, handed - places(&group));
         }
         if ctx.shares.parked_on(route.index) > 0 {
-            let Some(back) = parked::take_back(&ctx, lot, route, MAX_CALL, &stop).await else {
+            let Some(mut back) = parked::take_back(&ctx, lot, route, MAX_CALL, &stop).await else {
                 return;
             };
-            let mut back = seated(&ctx, route.index, back);
+            ctx.shares.handed(route.index, places(&back));
             back.append(&mut group);
             group = back;
         }
@@ -143,10 +140,13 @@ async fn run(
         while !group.is_empty() {
             let sizes = group.iter().map(|p| p.event.carried.packed_len());
             let rest = group.split_off(call_len(sizes, MAX_CALL).0);
+            let handed = places(&group);
             let Some(placed) = placement::place_on(&ctx, route, group, &stop).await else {
                 // Shutdown while Redis failed: these entries stay pending.
                 return;
             };
+            // Asleep under seats of their own now, passed on or finished.
+            ctx.shares.placed(route.index, handed);
             if rest.is_empty() {
                 ctx.shares.busy(route.index, false);
             }

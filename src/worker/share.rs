@@ -104,6 +104,22 @@ impl Shares {
         }
     }
 
+    /// Counts `places` handed to `route`'s task (`Placers::send`), until `placed`: a route whose
+    /// calls wait on a frozen master holds what it was sent meanwhile.
+    pub(crate) fn handed(&self, route: usize, places: usize) {
+        if places > 0 && self.held[route].fetch_add(places, Ordering::Relaxed) == 0 {
+            self.settle(route);
+        }
+    }
+
+    /// Counts `places` handed to `route`'s task as placed (asleep now under seats of their
+    /// own, or gone).
+    pub(crate) fn placed(&self, route: usize, places: usize) {
+        if places > 0 && self.held[route].fetch_sub(places, Ordering::Relaxed) == places {
+            self.settle(route);
+        }
+    }
+
     /// Counts `route` active or not by its counts now (one of them crossed zero).
     fn settle(&self, route: usize) {
         let mut counted = self.counted.lock().expect("never poisoned");
