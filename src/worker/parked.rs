@@ -1,8 +1,8 @@
 //! Entries a route parks while it has no room in the worker (`share`): read, then let go of all
 //! but their place in the group. A parked entry stays pending under this worker and registered
 //! as held (so the heartbeat keeps claimers off it and it is never taken up as stranded), and
-//! keeps only its stream, id and deliveries, about 40 bytes; its fields stay in the input
-//! stream, from which it is read again, by id, once its route has room. In order: a route with
+//! keeps only its stream, its id and the places it held, about 40 bytes; its fields stay in the
+//! input stream, from which it is read again, by id, once its route has room. In order: a route with
 //! entries parked parks what it is sent after them too, and takes the oldest back first.
 //!
 //! Only events on their first try are parked (nothing decided for them anywhere yet): one
@@ -57,6 +57,10 @@ impl Lot {
         } else {
             0
         };
+        if room >= own {
+            // The usual hand-over: nothing parked, room for all.
+            return group;
+        }
         let before = self.queue.len();
         let mut kept = Vec::with_capacity(group.len());
         for p in group {

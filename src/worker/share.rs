@@ -32,14 +32,14 @@ use tokio::sync::Semaphore;
 
 /// A queue this short (how far ahead its plan runs) gives its places back soon enough to take
 /// any: the readers wait at most this long for it.
-pub(crate) const SHORT_QUEUE_US: i64 = 1_000_000;
+const SHORT_QUEUE_US: i64 = 1_000_000;
 
 /// Entries parked per place: a parked entry keeps about 40 bytes (its id and its slot in
 /// `held`), a sleeping one its fields too (several hundred bytes). At the default 10,000
 /// places, 160,000 parked: about 6 MiB.
 const PARKED_PER_PLACE: usize = 16;
 
-/// The worker's places, and what each route's sleeping events hold of them.
+/// The worker's places, and what each route's events hold of them.
 pub(crate) struct Shares {
     /// Places held by each route's events (asleep on it, or handed to its task and not yet
     /// placed), by `Route::index`.
@@ -92,11 +92,9 @@ impl Shares {
         })
     }
 
-    /// A seat for an event on `route` holding `places`: counted until dropped.
+    /// A seat for an event asleep on `route` holding `places`: counted until dropped.
     pub(crate) fn seat(self: &Arc<Self>, route: usize, places: u32) -> Seat {
-        if places > 0 && self.held[route].fetch_add(places as usize, Ordering::Relaxed) == 0 {
-            self.settle(route);
-        }
+        self.handed(route, places as usize);
         Seat {
             shares: self.clone(),
             route: route as u32,
@@ -104,16 +102,17 @@ impl Shares {
         }
     }
 
-    /// Counts `places` handed to `route`'s task (`Placers::send`), until `placed`: a route whose
-    /// calls wait on a frozen master holds what it was sent meanwhile.
+    /// Counts `places` held on `route` (handed to its task by `Placers::send`, or asleep: a
+    /// `seat`), until `placed`: a route whose calls wait on a frozen master holds what it was
+    /// sent meanwhile.
     pub(crate) fn handed(&self, route: usize, places: usize) {
         if places > 0 && self.held[route].fetch_add(places, Ordering::Relaxed) == 0 {
             self.settle(route);
         }
     }
 
-    /// Counts `places` handed to `route`'s task as placed (asleep now under seats of their
-    /// own, or gone).
+    /// Counts `places` on `route` let go: handed to its task and placed (asleep now under
+    /// seats of their own, passed on or finished), or asleep and gone.
     pub(crate) fn placed(&self, route: usize, places: usize) {
         if places > 0 && self.held[route].fetch_sub(places, Ordering::Relaxed) == places {
             self.settle(route);
@@ -223,10 +222,7 @@ impl Seat {
 
 impl Drop for Seat {
     fn drop(&mut self) {
-        let (places, route) = (self.places as usize, self.route as usize);
-        if places > 0 && self.shares.held[route].fetch_sub(places, Ordering::Relaxed) == places {
-            self.shares.settle(route);
-        }
+        (self.shares).placed(self.route as usize, self.places as usize);
     }
 }
 
