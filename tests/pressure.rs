@@ -194,3 +194,48 @@ fn one_routes_backlog_never_holds_up_another_routes_events() {
         );
     }
 }
+
+/// What a worker parks is bounded: past 16 × `max_inflight` entries parked, its readers wait
+/// (as they wait for places) instead of reading a whole backlog into memory. One worker of 20
+/// places (320 parked at most) serving two routes of 10/s, one of them sent 1,000 events at
+/// once with a `max_age` of 1 s: it holds its share and parks the rest until the bound, and
+/// what it takes back has waited too long and is rejected `expired`. The parked gauge stays
+/// within 320 and one read (10); every event ends once, the route's at its rate.
+#[test]
+fn parked_entries_are_bounded_and_the_readers_wait_past_the_bound() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("parked-bound");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 10/s, burst: 1, max_wait: 5s, max_age: 1s}\n    b: {rate: 10/s, burst: 1, max_wait: 5s}\n";
+    let worker = "  batch: 10\n  max_inflight: 20\n  claim_idle: 30s";
+    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
+    let events: Vec<_> = (0..1000)
+        .map(|i| event(&[("route", "a"), ("n", &i.to_string())]))
+        .collect();
+    let ids = push(&redis, "in", &events);
+    let pacer = start(&cfg, port);
+    let outputs = [
+        "pacer:{a}:ready",
+        "pacer:{b}:ready",
+        "pacer:rejected",
+        "pacer:dead",
+    ];
+    let mut con = redis.con();
+    let mut most_parked = 0.0_f64;
+    let done = wait_until(Duration::from_secs(40), || {
+        most_parked = most_parked.max(pacer::testkit::metric_at(port, "pacer_parked_events"));
+        entries(&mut con, &outputs) >= ids.len()
+    });
+    assert!(done, "not every entry ended:\n{}", pacer.log_text());
+    assert_each_once(&redis, &ids, &outputs, "in");
+    assert!(
+        most_parked > 100.0 && most_parked <= 320.0 + 10.0,
+        "at most {most_parked} parked"
+    );
+    let expired = read(&redis, "pacer:rejected")
+        .iter()
+        .filter(|e| e.field("pacer_reason") == Some("expired"))
+        .count();
+    assert!(expired > 500, "{expired} rejected expired");
+    assert_rate(&redis, "pacer:{a}:ready", 10.0, 1.0);
+}

@@ -99,6 +99,8 @@ pub(super) fn try_hold(
     room: usize,
 ) -> Option<Vec<OwnedSemaphorePermit>> {
     let weights = weighed(ctx, sizes);
+    // Within what is free now, too: a read may have taken some since the room was counted.
+    let room = room.min(ctx.permits.available_permits());
     let (mut total, mut kept) = (0, 0);
     for w in &weights {
         if kept > 0 && total + w > room {

@@ -87,6 +87,8 @@ pub(super) async fn run(
             _ = shutdown.cancelled() => return,
             p = ctx.permits.clone().acquire_many_owned(count as u32) => p.expect("never closed"),
         };
+        // Held while the read waits for entries: the places kept for reads (`share`).
+        let reading = ctx.shares.reading(count);
         let read = telemetry::timed(
             "read",
             streams::read_group(
@@ -104,6 +106,7 @@ pub(super) async fn run(
             ),
         )
         .await;
+        drop(reading);
         let (entries, sizes) = match read {
             Ok(entries) => {
                 ctx.health.succeeded();

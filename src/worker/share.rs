@@ -59,6 +59,9 @@ pub(crate) struct Shares {
     active: AtomicUsize,
     /// Entries parked, all routes together.
     parked_total: AtomicUsize,
+    /// Places held by reads under way (a reader's XREADGROUP waiting for new entries holds its
+    /// count): the reserve is for them, so those count toward it, not against the routes.
+    reading: AtomicUsize,
     permits: Arc<Semaphore>,
     total: usize,
     reserve: usize,
@@ -85,6 +88,7 @@ impl Shares {
             counted: Mutex::new(vec![false; routes]),
             active: AtomicUsize::new(0),
             parked_total: AtomicUsize::new(0),
+            reading: AtomicUsize::new(0),
             permits,
             total,
             reserve: reserve.min(total / 2),
@@ -171,6 +175,7 @@ impl Shares {
             Places {
                 total: self.total,
                 free: self.permits.available_permits() + own,
+                reading: self.reading.load(Ordering::Relaxed),
                 reserve: self.reserve,
             },
             long,
@@ -192,6 +197,15 @@ impl Shares {
         self.parked_total.fetch_sub(n, Ordering::Relaxed);
         if n > 0 && self.parked[route].fetch_sub(n, Ordering::Relaxed) == n {
             self.settle(route);
+        }
+    }
+
+    /// Counts `places` held by a read under way until the guard is dropped (when it returns).
+    pub(crate) fn reading(self: &Arc<Self>, places: usize) -> Reading {
+        self.reading.fetch_add(places, Ordering::Relaxed);
+        Reading {
+            shares: self.clone(),
+            places,
         }
     }
 
@@ -226,29 +240,43 @@ impl Drop for Seat {
     }
 }
 
-/// The worker's places: all of them, the free ones, and those kept from long queues.
+/// A read under way, its places counted toward the reserve until it is dropped.
+pub(crate) struct Reading {
+    shares: Arc<Shares>,
+    places: usize,
+}
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        (self.shares.reading).fetch_sub(self.places, Ordering::Relaxed);
+    }
+}
+
+/// The worker's places: all of them, the free ones, those reads under way hold, and those kept
+/// from long queues.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Places {
     pub(crate) total: usize,
     pub(crate) free: usize,
+    pub(crate) reading: usize,
     pub(crate) reserve: usize,
 }
 
 /// How many more places a route holding `held` may give sleeping events, with `active` routes
 /// (this one among them) holding places or waiting for them: every free place for a short
-/// queue; for a `long` one, what is free beyond the reserve, and no more than what is left of
-/// its share (the places beyond the reserve divided among the active routes). Long queues so
-/// never hold the reserve, and one over its share (it took more while alone) adds nothing until
-/// it is back within it, while the places it gives back go to the routes below theirs.
+/// queue; for a `long` one, what is free beyond the reserve (of which reads under way already
+/// hold their part), and no more than what is left of its share (the places beyond the
+/// reserve divided among the active routes, one at least). Long queues so never hold the
+/// reserve, and one over its share (it took more while alone) adds nothing until it is back
+/// within it, while the places it gives back go to the routes below theirs. Never more than is
+/// free.
 pub(crate) fn room(places: Places, long: bool, held: usize, active: usize) -> usize {
     if !long {
         return places.free;
     }
-    let share = places.total.saturating_sub(places.reserve) / active.max(1);
-    places
-        .free
-        .saturating_sub(places.reserve)
-        .min(share.saturating_sub(held))
+    let share = (places.total.saturating_sub(places.reserve) / active.max(1)).max(1);
+    let beyond = (places.free + places.reading.min(places.reserve)).saturating_sub(places.reserve);
+    beyond.min(places.free).min(share.saturating_sub(held))
 }
 
 /// A seat on `route` of a worker of its own (for tests of what holds one).
@@ -267,8 +295,27 @@ mod tests {
         Places {
             total,
             free,
+            reading: 0,
             reserve,
         }
+    }
+
+    /// A reader waiting for new entries holds its count: that is the reserve at work, so the
+    /// long queues still have what is free beyond it (a worker of 20 places, a read of 10
+    /// waiting, took nothing back for its parked entries).
+    #[test]
+    fn a_waiting_read_holds_its_part_of_the_reserve() {
+        let waiting = Places {
+            total: 20,
+            free: 10,
+            reading: 10,
+            reserve: 10,
+        };
+        assert_eq!(room(waiting, true, 0, 1), 10);
+        // Never more than is free: its reading is not the route's to take.
+        let short = Places { free: 3, ..waiting };
+        assert_eq!(room(short, true, 0, 1), 3);
+        assert_eq!(room(short, false, 0, 1), 3);
     }
 
     #[test]
@@ -327,7 +374,7 @@ mod tests {
                 held[route] += want.min(r);
                 prop_assert!(held.iter().sum::<usize>() <= total - reserve, "{held:?}");
                 let active = held.iter().filter(|h| **h > 0).count();
-                let share = (total - reserve) / active.max(1);
+                let share = ((total - reserve) / active.max(1)).max(1);
                 prop_assert!(held[route] <= before.max(share), "{held:?} share {share}");
             }
         }
