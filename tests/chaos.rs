@@ -6,7 +6,10 @@
 //! holds more than its limit (by Redis's clock), and nothing is pending.
 //!
 //! The inbound state lies in one partition, or (drawn from the seed, or `PACER_CHAOS_PARTITIONS`)
-//! in 4 partitions that each write their own forward and rejected streams.
+//! in 4 partitions that each write their own forward and rejected streams. The workers hold
+//! 10,000 sleeping events, or (drawn from the seed, or `PACER_CHAOS_MAX_INFLIGHT`) 150, fewer
+//! than route a's backlog can hold (400): its events are then parked past its share of a
+//! worker's places (`worker/share.rs`) and read again, through every fault.
 //!
 //! The suite runs 60 s. Longer, or replaying a run: `PACER_CHAOS_SECONDS=600
 //! PACER_CHAOS_SEED=<seed printed by a run> cargo test --release --test chaos -- --nocapture`.
@@ -15,7 +18,7 @@ mod common;
 
 use common::*;
 use pacer::keys::InboundKeys;
-use pacer::testkit::{free_port, wait_until, Pacer, RedisServer, TempDir};
+use pacer::testkit::{free_port, metric_at, wait_until, Pacer, RedisServer, TempDir};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -48,6 +51,8 @@ impl Rng {
 struct Worker {
     pacer: Option<Pacer>,
     cfg: std::path::PathBuf,
+    /// Its metrics port.
+    port: u16,
     wrapper: Vec<&'static str>,
     stopped_until: Option<Instant>,
 }
@@ -103,7 +108,11 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
             | 1
     });
     let partitions = env_u64("PACER_CHAOS_PARTITIONS").unwrap_or(if seed & 2 == 0 { 1 } else { 4 });
-    eprintln!("chaos: {seconds} s, seed {seed}, {partitions} inbound partition(s)");
+    let max_inflight =
+        env_u64("PACER_CHAOS_MAX_INFLIGHT").unwrap_or(if seed & 4 == 0 { 10_000 } else { 150 });
+    eprintln!(
+        "chaos: {seconds} s, seed {seed}, {partitions} inbound partition(s), max_inflight {max_inflight}"
+    );
     let mut rng = Rng(seed);
 
     let mut redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
@@ -127,11 +136,12 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
     let body = format!(
         "outbound:\n  streams: [\"in\"]\n  max_event_fields: 3000\n  routes:\n    a: {{rate: 200/s, burst: 5, max_wait: 2s, fallbacks: [b]}}\n    b: {{rate: 100/s, burst: 1, max_wait: 2s}}\n{inbound}"
     );
-    let worker = "  batch: 64\n  drain: 1s\n  claim_idle: 3500ms";
+    let worker =
+        format!("  batch: 64\n  max_inflight: {max_inflight}\n  drain: 1s\n  claim_idle: 3500ms");
     let mut workers: Vec<Worker> = (0..3)
         .map(|i| {
             let port = free_port();
-            let cfg = config(&dir, &format!("w{i}.yaml"), &redis, port, worker, &body);
+            let cfg = config(&dir, &format!("w{i}.yaml"), &redis, port, &worker, &body);
             let wrapper = if i == 2 {
                 // Only the wall clock, as on a host whose clock is off. libfaketime's offset
                 // monotonic clock puts every absolute timed wait (a futex's deadline) 5 s late,
@@ -151,6 +161,7 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
             Worker {
                 pacer: Some(pacer),
                 cfg,
+                port,
                 wrapper,
                 stopped_until: None,
             }
@@ -162,11 +173,18 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
     let start = Instant::now();
     let mut tick = 0u64;
     let mut next_fault = Instant::now() + Duration::from_secs(2);
+    // The most entries a running worker was seen holding parked.
+    let mut most_parked = 0.0_f64;
     while start.elapsed() < Duration::from_secs(seconds) {
         let (out, inb) = tick_events(tick, &mut rng);
         out_ids.extend(push(&redis, "in", &out));
         in_ids.extend(push(&redis, "pacer:in", &inb));
         tick += 1;
+        if tick.is_multiple_of(10) {
+            for w in workers.iter().filter(|w| w.stopped_until.is_none()) {
+                most_parked = most_parked.max(metric_at(w.port, "pacer_parked_events"));
+            }
+        }
         for w in &mut workers {
             if w.stopped_until.is_some_and(|t| Instant::now() >= t) {
                 w.pacer.as_ref().unwrap().signal("CONT");
@@ -252,7 +270,8 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
     });
     eprintln!(
         "chaos: seed {seed}, {seconds} s, faults {faults:?}; {} outbound and {} inbound entries, \
-         each ended once: a {}, b {}, rejected {}, accepted {}, inbound rejected {}, dead {reasons:?}",
+         each ended once: a {}, b {}, rejected {}, accepted {}, inbound rejected {}, dead {reasons:?}; \
+         most parked on a worker {most_parked}",
         out_ids.len(),
         in_ids.len(),
         count("pacer:{a}:ready"),
@@ -261,6 +280,13 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
         count_all(&forwards),
         count_all(&rejecteds),
     );
+    // With fewer places than route a's backlog can hold, it parked (the draw exercised that).
+    if max_inflight < 400 {
+        assert!(
+            most_parked > 0.0,
+            "nothing was parked with max_inflight {max_inflight}"
+        );
+    }
     // Faults redeliver entries (a killed worker's, a frozen one's past claim_idle), but an
     // entry delivered more than max_deliveries (5) times means workers keep failing to finish
     // what they hold: with a worker whose timers stalled, 5% of the outbound entries were.
