@@ -540,36 +540,55 @@ fn a_frozen_masters_route_follows_its_promoted_replica_before_the_thaw() {
     );
 }
 
-/// Issue 15, point 2: one route's trouble never blocks another's. Three masters without
-/// replicas (and `cluster-require-full-coverage no`, without which Redis itself refuses every
-/// slot while one master is down); one route per master, their events interleaved in one input
-/// stream. The third master is frozen (SIGSTOP) for 3 s: the other two routes keep dispatching
-/// what arrives for them meanwhile, and after the thaw every entry ends exactly once.
-#[test]
-fn a_frozen_master_holds_up_no_route_on_the_others() {
+/// What a frozen-master run left for its test to check.
+struct Frozen {
+    cluster: Cluster,
+    /// One route per master, in the masters' order (the third's is the frozen one's).
+    routes: Vec<String>,
+    /// Redis's clock (the input's master) as the third master froze and as it thawed, ms.
+    frozen_at: i64,
+    thawed_at: i64,
+    pacers: Vec<Pacer>,
+    ports: Vec<u16>,
+}
+
+/// Redis's clock on `con`, ms.
+fn now_ms(con: &mut redis::Connection) -> i64 {
+    let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();
+    s * 1000 + us / 1000
+}
+
+/// Three masters without replicas (and `cluster-require-full-coverage no`, without which Redis
+/// itself refuses every slot while one master is down); one route per master (200/s, burst 1,
+/// max_wait 5 s), their events interleaved in one input stream, 150 a second per route for
+/// `feed_s` seconds, read by `workers` workers of `worker` settings. After 1.5 s the third
+/// master is frozen (SIGSTOP) for `freeze`. After the thaw every entry ended exactly once, none
+/// dead-lettered.
+fn frozen_master(
+    label: &str,
+    worker: &str,
+    workers: usize,
+    feed_s: u64,
+    freeze: Duration,
+) -> Frozen {
     let cluster = Cluster::start_with(3, 0, &["--cluster-require-full-coverage", "no"]);
     let masters = cluster.masters();
-    let dir = TempDir::new("frozen");
+    let dir = TempDir::new(label);
     let routes: Vec<String> = masters.iter().map(|&m| cluster.name_on(m, "r")).collect();
     let input = cluster.name_on(masters[0], "out");
     let mut body = format!("outbound:\n  streams: [{input}]\n  routes:\n");
     for r in &routes {
         body += &format!("    {r}: {{rate: 200/s, burst: 1, max_wait: 5s}}\n");
     }
-    let (pacers, ports): (Vec<Pacer>, Vec<u16>) = (0..2)
+    let (pacers, ports): (Vec<Pacer>, Vec<u16>) = (0..workers)
         .map(|i| {
-            let (config, port) = worker_config(&dir, &cluster, "", WORKER, &body, i);
+            let (config, port) = worker_config(&dir, &cluster, "", worker, &body, i);
             (start(&config, port), port)
         })
         .unzip();
-    let now_ms = |con: &mut redis::Connection| -> i64 {
-        let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();
-        s * 1000 + us / 1000
-    };
-
-    // 150 events/s per route (below its rate: each should go out as it arrives) for 6 s.
+    // 150 events/s per route (below its rate: each should go out as it arrives).
     let feed_routes = routes.clone();
-    let producer = feed(&cluster, &input, 6, 45, move |tick, i| {
+    let producer = feed(&cluster, &input, feed_s, 45, move |tick, i| {
         event(&[
             ("route", &feed_routes[i % 3]),
             ("n", &format!("{tick}.{i}")),
@@ -579,7 +598,7 @@ fn a_frozen_master_holds_up_no_route_on_the_others() {
     std::thread::sleep(Duration::from_millis(1500));
     let frozen_at = now_ms(&mut clock);
     cluster.pause(masters[2]);
-    std::thread::sleep(Duration::from_secs(3));
+    std::thread::sleep(freeze);
     let thawed_at = now_ms(&mut clock);
     cluster.resume(masters[2]);
     let pushed = producer.join().unwrap();
@@ -594,6 +613,31 @@ fn a_frozen_master_holds_up_no_route_on_the_others() {
         &pacers,
     );
     assert!(entries(&cluster, "pacer:dead").is_empty());
+    Frozen {
+        cluster,
+        routes,
+        frozen_at,
+        thawed_at,
+        pacers,
+        ports,
+    }
+}
+
+/// Issue 15, point 2: one route's trouble never blocks another's (`frozen_master`, two
+/// workers, the third master frozen for 3 s): the other two routes keep dispatching what
+/// arrives for them meanwhile, and after the thaw every entry ends exactly once.
+#[test]
+fn a_frozen_master_holds_up_no_route_on_the_others() {
+    let Frozen {
+        cluster,
+        routes,
+        frozen_at,
+        thawed_at,
+        ports,
+        // Alive until the end: the last check reads their gauges.
+        pacers: _pacers,
+    } = frozen_master("frozen", WORKER, 2, 6, Duration::from_secs(3));
+    let masters = cluster.masters();
 
     // While the third master was frozen (less a 300 ms margin for the freeze to bite and the
     // events already read), the other routes dispatched what arrived for them.
@@ -998,49 +1042,17 @@ fn a_routes_backlog_is_parked_and_taken_back_on_a_cluster() {
 /// arrives for them throughout, and once the master thaws everything ends once.
 #[test]
 fn a_long_frozen_master_takes_no_places_from_the_other_routes() {
-    let cluster = Cluster::start_with(3, 0, &["--cluster-require-full-coverage", "no"]);
-    let masters = cluster.masters();
-    let dir = TempDir::new("frozen-long");
-    let routes: Vec<String> = masters.iter().map(|&m| cluster.name_on(m, "r")).collect();
-    let input = cluster.name_on(masters[0], "out");
-    let mut body = format!("outbound:\n  streams: [{input}]\n  routes:\n");
-    for r in &routes {
-        body += &format!("    {r}: {{rate: 200/s, burst: 1, max_wait: 5s}}\n");
-    }
-    let worker = "  batch: 32\n  max_inflight: 300\n  drain: 1s\n  claim_idle: 30s";
-    let (config, port) = worker_config(&dir, &cluster, "", worker, &body, 0);
-    let pacer = start(&config, port);
-    let now_ms = |con: &mut redis::Connection| -> i64 {
-        let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();
-        s * 1000 + us / 1000
-    };
     // 150 events/s per route for 10 s; the third master frozen for 6 s of it: 900 events for
     // its route, three times the worker's places.
-    let feed_routes = routes.clone();
-    let producer = feed(&cluster, &input, 10, 45, move |tick, i| {
-        event(&[
-            ("route", &feed_routes[i % 3]),
-            ("n", &format!("{tick}.{i}")),
-        ])
-    });
-    let mut clock = cluster.server_of(&input).con();
-    std::thread::sleep(Duration::from_millis(1500));
-    let frozen_at = now_ms(&mut clock);
-    cluster.pause(masters[2]);
-    std::thread::sleep(Duration::from_secs(6));
-    let thawed_at = now_ms(&mut clock);
-    cluster.resume(masters[2]);
-    let pushed = producer.join().unwrap();
-    let mut outputs: Vec<String> = routes.iter().map(|r| ready(r)).collect();
-    outputs.extend(["pacer:rejected".to_string(), "pacer:dead".to_string()]);
-    assert_each_once(
-        &cluster,
-        &pushed,
-        &outputs,
-        std::slice::from_ref(&input),
-        std::slice::from_ref(&pacer),
-    );
-    assert!(entries(&cluster, "pacer:dead").is_empty());
+    let worker = "  batch: 32\n  max_inflight: 300\n  drain: 1s\n  claim_idle: 30s";
+    let Frozen {
+        cluster,
+        routes,
+        frozen_at,
+        thawed_at,
+        pacers,
+        ..
+    } = frozen_master("frozen-long", worker, 1, 10, Duration::from_secs(6));
     // Seconds 2 to 6 of the freeze: long past the 2 s the places last.
     let (from, to) = (frozen_at + 2000, thawed_at);
     let seconds = (to - from) as f64 / 1000.0;
@@ -1054,7 +1066,7 @@ fn a_long_frozen_master_takes_no_places_from_the_other_routes() {
         assert!(
             during as f64 >= 0.9 * 150.0 * seconds,
             "route {route} on a healthy master dispatched {during} in {seconds:.2} s while another master was frozen:\n{}",
-            tail(&pacer.log_text())
+            tail(&pacers[0].log_text())
         );
     }
 }
