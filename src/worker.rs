@@ -98,7 +98,9 @@ impl Worker {
             0
         };
         let shares = share::Shares::new(
-            cfg.outbound.order.len(),
+            (0..cfg.outbound.order.len())
+                .map(|i| cfg.outbound.route_at(i).bucket.interval_us)
+                .collect(),
             permits.clone(),
             cfg.worker.max_inflight,
             reserve,

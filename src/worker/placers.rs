@@ -14,6 +14,7 @@ use super::placement::{self, Placing};
 use crate::fault;
 use crate::scripts::call_len;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -24,9 +25,13 @@ use tokio_util::sync::CancellationToken;
 /// (tests/pressure.rs). The price is a little more Redis CPU per event.
 const MAX_CALL: usize = 128;
 
-/// How often a route with entries parked looks for room to take some back: a 1000/s route
-/// sends about ten events a tick, so its parked ones follow without a gap.
-const TAKE_BACK_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
+/// How often the routes with entries parked are looked over for room to take some back,
+/// besides when a route's own events give places back (`Shares::given_back`): what the other
+/// routes give back is found this way. A 1000/s route sends about ten events a tick, so its
+/// parked ones follow without a gap. One task looks for all of them and wakes only those with
+/// room: 300 routes with entries parked, each looking every 10 ms itself, took 8–9% of a core
+/// (1% without the looks) for the 300 events a second they sent.
+const TAKE_BACK_EVERY: Duration = Duration::from_millis(10);
 
 /// The placement tasks' inboxes, one per route (by `Route::index`), and what each route parked.
 pub(crate) struct Placers {
@@ -54,6 +59,7 @@ impl Placers {
             routes: senders,
             lots,
         });
+        tokio::spawn(look_for_room(ctx.clone(), stop.clone()));
         for (route, rx) in receivers.into_iter().enumerate() {
             tokio::spawn(run(
                 ctx.clone(),
@@ -108,8 +114,9 @@ async fn run(
                 Some(g) => g,
                 None => return,
             },
-            // Parked entries are taken back as the route's sleeping events go out.
-            _ = tokio::time::sleep(TAKE_BACK_EVERY), if parked => Vec::new(),
+            // Parked entries are taken back as the route's sleeping events go out, or as the
+            // other routes' give places back (`look_for_room`).
+            _ = ctx.shares.given_back(route.index), if parked => Vec::new(),
         };
         while group.len() < MAX_CALL {
             match rx.try_recv() {
@@ -163,6 +170,19 @@ async fn run(
                 let (ctx, stop) = (ctx.clone(), stop.clone());
                 tokio::spawn(async move { outputs::finish(&ctx, finished, &stop).await });
             }
+        }
+    }
+}
+
+/// Every `TAKE_BACK_EVERY`, wakes the tasks of the routes with entries parked and room for some
+/// now, until `stop`.
+async fn look_for_room(ctx: Arc<Context>, stop: CancellationToken) {
+    let mut every = tokio::time::interval(TAKE_BACK_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = every.tick() => ctx.shares.wake_those_with_room(),
         }
     }
 }
