@@ -25,12 +25,13 @@ use tokio_util::sync::CancellationToken;
 /// (tests/pressure.rs). The price is a little more Redis CPU per event.
 const MAX_CALL: usize = 128;
 
-/// How often the routes with entries parked are looked over for room to take some back,
-/// besides when a route's own events give places back (`Shares::given_back`): what the other
-/// routes give back is found this way. A 1000/s route sends about ten events a tick, so its
-/// parked ones follow without a gap. One task looks for all of them and wakes only those with
-/// room: 300 routes with entries parked, each looking every 10 ms itself, took 8–9% of a core
-/// (1% without the looks) for the 300 events a second they sent.
+/// How often the routes with entries parked are looked over for room to take some back: a
+/// 1000/s route sends about ten events a tick, so its parked ones follow without a gap. One
+/// task looks for all of them and wakes only those with room: 300 routes with entries parked,
+/// each looking every 10 ms itself, took 8–9% of a core (1% without the looks) for the 300
+/// events a second they sent. (Waking a route also as soon as its own events gave places back
+/// lets it win them from a reader waiting for a read's worth, which then reads at its pace:
+/// once, another route's events behind 400 large ones were not out within 5 s.)
 const TAKE_BACK_EVERY: Duration = Duration::from_millis(10);
 
 /// The placement tasks' inboxes, one per route (by `Route::index`), and what each route parked.
@@ -114,9 +115,8 @@ async fn run(
                 Some(g) => g,
                 None => return,
             },
-            // Parked entries are taken back as the route's sleeping events go out, or as the
-            // other routes' give places back (`look_for_room`).
-            _ = ctx.shares.given_back(route.index), if parked => Vec::new(),
+            // Parked entries are taken back as places are given back (`look_for_room`).
+            _ = ctx.shares.room_found(route.index), if parked => Vec::new(),
         };
         while group.len() < MAX_CALL {
             match rx.try_recv() {

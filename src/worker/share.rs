@@ -52,9 +52,9 @@ pub(crate) struct Shares {
     held: Box<[AtomicUsize]>,
     /// Entries each route has parked.
     parked: Box<[AtomicUsize]>,
-    /// Wakes a route's task while it has entries parked: when places its events held are given
-    /// back (its room is most often what its own events give back), or when it is found room.
-    given_back: Box<[Notify]>,
+    /// Wakes a route's task while it has entries parked, when `wake_those_with_room` finds it
+    /// room.
+    room_found: Box<[Notify]>,
     /// Where each route's plan ended after its last call (µs after `born`): how far ahead it
     /// runs is that less the time now, shorter as its events go out.
     plan_end_us: Box<[AtomicI64]>,
@@ -95,7 +95,7 @@ impl Shares {
         Arc::new(Shares {
             held: zeros(),
             parked: zeros(),
-            given_back: (0..routes).map(|_| Notify::new()).collect(),
+            room_found: (0..routes).map(|_| Notify::new()).collect(),
             plan_end_us: (0..routes).map(|_| AtomicI64::new(0)).collect(),
             interval_us: interval_us.into_iter().map(|i| i.max(1)).collect(),
             busy_since_ms: (0..routes).map(|_| AtomicU64::new(0)).collect(),
@@ -136,16 +136,12 @@ impl Shares {
         if places > 0 && self.held[route].fetch_sub(places, Ordering::Relaxed) == places {
             self.settle(route);
         }
-        if places > 0 && self.parked[route].load(Ordering::Relaxed) > 0 {
-            self.given_back[route].notify_one();
-        }
     }
 
-    /// Resolves once places `route`'s events held are given back while it has entries parked,
-    /// or `wake_those_with_room` finds it room (at once if either came since the last call: a
-    /// wake-up is never lost).
-    pub(crate) async fn given_back(&self, route: usize) {
-        self.given_back[route].notified().await;
+    /// Resolves once `wake_those_with_room` finds `route` room (at once if it did since the
+    /// last call: a wake-up is never lost).
+    pub(crate) async fn room_found(&self, route: usize) {
+        self.room_found[route].notified().await;
     }
 
     /// Wakes each route with entries parked that has room for some now.
@@ -155,7 +151,7 @@ impl Shares {
         }
         for route in 0..self.parked.len() {
             if self.parked[route].load(Ordering::Relaxed) > 0 && self.room_with(route, 0) > 0 {
-                self.given_back[route].notify_one();
+                self.room_found[route].notify_one();
             }
         }
     }
