@@ -174,15 +174,17 @@ async fn run(
     }
 }
 
-/// Every `TAKE_BACK_EVERY`, wakes the tasks of the routes with entries parked and room for some
-/// now, until `stop`.
+/// Every `TAKE_BACK_EVERY` while entries are parked, wakes the tasks of the routes with entries
+/// parked and room for some now, until `stop`.
 async fn look_for_room(ctx: Arc<Context>, stop: CancellationToken) {
-    let mut every = tokio::time::interval(TAKE_BACK_EVERY);
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = every.tick() => ctx.shares.wake_those_with_room(),
+            _ = ctx.shares.any_parked() => {}
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(TAKE_BACK_EVERY) => ctx.shares.wake_those_with_room(),
         }
     }
 }

@@ -52,6 +52,9 @@ pub(crate) struct Shares {
     held: Box<[AtomicUsize]>,
     /// Entries each route has parked.
     parked: Box<[AtomicUsize]>,
+    /// Wakes the task that looks for room (`placers`) when entries are parked with none before:
+    /// while none are, it has nothing to look for, and a worker at rest wakes for nothing.
+    first_parked: Notify,
     /// Wakes a route's task while it has entries parked, when `wake_those_with_room` finds it
     /// room.
     room_found: Box<[Notify]>,
@@ -96,6 +99,7 @@ impl Shares {
             held: zeros(),
             parked: zeros(),
             room_found: (0..routes).map(|_| Notify::new()).collect(),
+            first_parked: Notify::new(),
             plan_end_us: (0..routes).map(|_| AtomicI64::new(0)).collect(),
             interval_us: interval_us.into_iter().map(|i| i.max(1)).collect(),
             busy_since_ms: (0..routes).map(|_| AtomicU64::new(0)).collect(),
@@ -142,6 +146,14 @@ impl Shares {
     /// last call: a wake-up is never lost).
     pub(crate) async fn room_found(&self, route: usize) {
         self.room_found[route].notified().await;
+    }
+
+    /// Whether any entries are parked; if none, first waits until some are (at once if some
+    /// were since the last call: a wake-up is never lost).
+    pub(crate) async fn any_parked(&self) {
+        if self.parked_total.load(Ordering::Relaxed) == 0 {
+            self.first_parked.notified().await;
+        }
     }
 
     /// Wakes each route with entries parked that has room for some now.
@@ -229,7 +241,9 @@ impl Shares {
 
     /// Counts `n` entries parked on `route`.
     pub(crate) fn park(&self, route: usize, n: usize) {
-        self.parked_total.fetch_add(n, Ordering::Relaxed);
+        if self.parked_total.fetch_add(n, Ordering::Relaxed) == 0 && n > 0 {
+            self.first_parked.notify_one();
+        }
         if n > 0 && self.parked[route].fetch_add(n, Ordering::Relaxed) == 0 {
             self.settle(route);
         }
