@@ -156,7 +156,8 @@ impl Shares {
         }
     }
 
-    /// Wakes each route with entries parked that has room for some now.
+    /// Wakes each route with entries parked that has room for some now. It reads every route's
+    /// count: a few µs a tick for hundreds of routes.
     pub(crate) fn wake_those_with_room(&self) {
         if self.parked_total.load(Ordering::Relaxed) == 0 {
             return;
@@ -205,9 +206,11 @@ impl Shares {
         self.busy_since_ms[route].store(since, Ordering::Relaxed);
     }
 
-    /// How many places `route` may take beyond its share and stay short (`short`): none while
-    /// its plan runs `SHORT_QUEUE_US` ahead, or its task has been in its calls that long (they
-    /// wait on a slow or frozen Redis, and it gives nothing back meanwhile).
+    /// How many places `route` may take of any free place, the reserve's too, and stay short
+    /// (`short`; `room` still holds it to its share): none while its plan runs
+    /// `SHORT_QUEUE_US` ahead, or its task has been in its calls that long (they wait on a slow
+    /// or frozen Redis, and it gives nothing back meanwhile). Counted in events, one place
+    /// each: a large event weighs more places, so such a route takes fewer, never more.
     fn short_room(&self, route: usize) -> usize {
         let since = self.busy_since_ms[route].load(Ordering::Relaxed);
         let busy_ms = (self.born.elapsed().as_millis() as u64 + 1).saturating_sub(since);
@@ -417,7 +420,8 @@ mod tests {
     /// most a call's 128) as its events go out, keep their rates together once the places have
     /// spread. With short queues taking any free place, a few routes gathered them: 300 routes
     /// of 10/s on 2,000 places passed 450–900 events a second in a worker, and 744 in this
-    /// model (2,000 with short queues taking what keeps them short beyond their share).
+    /// model (2,000 with short queues taking what keeps them short up to an even part of all
+    /// the places).
     #[test]
     fn many_slow_routes_share_the_places_and_each_keeps_its_rate() {
         let (routes, interval, total, reserve) = (300usize, 100_000i64, 2000usize, 1000usize);
