@@ -239,12 +239,13 @@ end
 -- same rule): a count_rejected rule charged the attempt too, so its check is made again, since
 -- its room now comes later than its first answer said (a client waiting that answer was refused
 -- every time); the others keep their first answer. Checks from..to, each with its first
--- `first_retry[x], first_lim[x]`; `at(x)` gives its rule and state, or nothing for a check not
--- made (a leased token spent). Returns retry, limit and x of the latest, or 0, 0, nil.
-local function rebind(from, to, first_retry, first_lim, at, units)
+-- `first_retry[x], first_lim[x]`; `at(x)` gives its rule, state and the units it is decided
+-- for, or nothing for a check not made (a leased token spent). Returns retry, limit and x of
+-- the latest, or 0, 0, nil.
+local function rebind(from, to, first_retry, first_lim, at)
   local best, best_lim, best_x = 0, 0, nil
   for x = from, to do
-    local rule, st = at(x)
+    local rule, st, units = at(x)
     if rule and not rule.shadow then
       local retry, lim = first_retry[x], first_lim[x]
       if rule.count_rejected then

@@ -269,8 +269,8 @@ for i = 1, n do
     if not accepted then
       -- retry_after as the charges left it (admission.lua `rebind`).
       local again, again_lim, again_x = rebind(1, nchecks, first_retry, first_lim, function(x)
-        return rules[check_rule[x]], states[KEYS[base + x]]
-      end, 1)
+        return rules[check_rule[x]], states[KEYS[base + x]], 1
+      end)
       if again_x then
         best, best_lim, binding = again, again_lim, again_x
       end

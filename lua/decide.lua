@@ -26,9 +26,14 @@
 --               0   decide it;
 --               -1  the caller spent a leased token on it: neither checked nor charged here;
 --               k>0 decide it, then, if the request is accepted, lease up to k more tokens
---                   (charged now, spent by the caller; gcra and fixed_window only); then one
---                   more number, the gap between fetch turns (µs, see admission.lua's
---                   book_turn) for a fetch that comes back short or refused
+--                   (charged now, spent by the caller; gcra and fixed_window only); then three
+--                   more numbers: the gap between fetch turns (µs, see admission.lua's
+--                   book_turn) for a fetch that comes back short or refused; p, the
+--                   request's tokens the caller spent from what its lease still held
+--                   (0 <= p < cost); and when those leases end (µs, Redis's clock). Before
+--                   then, the check is decided and charged for cost - p (the p were charged
+--                   when leased); from then on for the whole cost, as their tokens may no
+--                   longer be spent (a fixed window's lease ends with its window)
 -- Returns { now_us, then per request: accepted (1/0), retry_us (0 if accepted), binding check
 --           (its index among the request's checks; 0: none), binding limit (0: min_spacing),
 --           then per check seven numbers: passed (1/0), remaining (-1: no limit), limit (0:
@@ -51,7 +56,7 @@ end
 local n = num(at, 'requests')
 at = at + 1
 local cost, first = {}, {}
-local check_rule, check_field, ask, gap = {}, {}, {}, {}
+local check_rule, check_field, ask, gap, units = {}, {}, {}, {}, {}
 local x = 0
 for q = 1, n do
   cost[q] = num(at, 'cost')
@@ -67,12 +72,20 @@ for q = 1, n do
     ask[x] = num(at + 2, 'ask')
     local rule = rules[check_rule[x]]
     check_field[x] = rule.fields[index(at + 1, #rule.fields, false, 'field')]
+    units[x] = cost[q]
     if ask[x] > 0 then
       if rule.alg == 'sliding_log' then
         bad('lease of a sliding log')
       end
       gap[x] = num(at + 3, 'gap')
-      at = at + 1
+      local paid = num(at + 4, 'paid')
+      if paid < 0 or paid >= cost[q] or paid % 1 ~= 0 then
+        bad('paid')
+      end
+      if now < num(at + 5, 'paid until') then
+        units[x] = cost[q] - paid
+      end
+      at = at + 3
     end
     at = at + 3
   end
@@ -99,7 +112,6 @@ end
 local out = { now }
 for q = 1, n do
   local from, to = first[q], first[q + 1] - 1
-  local units = cost[q]
   -- Check everything first.
   local passed, rule_passed = {}, {}
   local first_retry, first_lim = {}, {}
@@ -110,7 +122,7 @@ for q = 1, n do
       local r = check_rule[y]
       local rule = rules[r]
       local st = state(y)
-      local retry, lim = st.alg.check(st, rule, units)
+      local retry, lim = st.alg.check(st, rule, units[y])
       first_retry[y], first_lim[y] = retry, lim
       if retry > 0 then
         passed[y], rule_passed[r] = false, false
@@ -128,7 +140,7 @@ for q = 1, n do
       local ok = accepted and rule_passed[check_rule[y]] ~= false
       if ok or rule.count_rejected then
         local st = state(y)
-        st.alg.charge(st, rule, ok, units)
+        st.alg.charge(st, rule, ok, units[y])
       end
     end
   end
@@ -136,9 +148,9 @@ for q = 1, n do
     -- retry_after as the charges left it (admission.lua `rebind`).
     local again, again_lim, again_y = rebind(from, to, first_retry, first_lim, function(y)
       if ask[y] >= 0 then
-        return rules[check_rule[y]], state(y)
+        return rules[check_rule[y]], state(y), units[y]
       end
-    end, units)
+    end)
     if again_y then
       best, best_lim, binding = again, again_lim, again_y - from + 1
     end

@@ -389,17 +389,16 @@ impl Engine {
     /// check): a count_rejected rule charged the attempt too, so its check is made again, its
     /// room now coming later than its first answer said (found by review: a client waiting
     /// exactly retry_after was refused every time); the others keep their first answer.
-    /// `checks` are (rule, identity, first answer), None for a check not made (a leased token
-    /// spent). `lua/admission.lua`'s `rebind` is the same.
+    /// `checks` are (rule, identity, first answer, units it is decided for), None for a check
+    /// not made (a leased token spent). `lua/admission.lua`'s `rebind` is the same.
     pub(crate) fn rebind<'a>(
         &mut self,
         now_us: i64,
-        cost: i64,
-        checks: impl Iterator<Item = Option<(usize, &'a str, Check)>>,
+        checks: impl Iterator<Item = Option<(usize, &'a str, Check, i64)>>,
     ) -> Option<(usize, usize, Check)> {
         let mut best: Option<(usize, usize, Check)> = None;
         for (x, made) in checks.enumerate() {
-            let Some((r, identity, first)) = made else {
+            let Some((r, identity, first, cost)) = made else {
                 continue;
             };
             let rule = &self.rules[r];
@@ -450,8 +449,8 @@ impl Engine {
             let made = checks
                 .iter()
                 .zip(&results)
-                .map(|((r, identity), first)| Some((*r, identity.as_str(), *first)));
-            binding = self.rebind(now_us, 1, made).or(binding);
+                .map(|((r, identity), first)| Some((*r, identity.as_str(), *first, 1)));
+            binding = self.rebind(now_us, made).or(binding);
         }
         Verdict {
             accepted,

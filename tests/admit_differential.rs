@@ -501,12 +501,18 @@ fn run_sync_case(
                     let &(value, ask) = v.next().unwrap();
                     let key =
                         keys.identity(&rule.name, &rule.rule.key_part(), field, &[b'a' + value]);
-                    // Only gcra and fixed_window lease.
+                    // Only gcra and fixed_window lease. A lease asked for comes with some of
+                    // the request's tokens paid from the caller's lease, or none, from
+                    // leases that end long after the call or have ended before it.
                     let ask = match ask {
                         0 => Ask::Decide,
                         1 => Ask::Covered,
                         _ if rule.rule.algorithm == Algorithm::SlidingLog => Ask::Decide,
-                        k => Ask::Lease(k as i64 - 1),
+                        k => Ask::Lease {
+                            more: k as i64 - 1,
+                            paid: k as i64 % req.cost,
+                            paid_until_us: if k % 2 == 1 { 1 << 60 } else { 1 },
+                        },
                     };
                     checks.push((r, f, key.clone(), ask));
                     model_checks.push((r, key, ask));
@@ -590,7 +596,11 @@ fn decide_books_fetch_turns_a_gap_apart() {
                 rule: 0,
                 field: 0,
                 key: "pacer:in:{fwd}:r:gcra:k=a",
-                ask: Ask::Lease(ask),
+                ask: Ask::Lease {
+                    more: ask,
+                    paid: 0,
+                    paid_until_us: 0,
+                },
             }],
             cost: 1,
         };

@@ -13,9 +13,36 @@ pub enum Ask {
     Decide,
     /// The caller spent a token it leased: neither checked nor charged.
     Covered,
-    /// Check and charge it, then, if the request is accepted, lease up to this many more
-    /// tokens (charged now; gcra and fixed_window only).
-    Lease(i64),
+    /// Check and charge it for the request's cost less `paid`, then, if the request is
+    /// accepted, lease up to `more` tokens (charged now; gcra and fixed_window only).
+    Lease {
+        more: i64,
+        /// Tokens of the request the caller spent from what its lease still held (fewer than
+        /// the cost): already charged when leased, so neither checked nor charged again. A
+        /// request costing more than a lease holds is so refused only when the lease and the
+        /// identity's room together lack its cost.
+        paid: i64,
+        /// Redis's clock (µs) when the leases they came from end: decided at or after it, the
+        /// request pays nothing from them (they are wasted), so a token is never spent past
+        /// its lease's end however late the call runs (a fixed window's lease ends with its
+        /// window; a Redis that stalled a second would otherwise admit with tokens charged
+        /// a second before their ttl).
+        paid_until_us: i64,
+    },
+}
+
+impl Ask {
+    /// What the check is decided and charged for, of a request of `cost`, at `now_us`.
+    pub fn units(self, cost: i64, now_us: i64) -> i64 {
+        match self {
+            Ask::Lease {
+                paid,
+                paid_until_us,
+                ..
+            } if now_us < paid_until_us => cost - paid,
+            _ => cost,
+        }
+    }
 }
 
 /// One check's outcome in a synchronous decision.
@@ -39,6 +66,8 @@ pub struct CheckOutcome {
 /// A synchronous decision (`lua/decide.lua`; [`Engine::decide`] in memory).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SyncVerdict {
+    /// Redis's clock when it was decided (µs).
+    pub now_us: i64,
     pub accepted: bool,
     /// 0 if accepted; else µs until the binding check would pass.
     pub retry_us: i64,
@@ -65,7 +94,7 @@ impl Engine {
             if *ask == Ask::Covered {
                 continue;
             }
-            let check = self.check_at(now_us, *r, identity, cost);
+            let check = self.check_at(now_us, *r, identity, ask.units(cost, now_us));
             first[x] = Some(check);
             let rule = &self.rules[*r];
             if !check.passed() {
@@ -89,15 +118,17 @@ impl Engine {
                     .states
                     .get_mut(&(*r, identity.clone()))
                     .expect("loaded");
-                state.charge_n(now_us, rule, ok, cost);
+                state.charge_n(now_us, rule, ok, ask.units(cost, now_us));
             }
         }
         if !accepted {
             let made = checks
                 .iter()
                 .zip(&first)
-                .map(|((r, identity, _), first)| first.map(|c| (*r, identity.as_str(), c)));
-            if let Some((_, x, check)) = self.rebind(now_us, cost, made) {
+                .map(|((r, identity, ask), first)| {
+                    first.map(|c| (*r, identity.as_str(), c, ask.units(cost, now_us)))
+                });
+            if let Some((_, x, check)) = self.rebind(now_us, made) {
                 best = Some((x, check));
             }
         }
@@ -118,8 +149,8 @@ impl Engine {
                 .get_mut(&(*r, identity.clone()))
                 .expect("loaded");
             let (mut granted, mut lease_us) = (0, 0);
-            if let (true, Ask::Lease(want)) = (accepted, ask) {
-                granted = (*want).min(state.room(now_us, rule).remaining);
+            if let (true, Ask::Lease { more, .. }) = (accepted, ask) {
+                granted = (*more).min(state.room(now_us, rule).remaining);
                 if granted > 0 {
                     state.charge_n(now_us, rule, true, granted);
                 }
@@ -136,6 +167,7 @@ impl Engine {
             });
         }
         SyncVerdict {
+            now_us,
             accepted,
             retry_us: best.map_or(0, |(_, c)| c.retry_us),
             binding: best.map(|(x, c)| (x, c.limit)),

@@ -313,7 +313,7 @@ impl Decider {
                         taken[x] = from;
                     }
                     (Take::Blocked(wait), _) => {
-                        self.give_back(&slots, &mut asks, &taken, now);
+                        self.give_back(&slots, &mut taken, now);
                         return Ok(self.refused_locally(api, &ids, x, wait));
                     }
                     (Take::Empty, _) => missing.push(x),
@@ -335,7 +335,7 @@ impl Decider {
                 // would not answer this one sooner.
                 if let Some(e) = slot.failed_since(waiting) {
                     drop(held);
-                    self.give_back(&slots, &mut asks, &taken, Instant::now());
+                    self.give_back(&slots, &mut taken, Instant::now());
                     return self.unavailable(api, &ids, e.to_string());
                 }
             }
@@ -344,8 +344,18 @@ impl Decider {
         for (x, _) in &held {
             let x = *x;
             if asks[x] != Ask::Covered {
-                let lease = leased[x].expect("leased");
-                asks[x] = Ask::Lease(slots[x].as_ref().expect("leased").next_size(lease, sent));
+                let slot = slots[x].as_ref().expect("leased");
+                // What the lease still holds pays for part of the request (given back if it is
+                // refused); Redis decides the rest. Taken first, so that a lease so spent
+                // counts as used up when the next one is sized.
+                let (paid, from, paid_until_us) = slot.take_part(req.cost - 1, sent);
+                taken[x] = from;
+                let more = slot.next_size(leased[x].expect("leased"), sent);
+                asks[x] = Ask::Lease {
+                    more,
+                    paid,
+                    paid_until_us,
+                };
             }
         }
         let checks = ids
@@ -363,33 +373,37 @@ impl Decider {
                     slots[*x].as_ref().expect("leased").fetch_failed(now, &e);
                 }
                 drop(held);
-                self.give_back(&slots, &mut asks, &taken, now);
+                self.give_back(&slots, &mut taken, now);
                 return self.unavailable(api, &ids, e);
             }
         };
         // Store what was leased; keep a refusal on a leased identity until its retry time.
         for (x, outcome) in verdict.checks.iter().enumerate() {
-            let (Some(slot), Ask::Lease(asked)) = (&slots[x], asks[x]) else {
+            let (Some(slot), ask @ Ask::Lease { more: asked, .. }) = (&slots[x], asks[x]) else {
                 continue;
             };
             let lease = leased[x].expect("leased");
             let rule = &rules[ids[x].rule].name;
             if verdict.accepted {
+                let charged = ask.units(req.cost, verdict.now_us);
                 let r = slot.refill(
-                    fetched(asked, req.cost, outcome),
+                    fetched(asked, charged, (lease, &verdict, outcome)),
                     sent,
                     sent + span(lease, outcome),
                     turn(outcome),
                     lease,
                 );
-                telemetry::lease_fetched(rule, false, outcome.granted, r.wasted);
+                // Tokens taken from leases that had ended when Redis decided: not counted as
+                // paid there, so wasted.
+                let unpaid = taken[x].total() - (req.cost - charged);
+                telemetry::lease_fetched(rule, false, outcome.granted, r.wasted + unpaid);
             } else if verdict.binding.is_some_and(|(b, _)| b == x) {
                 let retry = Duration::from_micros(verdict.retry_us.max(0) as u64);
                 slot.refused((asked, req.cost), sent, retry, turn(outcome), lease);
             }
         }
         if !verdict.accepted {
-            self.give_back(&slots, &mut asks, &taken, Instant::now());
+            self.give_back(&slots, &mut taken, Instant::now());
         }
         drop(held);
         Ok(self.answer(api, &ids, &verdict))
@@ -445,17 +459,10 @@ impl Decider {
     }
 
     /// Returns the tokens a request took from its leases, when it is refused after all.
-    fn give_back(
-        &self,
-        slots: &[Option<Arc<Slot>>],
-        asks: &mut [Ask],
-        taken: &[Taken],
-        now: Instant,
-    ) {
-        for ((slot, ask), taken) in slots.iter().zip(asks.iter_mut()).zip(taken) {
-            if let (Some(slot), Ask::Covered) = (slot, *ask) {
-                slot.give_back(*taken, now);
-                *ask = Ask::Decide;
+    fn give_back(&self, slots: &[Option<Arc<Slot>>], taken: &mut [Taken], now: Instant) {
+        for (slot, taken) in slots.iter().zip(taken) {
+            if let Some(slot) = slot {
+                slot.give_back(std::mem::take(taken), now);
             }
         }
     }
@@ -586,7 +593,16 @@ impl Ahead {
             .batcher
             .decide(
                 self.partition,
-                vec![(rule, field, key, Ask::Lease(asked))],
+                vec![(
+                    rule,
+                    field,
+                    key,
+                    Ask::Lease {
+                        more: asked,
+                        paid: 0,
+                        paid_until_us: 0,
+                    },
+                )],
                 1,
             )
             .await;
@@ -600,7 +616,7 @@ impl Ahead {
         };
         if v.accepted {
             let r = self.slot.ahead_fetched(
-                fetched(asked, 1, &outcome),
+                fetched(asked, 1, (&self.lease, &v, &outcome)),
                 sent,
                 sent + span(&self.lease, &outcome),
                 turn(&outcome),
@@ -614,13 +630,18 @@ impl Ahead {
     }
 }
 
-/// What a fetch of `asked` tokens, with a request of `cost`, got.
-fn fetched(asked: i64, cost: i64, outcome: &CheckOutcome) -> Fetch {
+/// What a fetch of `asked` tokens, with a request of `cost` (charged in Redis), got.
+fn fetched(
+    asked: i64,
+    cost: i64,
+    (lease, verdict, outcome): (&Lease, &SyncVerdict, &CheckOutcome),
+) -> Fetch {
     Fetch {
         asked,
         granted: outcome.granted,
         cost,
         room: outcome.room.map_or(i64::MAX, |r| r.remaining),
+        until_us: verdict.now_us + span(lease, outcome).as_micros() as i64,
     }
 }
 

@@ -58,7 +58,15 @@ impl Scripts {
                     match c.ask {
                         Ask::Decide => args.arg(0),
                         Ask::Covered => args.arg(-1),
-                        Ask::Lease(n) => args.arg(n.max(1)).arg(rules.turn_gaps_us[c.rule]),
+                        Ask::Lease {
+                            more,
+                            paid,
+                            paid_until_us,
+                        } => args
+                            .arg(more.max(1))
+                            .arg(rules.turn_gaps_us[c.rule])
+                            .arg(paid)
+                            .arg(paid_until_us),
                     };
                 }
             }
@@ -95,6 +103,7 @@ impl Scripts {
                 });
             }
             verdicts.push(SyncVerdict {
+                now_us,
                 accepted,
                 retry_us,
                 binding: (binding > 0).then(|| (binding as usize - 1, limit_index(lim))),
