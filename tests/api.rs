@@ -435,10 +435,22 @@ fn most_in_window(times: &mut [i64], window_us: i64) -> usize {
 /// Fires requests at every pacer's HTTP port from `threads` threads for `run`: the times (µs
 /// since the start) of the allowed ones, and how many were sent.
 fn blast(api: &Api, body: &str, threads: usize, run: Duration) -> (Vec<i64>, usize) {
+    blast_costs(api, &[(body, 1)], threads, run)
+}
+
+/// As `blast`, thread t asking `bodies[t % len]`, each of the cost given with it: an allowed
+/// request's time appears as many times as it costs.
+fn blast_costs(
+    api: &Api,
+    bodies: &[(&str, usize)],
+    threads: usize,
+    run: Duration,
+) -> (Vec<i64>, usize) {
     let t0 = Instant::now();
     let handles: Vec<_> = (0..threads)
         .map(|t| {
             let port = api.ports[t % api.ports.len()].1;
+            let (body, cost) = bodies[t % bodies.len()];
             let body = body.to_string();
             std::thread::spawn(move || {
                 let (mut ok, mut sent) = (Vec::new(), 0);
@@ -450,7 +462,7 @@ fn blast(api: &Api, body: &str, threads: usize, run: Duration) -> (Vec<i64>, usi
                     };
                     sent += 1;
                     if status == 200 {
-                        ok.push(t0.elapsed().as_micros() as i64);
+                        ok.extend(std::iter::repeat_n(t0.elapsed().as_micros() as i64, cost));
                     }
                 }
                 (ok, sent)
@@ -531,6 +543,37 @@ fn leases_answer_most_decisions_locally_within_the_stated_bound() {
     assert!(
         redis_calls < sent as f64 / 4.0,
         "{redis_calls} of {sent} decisions reached Redis"
+    );
+    // Mixed costs on another identity, so that requests costing more than a lease holds
+    // spend part of it and ask Redis for the rest: the same bound, counted in tokens.
+    let (mut ok, sent) = blast_costs(
+        &api,
+        &[
+            (r#"{"fields": {"k": "mixed"}, "cost": 1}"#, 1),
+            (r#"{"fields": {"k": "mixed"}, "cost": 7}"#, 7),
+            (r#"{"fields": {"k": "mixed"}, "cost": 19}"#, 19),
+        ],
+        6,
+        run,
+    );
+    let most = most_in_window(&mut ok, 1_000_000);
+    assert!(
+        most <= 200 + 200 + 2 + 19,
+        "mixed costs: {most} in a second"
+    );
+    assert!(
+        ok.len() <= 200 + 600 + 2 + 19,
+        "mixed costs: {} allowed",
+        ok.len()
+    );
+    assert!(
+        ok.len() >= 400,
+        "mixed costs: {} allowed of {sent}",
+        ok.len()
+    );
+    eprintln!(
+        "mixed costs: {} tokens allowed of {sent} requests, at most {most} in a second",
+        ok.len()
     );
 }
 
