@@ -119,7 +119,7 @@ pub async fn inspect<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Ins
             continue;
         };
         // A missing stream or group is a state to show, not an error.
-        let info = streams::group_info(con, stream, group).await.ok().flatten();
+        let info = streams::group_snapshot(con, stream, group).await?;
         let mut state = StreamState {
             stream: stream.to_string(),
             flow,
@@ -130,14 +130,14 @@ pub async fn inspect<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Ins
             oldest_pending_ms: None,
             consumers: Vec::new(),
         };
-        if let Some((pending, lag)) = info {
-            state.pending = pending;
-            state.lag = lag;
-            let oldest = streams::oldest_pending(con, stream, group).await?;
-            state.oldest_pending_ms = oldest
+        if let Some(g) = info {
+            state.pending = g.pending;
+            state.lag = g.lag;
+            state.oldest_pending_ms = g
+                .oldest_pending
                 .and_then(|id| id.split('-').next()?.parse::<i64>().ok())
                 .map(|ms| (now_us / 1000 - ms).max(0));
-            state.consumers = streams::consumers(con, stream, group).await?;
+            state.consumers = g.consumers;
         }
         streams.push(state);
     }
