@@ -823,6 +823,35 @@ fn leased_workers_paused_and_killed_under_load_keep_the_bound() {
 }
 
 #[test]
+fn a_leased_answer_reports_the_identitys_room_not_only_the_lease() {
+    // 50 an hour, leased in batches of up to 4 that outlive the test: every answer, from
+    // Redis or from the lease, says what the identity has left, 50 - i after the i-th (Redis's
+    // room after the last fetch plus what the lease holds). Before, an answer from the lease
+    // said only what the lease held (0 to 4), and one from Redis left the lease it had just
+    // granted out.
+    clear_of_the_hour();
+    let api = start_api(
+        1,
+        "    - {name: hourly, key: [k], algorithm: fixed_window, limits: [50/h], lease: {max: 4, ttl: 30s}}\n",
+    );
+    let port = api.ports[0].1;
+    for i in 1..=20 {
+        let (status, headers, body) = post(port, r#"{"fields": {"k": "a"}}"#);
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["remaining"], 50 - i, "request {i}: {body}");
+        assert_eq!(body["limit"], "50/h", "{body}");
+        let rl = header(&headers, "ratelimit").expect("RateLimit header");
+        assert!(
+            rl.starts_with(&format!("\"hourly.50/h\";r={};t=", 50 - i)),
+            "request {i}: {rl}"
+        );
+    }
+    // Most came from the lease.
+    let calls = metric_at(api.ports[0].0, "pacer_api_redis_calls_total{api=\"http\"}");
+    assert!(calls <= 12.0, "{calls} Redis calls for 20 requests");
+}
+
+#[test]
 fn a_request_costing_more_than_its_lease_holds_spends_the_lease_and_asks_redis_for_the_rest() {
     // 100/s with a burst of 10, leased and not: every 100 ms a request of 1, then one of 8.
     // The bucket gathers 10 in that time, so every request fits. Leased, the 1 fetches a lease

@@ -495,8 +495,14 @@ impl Decider {
                 .iter()
                 .zip(&v.checks)
                 .filter(|(id, _)| !self.cfg.rules[id.rule].shadow)
-                .filter_map(|(id, c)| c.room.map(|room| (id, room)))
-                .filter(|(_, room)| room.remaining != i64::MAX)
+                // The room Redis has left, and what it just leased this worker: the
+                // identity's room as later requests answered here report it (`Slot::room`).
+                .filter_map(|(id, c)| c.room.map(|room| (id, room, c.granted)))
+                .filter(|(_, room, _)| room.remaining != i64::MAX)
+                .map(|(id, room, granted)| {
+                    let remaining = room.remaining.saturating_add(granted);
+                    (id, crate::admission::Room { remaining, ..room })
+                })
                 .min_by_key(|(_, room)| room.remaining)
                 .map(|(id, room)| self.reported(id, room.limit, room.remaining, room.reset_us)),
         };
@@ -512,8 +518,9 @@ impl Decider {
         }
     }
 
-    /// Every identity spent a leased token: allowed here. The room reported is what this
-    /// worker's lease holds (a floor of what Redis holds), until the lease ends.
+    /// Every identity spent a leased token: allowed here. The room reported is the identity's
+    /// as this worker last knew it (`Slot::room`), or, before any fetch said, what its leases
+    /// hold until they end.
     fn allowed_locally(
         &self,
         api: Api,
@@ -525,12 +532,16 @@ impl Decider {
         for (id, slot) in ids.iter().zip(slots) {
             let rule = &self.cfg.rules[id.rule];
             self.metrics.decided(api, id.rule, true);
-            let (left, ends) = slot.as_ref().expect("leased").left(now);
-            let tightest = (0..rule.rule.limits.len())
-                .min_by_key(|&i| rule.rule.limits[i].count)
-                .unwrap_or(SPACING);
+            let slot = slot.as_ref().expect("leased");
+            let (left, lim, reset_us) = slot.room(now).unwrap_or_else(|| {
+                let (left, ends) = slot.left(now);
+                let tightest = (0..rule.rule.limits.len())
+                    .min_by_key(|&i| rule.rule.limits[i].count)
+                    .unwrap_or(SPACING);
+                (left, tightest, ends.as_micros() as i64)
+            });
             if limit.as_ref().is_none_or(|l| left < l.remaining) {
-                limit = Some(self.reported(id, tightest, left, ends.as_micros() as i64));
+                limit = Some(self.reported(id, lim, left, reset_us));
             }
         }
         Answer {
@@ -636,11 +647,14 @@ fn fetched(
     cost: i64,
     (lease, verdict, outcome): (&Lease, &SyncVerdict, &CheckOutcome),
 ) -> Fetch {
+    let room = outcome.room.unwrap_or(crate::admission::Room::UNLIMITED);
     Fetch {
         asked,
         granted: outcome.granted,
         cost,
-        room: outcome.room.map_or(i64::MAX, |r| r.remaining),
+        room: room.remaining,
+        limit: room.limit,
+        reset_us: room.reset_us,
         until_us: verdict.now_us + span(lease, outcome).as_micros() as i64,
     }
 }

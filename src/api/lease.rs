@@ -112,6 +112,10 @@ struct State {
     roomy: bool,
     /// Tokens of leases that ended unspent, not yet counted as wasted.
     wasted: i64,
+    /// The identity's room in Redis after the last fetch, its limit, and when it is whole
+    /// again (None: no fetch yet, or no bound): with what the leases hold, the room a request
+    /// answered here reports.
+    room: Option<(i64, usize, Instant)>,
     /// Batches stored so far: the last one's id.
     made: u64,
     /// When the last fetch failed (Redis did not answer), and why: requests that were waiting
@@ -149,8 +153,11 @@ pub struct Fetch {
     pub granted: i64,
     /// The request it came with (charged with it).
     pub cost: i64,
-    /// The room the identity had left after it (`i64::MAX`: no bound).
+    /// The room the identity had left after it (`i64::MAX`: no bound), the limit that room
+    /// is of (an index into the rule's limits, or `SPACING`) and µs until it is whole again.
     pub room: i64,
+    pub limit: usize,
+    pub reset_us: i64,
     /// When its tokens end on Redis's clock (µs): the call's time there plus their span.
     pub until_us: i64,
 }
@@ -224,6 +231,10 @@ impl State {
             ..
         } = f;
         self.roomy = f.room >= 2 * asked.max(1);
+        self.room = (f.room != i64::MAX).then(|| {
+            let reset = Duration::from_micros(f.reset_us.max(0) as u64);
+            (f.room, f.limit, fetched + reset)
+        });
         self.full_at_turn = turn.is_some() && granted >= asked;
         self.short_until = match turn {
             Some(turn) => Some(fetched + turn),
@@ -248,6 +259,7 @@ impl Slot {
                 ahead: false,
                 roomy: false,
                 wasted: 0,
+                room: None,
                 made: 0,
                 failed: None,
             }),
@@ -475,6 +487,22 @@ impl Slot {
         (cur + next, until.saturating_duration_since(now))
     }
 
+    /// The identity's room as this worker last knew it, as (remaining, limit, µs until whole):
+    /// what its leases hold plus what Redis had left after its last fetch, of the limit Redis
+    /// named, whole again when Redis said (None: no fetch has said). Other workers may have
+    /// spent some of Redis's part since, and the bucket gathered more; within a lease's ttl
+    /// (milliseconds) it is as near as a worker can tell without asking. Before, a request
+    /// answered here reported only the lease's tokens (at most `max`, 1% of the limit by
+    /// default), and a client pacing itself by `RateLimit`'s `r` slowed down at 1% of its room.
+    pub fn room(&self, now: Instant) -> Option<(i64, usize, i64)> {
+        let held = self.left(now).0;
+        let s = self.state.lock().expect("lease state");
+        s.room.map(|(room, limit, whole)| {
+            let reset = whole.saturating_duration_since(now).as_micros() as i64;
+            (held.saturating_add(room), limit, reset)
+        })
+    }
+
     #[cfg(test)]
     fn block(&self, until: Instant) {
         self.state.lock().expect("lease state").blocked = Some((until, 1));
@@ -555,6 +583,8 @@ mod tests {
             granted,
             cost,
             room: i64::MAX,
+            limit: 0,
+            reset_us: 0,
             until_us: 1_000,
         }
     }
