@@ -688,6 +688,32 @@ mod tests {
         assert_eq!(s.take_part(9, t0 + ms(100)).0, 0);
     }
 
+    /// The room an answer from the lease reports: Redis's after the last fetch plus what the
+    /// leases hold, whole again when Redis said; nothing before a fetch said, or with no bound.
+    #[test]
+    fn the_room_reported_is_redis_s_after_the_last_fetch_plus_the_leases() {
+        let t0 = Instant::now();
+        let l = lease();
+        let ms = Duration::from_millis;
+        let s = Slot::new(t0);
+        assert_eq!(s.room(t0), None, "no fetch yet");
+        let f = Fetch {
+            room: 40,
+            limit: 1,
+            reset_us: 500_000,
+            ..fetch(3, 3, 1)
+        };
+        s.refill(f, t0, t0 + l.ttl, None, &l);
+        assert_eq!(s.room(t0), Some((43, 1, 500_000)));
+        assert_eq!(s.take(1, t0 + ms(1)).0, Take::Spent(2));
+        assert_eq!(s.room(t0 + ms(1)), Some((42, 1, 499_000)));
+        // The lease ended: its tokens are no room.
+        assert_eq!(s.room(t0 + l.ttl), Some((40, 1, 400_000)));
+        // A fetch on an identity of no bound says nothing.
+        s.refill(fetch(3, 3, 1), t0 + l.ttl, t0 + 2 * l.ttl, None, &l);
+        assert_eq!(s.room(t0 + l.ttl), None);
+    }
+
     /// A large request refused blocks requests as large locally, not smaller ones: they spend
     /// what the lease holds.
     #[test]
