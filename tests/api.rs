@@ -849,6 +849,23 @@ fn a_leased_answer_reports_the_identitys_room_not_only_the_lease() {
     // Most came from the lease.
     let calls = metric_at(api.ports[0].0, "pacer_api_redis_calls_total{api=\"http\"}");
     assert!(calls <= 12.0, "{calls} Redis calls for 20 requests");
+
+    // Beside an identity of an unleased rule with far more room, decided in Redis each time:
+    // the leased one, spent from its lease, is the tighter, and is the one reported.
+    let api = start_api(
+        1,
+        "    - {name: hourly, key: [k], algorithm: fixed_window, limits: [50/h], lease: {max: 4, ttl: 30s}}\n    - {name: wide, key: [u], algorithm: fixed_window, limits: [1000/h]}\n",
+    );
+    let port = api.ports[0].1;
+    for i in 1..=6 {
+        let (status, _, body) = post(port, r#"{"fields": {"k": "a", "u": "b"}}"#);
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            (&body["rule"], &body["remaining"]),
+            (&serde_json::json!("hourly"), &serde_json::json!(50 - i)),
+            "request {i}: {body}"
+        );
+    }
 }
 
 #[test]

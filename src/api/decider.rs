@@ -406,7 +406,7 @@ impl Decider {
             self.give_back(&slots, &mut taken, Instant::now());
         }
         drop(held);
-        Ok(self.answer(api, &ids, &verdict))
+        Ok(self.answer(api, &ids, &slots, &verdict))
     }
 
     /// The answer when Redis could not decide (`error`): `fail_policy`'s.
@@ -488,23 +488,39 @@ impl Decider {
     }
 
     /// The answer from a Redis verdict, counted.
-    fn answer(&self, api: Api, ids: &[Identity], v: &SyncVerdict) -> Answer {
+    fn answer(
+        &self,
+        api: Api,
+        ids: &[Identity],
+        slots: &[Option<Arc<Slot>>],
+        v: &SyncVerdict,
+    ) -> Answer {
+        let now = Instant::now();
         let limit = match v.binding {
             Some((x, lim)) => Some(self.reported(&ids[x], lim, 0, v.retry_us)),
             None => ids
                 .iter()
                 .zip(&v.checks)
-                .filter(|(id, _)| !self.cfg.rules[id.rule].shadow)
-                // The room Redis has left, and what it just leased this worker: the
-                // identity's room as later requests answered here report it (`Slot::room`).
-                .filter_map(|(id, c)| c.room.map(|room| (id, room, c.granted)))
-                .filter(|(_, room, _)| room.remaining != i64::MAX)
-                .map(|(id, room, granted)| {
-                    let remaining = room.remaining.saturating_add(granted);
-                    (id, crate::admission::Room { remaining, ..room })
+                .zip(slots)
+                .filter(|((id, _), _)| !self.cfg.rules[id.rule].shadow)
+                .filter_map(|((id, c), slot)| match c.room {
+                    // The room Redis has left, and what it just leased this worker: the
+                    // identity's room as later requests answered here report it
+                    // (`Slot::room`).
+                    Some(room) if room.remaining != i64::MAX => {
+                        let remaining = room.remaining.saturating_add(c.granted);
+                        Some((id, remaining, room.limit, room.reset_us))
+                    }
+                    Some(_) => None,
+                    // Spent from its lease (not asked of Redis): its room as the worker knows
+                    // it, so that a tighter leased identity is not left out of the answer.
+                    None => slot
+                        .as_ref()?
+                        .room(now)
+                        .map(|(remaining, lim, reset)| (id, remaining, lim, reset)),
                 })
-                .min_by_key(|(_, room)| room.remaining)
-                .map(|(id, room)| self.reported(id, room.limit, room.remaining, room.reset_us)),
+                .min_by_key(|(_, remaining, _, _)| *remaining)
+                .map(|(id, remaining, lim, reset)| self.reported(id, lim, remaining, reset)),
         };
         for (id, c) in ids.iter().zip(&v.checks) {
             self.metrics.decided(api, id.rule, c.passed);
