@@ -4,8 +4,8 @@
 
 use super::batch::Batcher;
 use super::lease::{Fetch, Leases, Slot, Take, Taken};
-use crate::admission::{Algorithm, Ask, CheckOutcome, SyncVerdict, SPACING};
-use crate::config::{FailPolicy, InboundConfig, Lease, READ_TIMEOUT};
+use crate::admission::{Algorithm, Ask, CheckOutcome, Room, SyncVerdict, SPACING};
+use crate::config::{FailPolicy, InboundConfig, InboundRule, Lease, READ_TIMEOUT};
 use crate::connection::RedisConn;
 use crate::event::inbound::{resolve, Identity};
 use crate::health::Health;
@@ -379,7 +379,13 @@ impl Decider {
         };
         // Store what was leased; keep a refusal on a leased identity until its retry time.
         for (x, outcome) in verdict.checks.iter().enumerate() {
-            let (Some(slot), ask @ Ask::Lease { more: asked, .. }) = (&slots[x], asks[x]) else {
+            let (
+                Some(slot),
+                ask @ Ask::Lease {
+                    more: asked, paid, ..
+                },
+            ) = (&slots[x], asks[x])
+            else {
                 continue;
             };
             let lease = leased[x].expect("leased");
@@ -395,7 +401,7 @@ impl Decider {
                 );
                 // Tokens taken from leases that had ended when Redis decided: not counted as
                 // paid there, so wasted.
-                let unpaid = taken[x].total() - (req.cost - charged);
+                let unpaid = if charged == req.cost { paid } else { 0 };
                 telemetry::lease_fetched(rule, false, outcome.granted, r.wasted + unpaid);
             } else if verdict.binding.is_some_and(|(b, _)| b == x) {
                 let retry = Duration::from_micros(verdict.retry_us.max(0) as u64);
@@ -551,10 +557,7 @@ impl Decider {
             let slot = slot.as_ref().expect("leased");
             let (left, lim, reset_us) = slot.room(now).unwrap_or_else(|| {
                 let (left, ends) = slot.left(now);
-                let tightest = (0..rule.rule.limits.len())
-                    .min_by_key(|&i| rule.rule.limits[i].count)
-                    .unwrap_or(SPACING);
-                (left, tightest, ends.as_micros() as i64)
+                (left, tightest(rule), ends.as_micros() as i64)
             });
             if limit.as_ref().is_none_or(|l| left < l.remaining) {
                 limit = Some(self.reported(id, lim, left, reset_us));
@@ -576,17 +579,22 @@ impl Decider {
         for id in ids {
             self.metrics.decided(api, id.rule, id.rule != ids[x].rule);
         }
-        let tightest = (0..rule.rule.limits.len())
-            .min_by_key(|&i| rule.rule.limits[i].count)
-            .unwrap_or(SPACING);
         Answer {
             allowed: false,
             retry_us,
-            limit: Some(self.reported(&ids[x], tightest, 0, retry_us)),
+            limit: Some(self.reported(&ids[x], tightest(rule), 0, retry_us)),
             via_redis: false,
             unchecked: false,
         }
     }
+}
+
+/// The rule's limit of the smallest count (or its min_spacing): the one an answer names when
+/// no Redis reply said which binds.
+fn tightest(rule: &InboundRule) -> usize {
+    (0..rule.rule.limits.len())
+        .min_by_key(|&i| rule.rule.limits[i].count)
+        .unwrap_or(SPACING)
 }
 
 /// A fetch ahead of need on one leased identity: a request of cost 1 on it alone, leasing
@@ -663,14 +671,11 @@ fn fetched(
     cost: i64,
     (lease, verdict, outcome): (&Lease, &SyncVerdict, &CheckOutcome),
 ) -> Fetch {
-    let room = outcome.room.unwrap_or(crate::admission::Room::UNLIMITED);
     Fetch {
         asked,
         granted: outcome.granted,
         cost,
-        room: room.remaining,
-        limit: room.limit,
-        reset_us: room.reset_us,
+        room: outcome.room.unwrap_or(Room::UNLIMITED),
         until_us: verdict.now_us + span(lease, outcome).as_micros() as i64,
     }
 }

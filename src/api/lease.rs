@@ -39,6 +39,7 @@
 //!   small burst. The random draw keeps the workers' fetches from locking into one order, where
 //!   the one whose turn came right after another's would get little.
 
+use crate::admission::Room;
 use crate::config::Lease;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -128,13 +129,6 @@ struct State {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Taken([(u64, i64); 2]);
 
-impl Taken {
-    /// How many tokens were taken.
-    pub fn total(&self) -> i64 {
-        self.0[0].1 + self.0[1].1
-    }
-}
-
 /// What taking tokens from a lease found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Take {
@@ -153,11 +147,8 @@ pub struct Fetch {
     pub granted: i64,
     /// The request it came with (charged with it).
     pub cost: i64,
-    /// The room the identity had left after it (`i64::MAX`: no bound), the limit that room
-    /// is of (an index into the rule's limits, or `SPACING`) and µs until it is whole again.
-    pub room: i64,
-    pub limit: usize,
-    pub reset_us: i64,
+    /// The room the identity had left after it (`remaining` `i64::MAX`: no bound).
+    pub room: Room,
     /// When its tokens end on Redis's clock (µs): the call's time there plus their span.
     pub until_us: i64,
 }
@@ -230,10 +221,10 @@ impl State {
             cost,
             ..
         } = f;
-        self.roomy = f.room >= 2 * asked.max(1);
-        self.room = (f.room != i64::MAX).then(|| {
-            let reset = Duration::from_micros(f.reset_us.max(0) as u64);
-            (f.room, f.limit, fetched + reset)
+        self.roomy = f.room.remaining >= 2 * asked.max(1);
+        self.room = (f.room.remaining != i64::MAX).then(|| {
+            let reset = Duration::from_micros(f.room.reset_us.max(0) as u64);
+            (f.room.remaining, f.room.limit, fetched + reset)
         });
         self.full_at_turn = turn.is_some() && granted >= asked;
         self.short_until = match turn {
@@ -308,12 +299,12 @@ impl Slot {
         s.cur.tokens -= from_cur;
         s.next.tokens -= from_next;
         let taken = Taken([(s.cur.id, from_cur), (s.next.id, from_next)]);
-        let until_us = match (from_cur > 0, from_next > 0) {
-            (true, true) => s.cur.until_us.min(s.next.until_us),
-            (true, false) => s.cur.until_us,
-            (false, true) => s.next.until_us,
-            (false, false) => 0,
-        };
+        let until_us = [(from_cur, s.cur.until_us), (from_next, s.next.until_us)]
+            .into_iter()
+            .filter(|&(n, _)| n > 0)
+            .map(|(_, until_us)| until_us)
+            .min()
+            .unwrap_or(0);
         (from_cur + from_next, taken, until_us)
     }
 
@@ -582,9 +573,7 @@ mod tests {
             asked,
             granted,
             cost,
-            room: i64::MAX,
-            limit: 0,
-            reset_us: 0,
+            room: Room::UNLIMITED,
             until_us: 1_000,
         }
     }
@@ -698,9 +687,11 @@ mod tests {
         let s = Slot::new(t0);
         assert_eq!(s.room(t0), None, "no fetch yet");
         let f = Fetch {
-            room: 40,
-            limit: 1,
-            reset_us: 500_000,
+            room: Room {
+                remaining: 40,
+                limit: 1,
+                reset_us: 500_000,
+            },
             ..fetch(3, 3, 1)
         };
         s.refill(f, t0, t0 + l.ttl, None, &l);
@@ -817,7 +808,10 @@ mod tests {
             "a turn booked"
         );
         let tight = Fetch {
-            room: 1,
+            room: Room {
+                remaining: 1,
+                ..Room::UNLIMITED
+            },
             ..fetch(1, 1, 1)
         };
         assert!(!spent(tight, None), "room for less than two more");
