@@ -8,13 +8,17 @@
 //! 3. Waits through a 3 s stall on a 10/s route with max_wait 1 s: the longest recorded wait.
 //! 4. Memory: one worker holding 100,000 sleeping events (100-byte payloads, a 10/s route with
 //!    max_wait 3 h): its RSS, and its CPU over 10 s while they sleep.
+//! 5. Many routes: 300 routes of 10/s sent 200 events each, interleaved on one stream, one
+//!    worker of 2,000 places (far fewer than the 60,000 events: most are parked and taken
+//!    back): the events per second of all routes together against their 3,000, and how long
+//!    the last route took against its 20 s.
 //!
-//! `cargo bench --bench pressure -- [--rounds 3] [--rates 1000,5000] [--only drain|stall|memory|waits]`
+//! `cargo bench --bench pressure -- [--rounds 3] [--rates 1000,5000] [--only drain|stall|memory|waits|routes]`
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use common::pressure::{drain_backlog, stall, waits_through_a_stall};
+use common::pressure::{drain_backlog, ends, entries, per_second, stall, waits_through_a_stall};
 use common::{config, event, push, start};
 use pacer::testkit::{free_port, http_get, metric, rss_and_cpu, wait_until, RedisServer, TempDir};
 use std::time::Duration;
@@ -46,6 +50,97 @@ fn memory(n: usize) -> (f64, f64) {
     std::thread::sleep(Duration::from_secs(10));
     let (rss, cpu1) = rss_and_cpu(pacer.pid());
     (rss as f64 / 1024.0, (cpu1 - cpu0) / 10.0 * 100.0)
+}
+
+/// What many routes with backlogs showed.
+struct ManyRoutes {
+    /// Ready entries of all routes per whole second of Redis time.
+    per_second: Vec<usize>,
+    /// Seconds from the first ready entry to the last.
+    span: f64,
+    /// Share of the gaps between a route's consecutive entries longer than 1.5 intervals: a
+    /// slot left empty.
+    empty_slots: f64,
+    /// Worker CPU, % of a core over the span; Redis CPU µs per event.
+    worker_cpu: f64,
+    redis_us: f64,
+    /// Dispatch calls and slots moved (`pacer_replanned_total`) per event.
+    dispatch_calls: f64,
+    moved: f64,
+}
+
+/// `routes` routes of `rate`/s (burst 1, max_wait 60 s) sent `each` events apiece, interleaved
+/// on one stream, one worker of `places` places.
+fn many_routes(routes: usize, rate: u32, each: usize, places: usize) -> ManyRoutes {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("many-routes");
+    let port = free_port();
+    let worker = format!("  max_inflight: {places}\n  claim_idle: 120s");
+    let shape = (routes, &*format!("{rate}/s"), "60s");
+    let (cfg, ready, _) = common::pressure::many_routes(&redis, &dir, port, shape, &worker, each);
+    let pacer = start(&cfg, port);
+    let (_, cpu0) = rss_and_cpu(pacer.pid());
+    let redis_cpu0 = redis_cpu_seconds(&redis);
+    let outputs = ends(&ready);
+    let mut con = redis.con();
+    let total = routes * each;
+    let done = wait_until(Duration::from_secs(300), || {
+        entries(&mut con, &outputs) >= total
+    });
+    let (_, cpu1) = rss_and_cpu(pacer.pid());
+    let redis_us = (redis_cpu_seconds(&redis) - redis_cpu0) * 1e6 / total as f64;
+    assert!(done, "not every entry ended:\n{}", pacer.log_text());
+    let text = http_get(port, "/metrics")
+        .map(|(_, t)| t)
+        .unwrap_or_default();
+    let per_event = |needle: &str| metric(&text, needle) / total as f64;
+    let (mut times, mut gaps, mut empty) = (Vec::with_capacity(total), 0, 0);
+    let interval_ms = 1000 / rate as i64;
+    for stream in &ready {
+        let ids: Vec<(String, redis::Value)> = redis::cmd("XRANGE")
+            .arg(stream)
+            .arg("-")
+            .arg("+")
+            .query(&mut con)
+            .unwrap();
+        let ms: Vec<i64> = ids
+            .iter()
+            .map(|(id, _)| id.split('-').next().unwrap().parse().unwrap())
+            .collect();
+        gaps += ms.len().saturating_sub(1);
+        empty += ms
+            .windows(2)
+            .filter(|w| (w[1] - w[0]) * 2 > interval_ms * 3)
+            .count();
+        times.extend(ms);
+    }
+    assert_eq!(
+        times.len(),
+        total,
+        "every event fits its wait, so every one goes out"
+    );
+    let (first, last) = (*times.iter().min().unwrap(), *times.iter().max().unwrap());
+    let span = (last - first) as f64 / 1000.0;
+    ManyRoutes {
+        per_second: per_second(&times, first, last),
+        span,
+        empty_slots: empty as f64 / gaps.max(1) as f64,
+        worker_cpu: (cpu1 - cpu0) / span * 100.0,
+        redis_us,
+        dispatch_calls: per_event("pacer_redis_command_duration_seconds_count{op=\"dispatch\"}"),
+        moved: per_event("pacer_replanned_total"),
+    }
+}
+
+fn redis_cpu_seconds(redis: &RedisServer) -> f64 {
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query(&mut redis.con())
+        .unwrap();
+    info.lines()
+        .filter(|l| l.starts_with("used_cpu_sys:") || l.starts_with("used_cpu_user:"))
+        .filter_map(|l| l.split(':').nth(1)?.trim().parse::<f64>().ok())
+        .sum()
 }
 
 fn arg(name: &str, default: &str) -> String {
@@ -126,6 +221,34 @@ fn main() {
             "memory: median RSS {:.1} MiB, median CPU while sleeping {:.1}% of a core",
             median(rss),
             median(cpu)
+        );
+    }
+    let (mut shares, mut spans) = (Vec::new(), Vec::new());
+    for round in (1..=rounds).filter(|_| runs("routes")) {
+        let m = many_routes(300, 10, 200, 2000);
+        // The whole seconds after the first (the worker's start) and before the last two
+        // (routes finishing): what all routes together passed while every one had a backlog.
+        let steady: Vec<f64> = m
+            .per_second
+            .iter()
+            .skip(1)
+            .take(m.per_second.len().saturating_sub(3))
+            .map(|n| *n as f64)
+            .collect();
+        let share = median(steady) / 3000.0 * 100.0;
+        println!(
+            "many routes, round {round}: per second {:?}, median {share:.1}% of 3,000/s, all out in {:.1} s (20 s at their rates), slots left empty {:.1}%, worker CPU {:.1}% of a core, Redis {:.1} µs per event, {:.3} dispatch calls and {:.3} slots moved per event",
+            m.per_second, m.span, m.empty_slots * 100.0, m.worker_cpu, m.redis_us, m.dispatch_calls, m.moved
+        );
+        let span = m.span;
+        shares.push(share);
+        spans.push(span);
+    }
+    if !shares.is_empty() {
+        println!(
+            "many routes: median {:.1}% of the routes' rate, all out in {:.1} s",
+            median(shares),
+            median(spans)
         );
     }
     for round in (1..=rounds).filter(|_| runs("waits")) {

@@ -73,6 +73,12 @@ local function judge(dtat, tat, t, tq, slot, deadline, cost, interval, tol)
     local _, queued = gate(dtat, g, cost, interval, tol)
     return 'wait', g, queued, tat
   end
+  if g - slot < cost * interval and g <= deadline then
+    -- Held back by less than a move to the plan's end would cost the route: moved to when
+    -- the gate allows (src/pacing.rs judge says why).
+    local _, queued = gate(dtat, g, cost, interval, tol)
+    return 'replan', g, queued, math.max(tat, g + cost * interval)
+  end
   local new_slot, new_tat = plan(tat, g, cost, interval, tol)
   new_slot = ceil_ms(new_slot)
   if new_slot > deadline then

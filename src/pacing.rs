@@ -180,7 +180,9 @@ fn give_back(at: Judging, slot_us: i64, cost: i64, p: &BucketParams) -> Judging 
 /// the plan is idle), never a slot another event holds: on a saturated route, moving it to the
 /// gate's next millisecond would book that millisecond twice, the event holding it would be
 /// moved in turn, and the moves would cascade (measured: six moves per event and a backlog that
-/// stopped draining). Its own millisecond goes to the events behind it.
+/// stopped draining). Its own millisecond goes to the events behind it. Unless the gate holds
+/// it back by less than its own interval: then the plan's end would cost the route more than
+/// the delay, and it moves to when the gate allows (below).
 ///
 /// Returns the verdict and what the next event finds: the gate really charged for a pass, and
 /// for an event told to come back within its slot, charged as if it went at that time, so that
@@ -225,6 +227,22 @@ pub fn judge(
             Gate::NotBefore { .. } => unreachable!("the gate passes at the time it named"),
         };
         return (Judged::Wait { at_us: g }, Judging { dtat_us, ..at });
+    }
+    // Held back by less than a move to the plan's end would cost the route (the interval its
+    // units take, left empty at its old slot): it moves to when the gate allows instead, and
+    // the events behind it each move as little, one at a time, until the plan's slack takes
+    // the delay up. On a 10/s route, every dispatch over a millisecond late cost 100 ms: 300
+    // routes of 10/s with backlogs, on a loaded worker whose dispatches were that late for
+    // one in eight, passed 86–92% of their rate. Routes of 1000/s or more never come here
+    // (no delay past LATE_US is below their interval), where moves to the next millisecond
+    // cascaded (see above).
+    if g - slot_us < cost * p.interval_us && g <= deadline_us {
+        let dtat_us = match gate(at.dtat_us, g, cost, p) {
+            Gate::Pass { dtat_us } => dtat_us,
+            Gate::NotBefore { .. } => unreachable!("the gate passes at the time it named"),
+        };
+        let tat_us = at.tat_us.max(g + cost * p.interval_us);
+        return (Judged::Replan { at_us: g }, Judging { dtat_us, tat_us });
     }
     let planned = plan(at.tat_us, g, cost, p);
     let new_slot = ceil_ms(planned.slot_us);
@@ -397,6 +415,43 @@ mod tests {
         let (v, at) = judge(busy, clock, 0, 5_000_000, 1, &p);
         assert_eq!(v, Judged::TooLate { at_us: 9_000_000 });
         assert_eq!(at, busy);
+    }
+
+    /// On a 10/s route whose last dispatch went 3 ms late, the next event, due now, is held
+    /// back 3 ms by the gate: past LATE_US, so its slot moves, but to the gate's time (3 ms
+    /// lost), not the plan's end (its 100 ms left empty). On a 1000/s route a 3 ms delay is
+    /// three intervals: the plan's end, as before.
+    #[test]
+    fn an_event_held_back_by_less_than_its_interval_moves_by_the_delay() {
+        let p = params("10/s", 1);
+        let late = Judging {
+            dtat_us: 1_103_000,
+            tat_us: 1_500_000,
+        };
+        let (v, at) = judge(late, (1_100_000, 1_100_000), 1_100_000, 9_000_000, 1, &p);
+        assert_eq!(v, Judged::Replan { at_us: 1_103_000 });
+        assert_eq!(
+            at.dtat_us, 1_203_000,
+            "the call's next event queues behind it"
+        );
+        assert_eq!(at.tat_us, 1_500_000, "the plan's end does not move");
+        // The plan's last: its end moves with it.
+        let last = Judging {
+            tat_us: 1_200_000,
+            ..late
+        };
+        assert_eq!(
+            judge(last, (1_100_000, 1_100_000), 1_100_000, 9_000_000, 1, &p)
+                .1
+                .tat_us,
+            1_203_000
+        );
+        // Past its deadline even so: the general path, which says it leaves.
+        let (v, _) = judge(late, (1_100_000, 1_100_000), 1_100_000, 1_102_000, 1, &p);
+        assert!(matches!(v, Judged::TooLate { .. }), "{v:?}");
+        let fast = params("1000/s", 1);
+        let (v, _) = judge(late, (1_100_000, 1_100_000), 1_100_000, 9_000_000, 1, &fast);
+        assert_eq!(v, Judged::Replan { at_us: 1_500_000 });
     }
 
     #[test]

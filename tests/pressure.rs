@@ -206,30 +206,10 @@ fn many_routes_with_backlogs_each_keep_their_rate() {
     let redis = RedisServer::start();
     let dir = TempDir::new("many-routes");
     let port = free_port();
-    let routes: Vec<String> = (0..100).map(|i| format!("r{i}")).collect();
-    let mut body = String::from("outbound:\n  streams: [\"in\"]\n  routes:\n");
-    for r in &routes {
-        body.push_str(&format!(
-            "    {r}: {{rate: 5/s, burst: 1, max_wait: 30s}}\n"
-        ));
-    }
     let worker = "  batch: 128\n  max_inflight: 350\n  claim_idle: 35s";
-    let cfg = config(&dir, "c.yaml", &redis, port, worker, &body);
-    // Interleaved, as many producers' would be.
-    let mut events = Vec::new();
-    for n in 0..75 {
-        for r in &routes {
-            events.push(event(&[("route", r), ("n", &n.to_string())]));
-        }
-    }
-    let ids = push(&redis, "in", &events);
+    let (cfg, ready, ids) = many_routes(&redis, &dir, port, (100, "5/s", "30s"), worker, 75);
     let pacer = start(&cfg, port);
-    let ready: Vec<String> = routes
-        .iter()
-        .map(|r| format!("pacer:{{{r}}}:ready"))
-        .collect();
-    let mut outputs: Vec<&str> = ready.iter().map(String::as_str).collect();
-    outputs.extend(["pacer:rejected", "pacer:dead"]);
+    let outputs = ends(&ready);
     let mut con = redis.con();
     let done = wait_until(Duration::from_secs(90), || {
         entries(&mut con, &outputs) >= ids.len()

@@ -26,6 +26,47 @@ pub fn one_route(
     config(dir, &format!("w{port}.yaml"), redis, port, worker, &body)
 }
 
+/// Routes `r0`, `r1`, ... (`routes` of them, each of `rate`/s with burst 1 and `max_wait`) read
+/// from `in`, each sent `each` events interleaved, as many producers' would be, before the
+/// worker (`worker`'s settings) starts: its config, the routes' ready streams and the entry ids.
+pub fn many_routes(
+    redis: &RedisServer,
+    dir: &TempDir,
+    port: u16,
+    (routes, rate, max_wait): (usize, &str, &str),
+    worker: &str,
+    each: usize,
+) -> (std::path::PathBuf, Vec<String>, Vec<String>) {
+    let names: Vec<String> = (0..routes).map(|i| format!("r{i}")).collect();
+    let mut body = String::from("outbound:\n  streams: [\"in\"]\n  routes:\n");
+    for r in &names {
+        body.push_str(&format!(
+            "    {r}: {{rate: {rate}, burst: 1, max_wait: {max_wait}}}\n"
+        ));
+    }
+    let cfg = config(dir, "c.yaml", redis, port, worker, &body);
+    let mut ids = Vec::with_capacity(routes * each);
+    for n in 0..each {
+        let events: Vec<_> = names
+            .iter()
+            .map(|r| event(&[("route", r), ("n", &n.to_string())]))
+            .collect();
+        ids.extend(push(redis, "in", &events));
+    }
+    let ready = names
+        .iter()
+        .map(|r| format!("pacer:{{{r}}}:ready"))
+        .collect();
+    (cfg, ready, ids)
+}
+
+/// Where an outbound entry may end: the `ready` streams, the rejected and the dead-letter one.
+pub fn ends(ready: &[String]) -> Vec<&str> {
+    let mut outputs: Vec<&str> = ready.iter().map(String::as_str).collect();
+    outputs.extend(["pacer:rejected", "pacer:dead"]);
+    outputs
+}
+
 /// Pushes `n` events for route `r` to `in`, pipelined.
 pub fn push_events(redis: &RedisServer, n: usize, tag: &str) -> Vec<String> {
     let mut ids = Vec::with_capacity(n);
