@@ -11,9 +11,9 @@
 //! 5. Many routes: 300 routes of 10/s sent 200 events each, interleaved on one stream, one
 //!    worker of 2,000 places (far fewer than the 60,000 events: most are parked and taken
 //!    back): the events per second of all routes together against their 3,000, and how long
-//!    the last route took against its 20 s.
+//!    the last route took against its 20 s (`--many ROUTES,RATE,EACH,PLACES` for another shape).
 //!
-//! `cargo bench --bench pressure -- [--rounds 3] [--rates 1000,5000] [--only drain|stall|memory|waits|routes]`
+//! `cargo bench --bench pressure -- [--rounds 3] [--rates 1000,5000] [--only drain|stall|memory|waits|routes] [--many 300,10,200,2000]`
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -223,9 +223,14 @@ fn main() {
             median(cpu)
         );
     }
+    let many: Vec<usize> = arg("--many", "300,10,200,2000")
+        .split(',')
+        .map(|n| n.parse().expect("--many ROUTES,RATE,EACH,PLACES"))
+        .collect();
+    let (routes, rate, each, places) = (many[0], many[1] as u32, many[2], many[3]);
     let (mut shares, mut spans) = (Vec::new(), Vec::new());
     for round in (1..=rounds).filter(|_| runs("routes")) {
-        let m = many_routes(300, 10, 200, 2000);
+        let m = many_routes(routes, rate, each, places);
         // The whole seconds after the first (the worker's start) and before the last two
         // (routes finishing): what all routes together passed while every one had a backlog.
         let steady: Vec<f64> = m
@@ -235,10 +240,14 @@ fn main() {
             .take(m.per_second.len().saturating_sub(3))
             .map(|n| *n as f64)
             .collect();
-        let share = median(steady) / 3000.0 * 100.0;
+        let all = (routes as u32 * rate) as f64;
+        let share = median(steady) / all * 100.0;
         println!(
-            "many routes, round {round}: per second {:?}, median {share:.1}% of 3,000/s, all out in {:.1} s (20 s at their rates), slots left empty {:.1}%, worker CPU {:.1}% of a core, Redis {:.1} µs per event, {:.3} dispatch calls and {:.3} slots moved per event",
-            m.per_second, m.span, m.empty_slots * 100.0, m.worker_cpu, m.redis_us, m.dispatch_calls, m.moved
+            "many routes, round {round}: per second {:?}, median {share:.1}% of {all}/s, all out in {:.1} s ({:.1} s at their rates), slots left empty {:.1}%, worker CPU {:.1}% of a core, Redis {:.1} µs per event, {:.3} dispatch calls and {:.3} slots moved per event",
+            m.per_second,
+            m.span,
+            each as f64 / rate as f64,
+            m.empty_slots * 100.0, m.worker_cpu, m.redis_us, m.dispatch_calls, m.moved
         );
         let span = m.span;
         shares.push(share);

@@ -233,9 +233,9 @@ pub fn judge(
     // the events behind it each move as little, one at a time, until the plan's slack takes
     // the delay up. On a 10/s route, every dispatch over a millisecond late cost 100 ms: 300
     // routes of 10/s with backlogs, on a loaded worker whose dispatches were that late for
-    // one in eight, passed 86–92% of their rate. Routes of 1000/s or more never come here
-    // (no delay past LATE_US is below their interval), where moves to the next millisecond
-    // cascaded (see above).
+    // one in eight, passed 86–92% of their rate. Events of one unit on routes of 1000/s or
+    // more never come here (no delay past LATE_US is below their interval), where moves to
+    // the next millisecond cascaded (see above).
     if g - slot_us < cost * p.interval_us && g <= deadline_us {
         let dtat_us = match gate(at.dtat_us, g, cost, p) {
             Gate::Pass { dtat_us } => dtat_us,

@@ -429,8 +429,8 @@ proptest! {
 /// late dispatch: the event the gate then holds back moves by the delay, not to the plan's end,
 /// which left its own slot empty (on a 10/s route, 100 ms for each late call: 300 routes of
 /// 10/s with backlogs, on a worker late for one dispatch in eight, passed 86–92% of their rate).
-/// A route of 1000/s or more moves to the plan's end as before: no delay past LATE_US is below
-/// its interval.
+/// An event of one unit on a route of 1000/s moves to the plan's end as before: no delay past
+/// LATE_US is below its interval.
 #[test]
 fn a_late_dispatch_costs_a_busy_route_its_delay_not_an_interval() {
     for (rate, n) in [("10/s", 200), ("100/s", 1000), ("1000/s", 4000)] {
