@@ -15,6 +15,9 @@
 //!
 //! `cargo bench --bench pressure -- [--rounds 3] [--rates 1000,5000] [--only drain|stall|memory|waits|routes] [--many 300,10,200,2000]`
 
+/// The benchmarks' own helpers (Redis's INFO), beside the tests' (`common`).
+#[path = "common/mod.rs"]
+mod bench;
 #[path = "../tests/common/mod.rs"]
 mod common;
 
@@ -80,7 +83,7 @@ fn many_routes(routes: usize, rate: u32, each: usize, places: usize) -> ManyRout
     let (cfg, ready, _) = common::pressure::many_routes(&redis, &dir, port, shape, &worker, each);
     let pacer = start(&cfg, port);
     let (_, cpu0) = rss_and_cpu(pacer.pid());
-    let redis_cpu0 = redis_cpu_seconds(&redis);
+    let redis_cpu0 = bench::cpu_seconds(&mut redis.con());
     let outputs = ends(&ready);
     let mut con = redis.con();
     let total = routes * each;
@@ -88,7 +91,7 @@ fn many_routes(routes: usize, rate: u32, each: usize, places: usize) -> ManyRout
         entries(&mut con, &outputs) >= total
     });
     let (_, cpu1) = rss_and_cpu(pacer.pid());
-    let redis_us = (redis_cpu_seconds(&redis) - redis_cpu0) * 1e6 / total as f64;
+    let redis_us = (bench::cpu_seconds(&mut redis.con()) - redis_cpu0) * 1e6 / total as f64;
     assert!(done, "not every entry ended:\n{}", pacer.log_text());
     let text = http_get(port, "/metrics")
         .map(|(_, t)| t)
@@ -130,17 +133,6 @@ fn many_routes(routes: usize, rate: u32, each: usize, places: usize) -> ManyRout
         dispatch_calls: per_event("pacer_redis_command_duration_seconds_count{op=\"dispatch\"}"),
         moved: per_event("pacer_replanned_total"),
     }
-}
-
-fn redis_cpu_seconds(redis: &RedisServer) -> f64 {
-    let info: String = redis::cmd("INFO")
-        .arg("cpu")
-        .query(&mut redis.con())
-        .unwrap();
-    info.lines()
-        .filter(|l| l.starts_with("used_cpu_sys:") || l.starts_with("used_cpu_user:"))
-        .filter_map(|l| l.split(':').nth(1)?.trim().parse::<f64>().ok())
-        .sum()
 }
 
 fn arg(name: &str, default: &str) -> String {
