@@ -4,6 +4,8 @@
 //! `expired`, with its fields. Here the whole fleet is down longer than that (`kill -9`), and,
 //! separately, one worker is frozen (SIGSTOP) longer than `claim_idle + dedupe_ttl` while
 //! another finishes its events and their markers expire; the frozen one wakes holding them.
+//! And within `dedupe_ttl`, the markers are what keeps a group moved back or deleted by hand
+//! from placing again what it delivers a second time.
 
 mod common;
 
@@ -212,4 +214,123 @@ fn a_worker_frozen_past_dedupe_ttl_wakes_and_writes_nothing_twice() {
         stopped.elapsed().as_secs_f64()
     );
     drop(other);
+}
+
+/// What a group moved back by hand does: every entry after its new position is delivered again.
+fn rewind(redis: &RedisServer, stream: &str, how: &str) {
+    let mut con = redis.con();
+    match how {
+        // Moved back to the stream's start: its pending entries stay, the rest come again.
+        "setid" => redis::cmd("XGROUP")
+            .arg("SETID")
+            .arg(stream)
+            .arg("pacer")
+            .arg("0")
+            .query::<()>(&mut con)
+            .unwrap(),
+        // Deleted: the worker's next read is told NOGROUP and makes it again at the start.
+        "destroy" => {
+            let _: i64 = redis::cmd("XGROUP")
+                .arg("DESTROY")
+                .arg(stream)
+                .arg("pacer")
+                .query(&mut con)
+                .unwrap();
+        }
+        _ => unreachable!(),
+    }
+}
+
+/// Each input entry's decision is on record for `dedupe_ttl`, and that record is all that tells
+/// a re-delivery from a new entry once a group is moved back by hand (`XGROUP SETID … 0`) or
+/// deleted (made again at the stream's start): the re-delivered entries are in the pending list
+/// again like new ones. Both are done while events sleep on a paced route, with others already
+/// dispatched at once, rejected as too long and forwarded or refused inbound: each ends once,
+/// and nothing is left pending.
+#[test]
+fn a_group_rewound_or_deleted_by_hand_places_nothing_twice() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("rewound");
+    let port = free_port();
+    let inbound =
+        inbound_body("{name: per-source, key: [source], algorithm: sliding_log, limits: [3/s]}");
+    let body = format!(
+        "outbound:\n  streams: [\"in\"]\n  routes:\n    fast: {{rate: 1000/s, burst: 100}}\n    slow: {{rate: 2/s, burst: 1, max_wait: 3s}}\n{inbound}"
+    );
+    let cfg = config(
+        &dir,
+        "c.yaml",
+        &redis,
+        port,
+        "  batch: 16\n  drain: 500ms",
+        &body,
+    );
+    let outputs = [
+        "pacer:{fast}:ready",
+        "pacer:{slow}:ready",
+        "pacer:rejected",
+        "pacer:dead",
+    ];
+    let in_outputs = ["pacer:accepted", "pacer:in-rejected"];
+    let pacer = start(&cfg, port);
+
+    let (mut out_ids, mut in_ids) = (Vec::new(), Vec::new());
+    for (round, how) in ["setid", "destroy"].into_iter().enumerate() {
+        // Outbound: 20 at once, 10 on a 2/s route (about 7 within its 3 s wait, the rest too
+        // long); inbound: 10 from one source allowed 3 a second.
+        let mut out: Vec<_> = (0..20)
+            .map(|i| event(&[("route", "fast"), ("n", &format!("{round}-{i}"))]))
+            .collect();
+        out.extend((0..10).map(|i| event(&[("route", "slow"), ("n", &format!("{round}-s{i}"))])));
+        let ids = push(&redis, "in", &out);
+        let inb: Vec<_> = (0..10)
+            .map(|i| event(&[("source", "s1"), ("n", &format!("{round}-{i}"))]))
+            .collect();
+        let inb_ids = push(&redis, "pacer:in", &inb);
+        assert!(
+            wait_until(Duration::from_secs(5), || sleeping(port) >= 2.0
+                && placements(&redis, &in_outputs).len()
+                    == in_ids.len() + inb_ids.len()),
+            "{} sleeping, inbound {:?}:\n{}",
+            sleeping(port),
+            placements(&redis, &in_outputs),
+            pacer.log_text()
+        );
+        // Moved back while events sleep: every entry of both streams comes again.
+        rewind(&redis, "in", how);
+        rewind(&redis, "pacer:in", how);
+        out_ids.extend(ids);
+        in_ids.extend(inb_ids);
+        let ended = wait_until(Duration::from_secs(15), || {
+            placements(&redis, &outputs).len() == out_ids.len()
+                && unfinished(&redis, "in", "pacer") == 0
+                && unfinished(&redis, "pacer:in", "pacer") == 0
+        });
+        assert!(
+            ended,
+            "after {how}: {} of {} ended, {} unfinished:\n{}",
+            placements(&redis, &outputs).len(),
+            out_ids.len(),
+            unfinished(&redis, "in", "pacer"),
+            pacer.log_text()
+        );
+        // Time for a second write to show, should one come.
+        std::thread::sleep(Duration::from_millis(1500));
+        assert_each_once(&redis, &out_ids, &outputs, "in");
+        assert_each_once(&redis, &in_ids, &in_outputs, "pacer:in");
+    }
+    let at = placements(&redis, &outputs);
+    let count = |stream: &str| at.values().filter(|s| s[0] == stream).count();
+    // Each path was taken, so each kind of decision was delivered again.
+    assert_eq!(count("pacer:{fast}:ready"), 40, "{at:?}");
+    assert!(count("pacer:{slow}:ready") >= 4, "{at:?}");
+    assert!(count("pacer:rejected") >= 4, "{at:?}");
+    assert_rate(&redis, "pacer:{slow}:ready", 2.0, 1.0);
+    // Inbound: each round's ten came at once, more than a second after the last round's.
+    assert_eq!(read(&redis, "pacer:accepted").len(), 6);
+    println!(
+        "moved back twice: {} outbound and {} inbound entries each ended once",
+        out_ids.len(),
+        in_ids.len()
+    );
 }
