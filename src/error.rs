@@ -106,3 +106,81 @@ impl Error {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Error;
+    use crate::testkit::{wait_until, RedisServer, TempDir};
+    use std::time::Duration;
+
+    /// What a write gets from `con` now: a plain command, a script's write, and a MULTI.
+    fn writes(con: &mut redis::Connection) -> [Error; 3] {
+        let set = redis::cmd("SET").arg("k").arg("v").query::<()>(con);
+        let script = redis::cmd("EVAL")
+            .arg("return redis.call('SET', KEYS[1], 'v')")
+            .arg(1)
+            .arg("k")
+            .query::<()>(con);
+        let multi = redis::pipe()
+            .atomic()
+            .cmd("SET")
+            .arg("k")
+            .arg("v")
+            .query::<()>(con);
+        [set, script, multi].map(|r| Error::Redis(r.expect_err("the write was taken")))
+    }
+
+    fn assert_refused(con: &mut redis::Connection, why: &str) {
+        for (how, e) in ["SET", "a script", "MULTI"].iter().zip(writes(con)) {
+            assert!(
+                e.refuses_writes(),
+                "{why}, {how}: {e} not taken for a refusal"
+            );
+        }
+        // Its reads go on: that is why only a write that succeeds ends the refusal.
+        let _: Option<String> = redis::cmd("GET").arg("k").query(con).unwrap();
+    }
+
+    /// The three ways a Redis that answers refuses writes, each produced by a real
+    /// redis-server, through each kind of call pacer makes; and errors that are not refusals.
+    #[test]
+    fn out_of_memory_misconf_and_noreplicas_are_each_a_refused_write() {
+        // `dir` may be set at run time only where protected configs are.
+        let redis = RedisServer::start_with(&["--enable-protected-configs", "yes"]);
+        let mut con = redis.con();
+
+        redis.config_set("maxmemory", "1");
+        assert_refused(&mut con, "OOM");
+        redis.config_set("maxmemory", "0");
+
+        redis.config_set("min-replicas-to-write", "1");
+        assert_refused(&mut con, "NOREPLICAS");
+        redis.config_set("min-replicas-to-write", "0");
+
+        // A save that fails (its directory deleted under it) with stop-writes-on-bgsave-error,
+        // which binds only where save points are set.
+        redis.config_set("save", "3600 1");
+        let dir = TempDir::new("misconf");
+        let gone = dir.path().join("gone");
+        std::fs::create_dir(&gone).unwrap();
+        redis.config_set("dir", gone.to_str().unwrap());
+        std::fs::remove_dir(&gone).unwrap();
+        let _: String = redis::cmd("BGSAVE").query(&mut con).unwrap();
+        let failed = wait_until(Duration::from_secs(10), || {
+            let info: String = redis::cmd("INFO")
+                .arg("persistence")
+                .query(&mut con)
+                .unwrap();
+            info.contains("rdb_last_bgsave_status:err")
+        });
+        assert!(failed, "the save did not fail");
+        assert_refused(&mut con, "MISCONF");
+        redis.config_set("stop-writes-on-bgsave-error", "no");
+
+        // Taken again; and an error of another kind is not a refusal.
+        let _: () = redis::cmd("SET").arg("k").arg("v").query(&mut con).unwrap();
+        let wrong = redis::cmd("LPUSH").arg("k").arg("x").query::<()>(&mut con);
+        let wrong = Error::Redis(wrong.expect_err("LPUSH on a string"));
+        assert!(wrong.is_wrong_type() && !wrong.refuses_writes(), "{wrong}");
+    }
+}
