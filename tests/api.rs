@@ -100,6 +100,16 @@ async fn should_rate_limit(
     domain: &str,
     descriptors: Vec<RateLimitDescriptor>,
 ) -> Result<RateLimitResponse, tonic::Status> {
+    should_rate_limit_adding(port, domain, descriptors, 0).await
+}
+
+/// As `should_rate_limit`, with the request's own `hits_addend` (0 is proto3's "not set").
+async fn should_rate_limit_adding(
+    port: u16,
+    domain: &str,
+    descriptors: Vec<RateLimitDescriptor>,
+    hits_addend: u32,
+) -> Result<RateLimitResponse, tonic::Status> {
     let mut client = RateLimitServiceClient::connect(format!("http://127.0.0.1:{port}"))
         .await
         .expect("gRPC connects");
@@ -107,7 +117,7 @@ async fn should_rate_limit(
         .should_rate_limit(RateLimitRequest {
             domain: domain.into(),
             descriptors,
-            hits_addend: 0,
+            hits_addend,
         })
         .await
         .map(|r| r.into_inner())
@@ -366,6 +376,90 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
         .count();
     // Its burst of 2 (a third if the call took half a second): the refused calls charged none.
     assert!((2..=3).contains(&allowed), "{allowed} allowed of u9");
+}
+
+/// README, "Envoy": a descriptor's cost is its own `hits_addend`, else the request's, else 1.
+/// The other Envoy test sends only a descriptor's 0 or u64::MAX and a request's 0, so a mapping
+/// that charged every descriptor 1, or read the request's addend before the descriptor's, went
+/// unseen. On a fixed window of 10 an hour (no refill within the test), each call's
+/// `limit_remaining` shows exactly what was charged.
+#[test]
+fn envoy_charges_the_descriptors_hits_addend_else_the_requests_else_one() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+    use envoy_types::pb::google::protobuf::UInt64Value;
+    clear_of_the_hour();
+    let api = start_api(
+        1,
+        "    - {name: per-user, key: [user], algorithm: fixed_window, limits: [10/h]}\n",
+    );
+    let (_, _, g) = api.ports[0];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // A descriptor for `user`, with its own hits_addend if given.
+    let user = |u: &str, own: Option<u64>| {
+        let mut d = descriptor(&[("user", u)]);
+        d.hits_addend = own.map(|value| UInt64Value { value });
+        d
+    };
+    // One call (the request's hits_addend `adding`): each status's (code, remaining).
+    let ask = |descriptors: Vec<RateLimitDescriptor>, adding: u32| {
+        let r = rt
+            .block_on(should_rate_limit_adding(g, "edge", descriptors, adding))
+            .unwrap();
+        let each: Vec<(i32, u32)> = r
+            .statuses
+            .iter()
+            .map(|s| (s.code, s.limit_remaining))
+            .collect();
+        (r, each)
+    };
+    let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
+
+    // (a) The descriptor's own 3 takes 3 of the 10, each time.
+    let (r, each) = ask(vec![user("a", Some(3))], 0);
+    assert_eq!((r.overall_code, each), (ok, vec![(ok, 7)]), "{r:?}");
+    let limit = r.statuses[0].current_limit.as_ref().expect("the limit");
+    assert_eq!(
+        (limit.name.as_str(), limit.requests_per_unit, limit.unit),
+        ("per-user.10/h", 10, Unit::Hour as i32)
+    );
+    let (r, each) = ask(vec![user("a", Some(3))], 0);
+    assert_eq!(each, [(ok, 4)], "{r:?}");
+    let (r, each) = ask(vec![user("a", Some(3))], 0);
+    assert_eq!(each, [(ok, 1)], "{r:?}");
+    // 3 more would pass the limit: refused (an over-limit status says 0 remaining, as
+    // envoyproxy/ratelimit's does), and charged nothing, so a cost of 1 still fits.
+    let (r, each) = ask(vec![user("a", Some(3))], 0);
+    assert_eq!((r.overall_code, each), (over, vec![(over, 0)]), "{r:?}");
+    let (r, each) = ask(vec![user("a", None)], 0);
+    assert_eq!((r.overall_code, each), (ok, vec![(ok, 0)]), "{r:?}");
+    let (r, each) = ask(vec![user("a", None)], 0);
+    assert_eq!((r.overall_code, each), (over, vec![(over, 0)]), "{r:?}");
+
+    // (b) No addend of its own: the request's 2. With one of its own, that one (3), even
+    // beside the request's 2; and its own 0 is a check that charges nothing, whatever the
+    // request's (OK with no limit).
+    let (r, each) = ask(vec![user("b", None)], 2);
+    assert_eq!((r.overall_code, each), (ok, vec![(ok, 8)]), "{r:?}");
+    let (r, each) = ask(vec![user("b", Some(3)), user("c", None)], 2);
+    assert_eq!(each, [(ok, 5), (ok, 8)], "{r:?}");
+    let (r, each) = ask(vec![user("b", Some(0))], 2);
+    assert_eq!(each, [(ok, 0)], "{r:?}");
+    assert!(r.statuses[0].current_limit.is_none(), "{r:?}");
+    let (r, each) = ask(vec![user("b", None), user("b", None)], 2);
+    assert_eq!(each, [(ok, 3), (ok, 1)], "{r:?}");
+    // 2 more would pass it; 1 (the request's 0 is "not set") fits.
+    let (r, each) = ask(vec![user("b", None)], 2);
+    assert_eq!((r.overall_code, each), (over, vec![(over, 0)]), "{r:?}");
+    let (r, each) = ask(vec![user("b", None)], 0);
+    assert_eq!(each, [(ok, 0)], "{r:?}");
+
+    // (c) Neither: 1 each time.
+    for left in (0..10).rev() {
+        let (r, each) = ask(vec![user("d", None)], 0);
+        assert_eq!(each, [(ok, left)], "{r:?}");
+    }
+    let (r, each) = ask(vec![user("d", None)], 0);
+    assert_eq!(each, [(over, 0)], "{r:?}");
 }
 
 #[test]
@@ -1099,6 +1193,99 @@ fn redis_unreachable_is_503_when_failing_closed_and_huge_or_hostile_bodies_get_c
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unavailable);
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+}
+
+/// README, "Synchronous admission": under `fail_policy: fail_open`, a request Redis cannot
+/// answer gets 200 with `"unchecked": true` (limits off meanwhile), counted as
+/// `pacer_api_decisions_total{outcome="unchecked"}`; the fail_closed test above sees only the
+/// 503. Both ways Redis fails: refusing writes (out of memory), then gone (killed). Once it is
+/// back, answers are decided again: with the room left, no `unchecked`, and a 429 at the limit.
+#[test]
+fn redis_unavailable_is_200_unchecked_when_failing_open_and_decided_again_once_back() {
+    clear_of_the_hour();
+    // `fail_policy` is inbound's own (two spaces: after `api:`'s lines, not in them).
+    let mut api = start_api_with(
+        1,
+        "  fail_policy: fail_open\n",
+        "    - {name: per-source, key: [source], algorithm: fixed_window, limits: [3/h]}\n",
+    );
+    let (m, h, _) = api.ports[0];
+    let ask = |source: &str| post(h, &format!("{{\"fields\": {{\"source\": \"{source}\"}}}}"));
+    let counted = |outcome: &str| {
+        metric_at(
+            m,
+            &format!("pacer_api_decisions_total{{api=\"http\",rule=\"per-source\",outcome=\"{outcome}\",mode=\"enforce\"}}"),
+        )
+    };
+    // Checked while Redis answers.
+    let (status, _, body) = ask("a");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["remaining"], 2, "{body}");
+    assert_ne!(body["unchecked"], true, "{body}");
+    assert_eq!(counted("unchecked"), 0.0);
+    // Each answer Redis could not give: allowed, unchecked, with no room claimed, however many
+    // (past the 3 an hour); and each counted once.
+    let unchecked = |source: &str, times: usize| {
+        for i in 0..times {
+            let (status, headers, body) = ask(source);
+            assert_eq!(status, 200, "{source} #{i}: {body}");
+            assert_eq!(body["allowed"], true, "{source} #{i}: {body}");
+            assert_eq!(body["unchecked"], true, "{source} #{i}: {body}");
+            assert!(body.get("remaining").is_none(), "{source} #{i}: {body}");
+            assert!(header(&headers, "ratelimit").is_none(), "{headers:?}");
+        }
+    };
+    api.redis.config_set("maxmemory-policy", "noeviction");
+    api.redis.config_set("maxmemory", "1");
+    unchecked("a", 5);
+    assert_eq!(counted("unchecked"), 5.0);
+    api.redis.config_set("maxmemory", "0");
+    // Writes taken again: "a" was charged none of the five (1 of 3 used, as before).
+    let (status, _, body) = ask("a");
+    assert_eq!(
+        (status, &body["remaining"]),
+        (200, &serde_json::json!(1)),
+        "{body}"
+    );
+    assert_ne!(body["unchecked"], true, "{body}");
+    api.redis.kill();
+    unchecked("b", 5);
+    assert_eq!(counted("unchecked"), 10.0);
+    // Never answered as fail_closed would.
+    assert_eq!(counted("unavailable"), 0.0);
+    // Back (empty: killed without persistence). Asked on another identity until the worker
+    // has reconnected, then decided again on a fresh one: 2, 1, 0 left and refused.
+    api.redis.restart();
+    assert!(
+        wait_until(Duration::from_secs(15), || {
+            // (Decided: allowed or not, as a call that ran but whose reply was lost during
+            // the outage may have charged it.)
+            let (status, _, body) = ask("probe");
+            [200, 429].contains(&status) && body["unchecked"] != true
+        }),
+        "still unchecked once Redis was back:\n{}",
+        api.pacers[0].log_text()
+    );
+    let (before, limited) = (counted("unchecked"), counted("limited"));
+    for left in [2, 1, 0] {
+        let (status, _, body) = ask("c");
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["remaining"], left, "{body}");
+        assert_ne!(body["unchecked"], true, "{body}");
+    }
+    let (status, _, body) = ask("c");
+    assert_eq!(
+        (status, &body["allowed"]),
+        (429, &serde_json::json!(false)),
+        "{body}"
+    );
+    assert_ne!(body["unchecked"], true, "{body}");
+    assert_eq!(
+        counted("unchecked"),
+        before,
+        "decided answers counted unchecked"
+    );
+    assert_eq!(counted("limited"), limited + 1.0);
 }
 
 /// A Redis that answers but refuses writes (out of memory) is said by `/readyz` when only the API
