@@ -795,6 +795,100 @@ fn fail_open_forwards_when_redis_refuses_admission() {
     assert_eq!(metric(&metrics, r#"outcome="failed_open""#), 6.0);
 }
 
+/// An admission call that times out on the client may still run: Redis was only slow. pacer is
+/// stopped while six events are pushed and Redis is put to sleep (`DEBUG SLEEP`, longer than
+/// `redis.timeout`); continued, its admission call waits behind the sleep, times out, and the
+/// policy (`fail_closed`, one attempt) decides. After the sleep both have run, and whichever
+/// reached Redis first decides each entry once: either the admission (two of the 2/min allowed,
+/// four refused `rate_limited`, nothing counted as failed closed) or the policy (all six
+/// `limiter_unavailable`, and nothing charged by the call that ran late).
+#[test]
+fn an_admission_that_runs_after_its_timeout_and_the_fail_policy_decide_each_entry_once() {
+    let redis = RedisServer::start_with(&["--enable-debug-command", "yes"]);
+    let dir = TempDir::new("in-late");
+    let port = free_port();
+    let body = "inbound:\n  streams: [\"pacer:in\"]\n  fail_policy: fail_closed\n  limiter_attempts: 1\n  rules:\n    - {name: r, key: [source], algorithm: sliding_log, limits: [2/min]}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let pacer = start(&cfg, port);
+    pacer.signal("STOP");
+    push_at_once(&redis, "pacer:in", &source_events(6, "a"));
+    let sleeper = {
+        let mut con = redis.con();
+        std::thread::spawn(move || {
+            let _: () = redis::cmd("DEBUG")
+                .arg("SLEEP")
+                .arg("1.5")
+                .query(&mut con)
+                .unwrap();
+        })
+    };
+    // Time for the sleep to begin before pacer sends its call.
+    std::thread::sleep(Duration::from_millis(200));
+    pacer.signal("CONT");
+    sleeper.join().unwrap();
+    assert!(
+        wait_until(Duration::from_secs(15), || pending(
+            &redis, "pacer:in", "pacer"
+        ) == 0
+            && read(&redis, "pacer:accepted").len()
+                + read(&redis, "pacer:in-rejected").len()
+                == 6),
+        "log:\n{}",
+        pacer.log_text()
+    );
+    // Time for a second write to show, should one come.
+    std::thread::sleep(Duration::from_secs(1));
+    let log = pacer.log_text();
+    assert!(
+        log.contains("applying inbound.fail_policy"),
+        "the call did not time out:\n{log}"
+    );
+    let ids: Vec<String> = read(&redis, "pacer:in")
+        .iter()
+        .map(|e| e.id.clone())
+        .collect();
+    assert_each_once(
+        &redis,
+        &ids,
+        &["pacer:accepted", "pacer:in-rejected"],
+        "pacer:in",
+    );
+    let reasons: Vec<String> = read(&redis, "pacer:in-rejected")
+        .iter()
+        .map(|e| e.field("pacer_reason").unwrap().to_string())
+        .collect();
+    let accepted = read(&redis, "pacer:accepted").len();
+    let text = http_get(port, "/metrics").unwrap().1;
+    let failed_closed = metric(&text, r#"outcome="failed_closed""#);
+    let log_keys: Vec<String> = keys(&redis)
+        .into_iter()
+        .filter(|k| k.ends_with("source=a"))
+        .collect();
+    let charged: usize = log_keys
+        .iter()
+        .map(|k| log_entries(&mut redis.con(), k).len())
+        .sum();
+    if accepted == 2 {
+        assert!(reasons.iter().all(|r| r == "rate_limited"), "{reasons:?}");
+        assert_eq!((failed_closed, charged), (0.0, 2), "{log_keys:?}\n{text}");
+    } else {
+        assert_eq!(accepted, 0);
+        assert!(
+            reasons.iter().all(|r| r == "limiter_unavailable"),
+            "{reasons:?}"
+        );
+        assert_eq!((failed_closed, charged), (6.0, 0), "{log_keys:?}\n{text}");
+    }
+    println!(
+        "the call timed out; decided by {}",
+        if accepted == 2 {
+            "the admission"
+        } else {
+            "the policy"
+        }
+    );
+}
+
 /// Guarantee 5 for inbound: every admission call touches one slot (the forward stream's), so it
 /// runs on Redis Cluster, which refuses any call that does not (CROSSSLOT). Both ways of writing
 /// rejections run: by a second call when the rejected stream is in another slot, and by the
