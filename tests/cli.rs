@@ -732,3 +732,41 @@ fn a_closed_stderr_costs_neither_the_work_nor_sigterm() {
         "SIGTERM drains and exits 0"
     );
 }
+
+/// Ctrl-C (SIGINT) is a shutdown like SIGTERM: the worker drains (what falls due within
+/// `drain` goes out), exits 0 and leaves the events still asleep pending for another worker.
+#[test]
+fn sigint_drains_exits_0_and_leaves_the_sleeping_events_pending() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("sigint");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    slow: {rate: 5/s, burst: 1, max_wait: 10s}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let mut pacer = start(&cfg, port);
+    let n = 20;
+    let events: Vec<_> = (0..n)
+        .map(|i| event(&[("route", "slow"), ("i", &i.to_string())]))
+        .collect();
+    push(&redis, "in", &events);
+    assert!(wait_until(Duration::from_secs(10), || !read(
+        &redis,
+        "pacer:{slow}:ready"
+    )
+    .is_empty()));
+    pacer.signal("INT");
+    assert_eq!(
+        pacer.wait_for(Duration::from_secs(10)),
+        Some(0),
+        "exit code; log:\n{}",
+        pacer.log_text()
+    );
+    let log = pacer.log_text();
+    assert!(log.contains("SIGINT: draining"), "{log}");
+    // 20 at 5/s take 4 s: a drain of 1 s leaves about half asleep, pending, not dispatched.
+    let ready = read(&redis, "pacer:{slow}:ready").len();
+    assert!(
+        ready < n,
+        "all {ready} dispatched: the drain did not stop it"
+    );
+    assert_eq!(pending(&redis, "in", "pacer") as usize, n - ready);
+}
