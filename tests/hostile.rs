@@ -10,7 +10,9 @@ mod common;
 
 use common::*;
 use pacer::keys::InboundKeys;
-use pacer::testkit::{free_port, http_get, metric, wait_until, Pacer, RedisServer, TempDir};
+use pacer::testkit::{
+    free_port, http_get, metric, metric_at, wait_until, Pacer, RedisServer, TempDir,
+};
 use std::time::Duration;
 
 /// An event of `n` empty fields (they count 0 bytes, so `max_event_bytes` does not stop it)
@@ -722,6 +724,165 @@ fn a_dead_letter_stream_of_the_wrong_kind_holds_its_entries_until_it_is_fixed() 
     let outputs = ["pacer:{fast}:ready", "pacer:rejected", "pacer:dead"];
     assert_eq!(lengths(&redis, &outputs), [22, 0, 3]);
     assert_each_once(&redis, &ids, &outputs, "in");
+    let log = pacer.log_text();
+    assert!(log.contains("succeed again"), "{log}");
+}
+
+/// The outbound rejected stream's key holding another kind of value: the events no route can
+/// take in time (`slow` and its fallback `spare`, each 1/h with its one slot used) are held,
+/// their entries pending and delivered once, neither lost, nor dead-lettered, nor counted as
+/// rejected, while the events for `fast` are sent and a malformed one is dead-lettered, from
+/// the first batch and from a second read meanwhile. The worker says so once (not as Redis
+/// failing) and leaves the key as it found it; once the key is deleted each held event is
+/// rejected once, `queue_full` with the wait it was offered, and its entry acknowledged.
+#[test]
+fn a_rejected_stream_of_the_wrong_kind_holds_its_entries_until_it_is_fixed() {
+    let redis = RedisServer::start();
+    overwrite_with_string(&redis, "pacer:rejected");
+    let dir = TempDir::new("broken-rejected");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    fast: {rate: 100/ms, burst: 1000}\n    slow: {rate: 1/h, burst: 1, max_wait: 100ms, fallbacks: [spare]}\n    spare: {rate: 1/h, burst: 1, max_wait: 100ms}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, "  batch: 64", body);
+    let pacer = start(&cfg, port);
+    let outputs = [
+        "pacer:{fast}:ready",
+        "pacer:{slow}:ready",
+        "pacer:{spare}:ready",
+        "pacer:dead",
+        "pacer:rejected",
+    ];
+    // The rest, while the rejected stream is a string (XLEN fails on it).
+    let others = &outputs[..4];
+    // Each slow route sends one event, then has nothing for an hour.
+    let openers = [
+        event(&[("route", "slow"), ("n", "open")]),
+        event(&[("route", "spare"), ("n", "open")]),
+    ];
+    let mut ids = push(&redis, "in", &openers);
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            lengths(&redis, &outputs[1..3]) == [1, 1] && pending(&redis, "in", "pacer") == 0
+        }),
+        "{}",
+        pacer.log_text()
+    );
+    let opened_ms = redis_time_ms(&redis);
+
+    // 16 for fast, 4 for slow (no route can take them), one without a route.
+    let events: Vec<_> = (0..21)
+        .map(|i| match i % 5 {
+            _ if i == 20 => event(&[("to", "nowhere")]),
+            4 => event(&[("route", "slow"), ("n", &i.to_string())]),
+            _ => event(&[("route", "fast"), ("n", &i.to_string())]),
+        })
+        .collect();
+    let first = push(&redis, "in", &events);
+    let mut held: Vec<String> = (0..21)
+        .filter(|i| i % 5 == 4)
+        .map(|i| first[i].clone())
+        .collect();
+    ids.extend(first);
+    assert!(
+        wait_until(Duration::from_secs(10), || lengths(&redis, others)
+            == [16, 1, 1, 1]),
+        "{:?}\n{}",
+        lengths(&redis, others),
+        pacer.log_text()
+    );
+    // A second batch, read while the first one's rejections are held: its rejection is held
+    // beside them, its other event flows.
+    let second = [
+        event(&[("route", "slow"), ("n", "late")]),
+        event(&[("route", "fast"), ("n", "late")]),
+    ];
+    let second = push(&redis, "in", &second);
+    held.push(second[0].clone());
+    ids.extend(second);
+    assert!(
+        wait_until(Duration::from_secs(5), || lengths(&redis, others)
+            == [17, 1, 1, 1]),
+        "{:?}\n{}",
+        lengths(&redis, others),
+        pacer.log_text()
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(lengths(&redis, others), [17, 1, 1, 1]);
+    // Pending, each delivered once (not claimed, not read again), and nothing else.
+    let rows = pending_rows(&redis, "in");
+    let pending_ids: Vec<String> = rows
+        .iter()
+        .map(|cols| redis::from_redis_value(cols[0].clone()).unwrap())
+        .collect();
+    assert_eq!(pending_ids, held, "the five rejections are held");
+    for cols in &rows {
+        assert_eq!(cols[3], redis::Value::Int(1), "delivered once: {cols:?}");
+    }
+    let dead = read(&redis, "pacer:dead");
+    assert_eq!(dead[0].field("pacer_source_id"), Some(ids[22].as_str()));
+    assert_eq!(dead[0].field("pacer_reason"), Some("malformed"));
+    let (kind, value): (String, String) = redis::pipe()
+        .cmd("TYPE")
+        .arg("pacer:rejected")
+        .cmd("GET")
+        .arg("pacer:rejected")
+        .query(&mut redis.con())
+        .unwrap();
+    assert_eq!(
+        (kind.as_str(), value.as_str()),
+        ("string", "written by something else")
+    );
+    let rejected = |port| metric_at(port, "outcome=\"rejected\"");
+    assert_eq!(rejected(port), 0.0, "counted before it was written");
+    let log = pacer.log_text();
+    let said = log.matches("a key holds the wrong kind of value").count();
+    assert_eq!(said, 1, "{log}");
+    assert!(!log.contains("Redis calls are failing"), "{log}");
+
+    let _: () = redis::cmd("DEL")
+        .arg("pacer:rejected")
+        .query(&mut redis.con())
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            pending(&redis, "in", "pacer") == 0
+        }),
+        "{}",
+        pacer.log_text()
+    );
+    assert_eq!(lengths(&redis, &outputs), [17, 1, 1, 1, 5]);
+    let at = assert_each_once(&redis, &ids, &outputs, "in");
+    for id in &held {
+        assert_eq!(at[id], ["pacer:rejected"], "{id}");
+    }
+    // The wait each was offered: what is left of the hour since the slow routes' one slot,
+    // rounded up to the millisecond.
+    for r in read(&redis, "pacer:rejected") {
+        let retry: i64 = r.field("pacer_retry_after_ms").unwrap().parse().unwrap();
+        assert!(
+            (3_600_000 - (r.ms - opened_ms) - 10_000..=3_600_000).contains(&retry),
+            "retry after {retry} ms"
+        );
+        assert_eq!(
+            [
+                "route",
+                "pacer_route",
+                "pacer_reason",
+                "pacer_detail",
+                "pacer_source_stream"
+            ]
+            .map(|f| r.field(f)),
+            [
+                Some("slow"),
+                Some("slow"),
+                Some("queue_full"),
+                Some(format!(
+                    "no route could take it before its deadline (max_wait from its first decision); the shortest wait offered was {retry} ms"
+                ).as_str()),
+                Some("in")
+            ]
+        );
+    }
+    assert_eq!(rejected(port), 5.0);
     let log = pacer.log_text();
     assert!(log.contains("succeed again"), "{log}");
 }

@@ -705,3 +705,168 @@ fn runs_on_redis_cluster_every_script_call_in_one_slot() {
     // Each path runs: primary, fallback, rejection and dead letter.
     assert_every_path_runs_on_a_cluster(&redis, &pacer, &outputs, events.len());
 }
+
+/// The names of an output entry's fields, in order.
+fn field_names(e: &pacer::report::OutputEntry) -> Vec<String> {
+    e.fields
+        .iter()
+        .map(|(k, _)| String::from_utf8_lossy(k).into_owned())
+        .collect()
+}
+
+/// An event id's claim spans every route its entry was decided on, and no other (README,
+/// producer contract). `a` (1/s, burst 1, max_wait 100 ms) sends one event and passes the next,
+/// with id `order-7`, to its fallback `b`, which sends it (its ready entry on b's stream,
+/// `pacer_route` b, its `route` field still a). Then, with a free again, a retry naming a with
+/// `order-7` is dead-lettered `duplicate` naming the rerouted entry as its owner (it came before
+/// a fresh event that a sends at once, so a had room for it), and a retry naming b too; an
+/// event naming route c with the same id is another event and is sent on c.
+#[test]
+fn a_rerouted_events_id_is_taken_on_its_first_route_and_its_fallback_and_no_other() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("reroute-dup");
+    let port = free_port();
+    let body = r#"outbound:
+  streams: ["in"]
+  routes:
+    a: {rate: 1/s, burst: 1, max_wait: 100ms, fallbacks: [b]}
+    b: {rate: 100/s, burst: 10, max_wait: 1s}
+    c: {rate: 100/s, burst: 10, max_wait: 1s}
+"#;
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let pacer = start(&cfg, port);
+    let x = "order-7";
+    let (a, b, c) = ("pacer:{a}:ready", "pacer:{b}:ready", "pacer:{c}:ready");
+    let outputs = [a, b, c, "pacer:rejected", "pacer:dead"];
+
+    // a takes the first at once; the second would wait about a second there: b sends it.
+    let first = [
+        event(&[("route", "a"), ("id", "a-first")]),
+        event(&[("route", "a"), ("id", x), ("to", "+331")]),
+    ];
+    let mut ids = push(&redis, "in", &first);
+    assert!(
+        wait_until(Duration::from_secs(10), || lengths(&redis, &outputs)
+            == [1, 1, 0, 0, 0]
+            && pending(&redis, "in", "pacer") == 0),
+        "outputs {:?}\n{}",
+        lengths(&redis, &outputs),
+        pacer.log_text()
+    );
+    let sent_on_a = read(&redis, a);
+    assert_eq!(sent_on_a[0].field("pacer_source_id"), Some(ids[0].as_str()));
+    assert_eq!(sent_on_a[0].field("pacer_route"), Some("a"));
+    let rerouted = &read(&redis, b)[0];
+    assert_eq!(
+        field_names(rerouted),
+        [
+            "pacer_route",
+            "pacer_source_stream",
+            "pacer_source_id",
+            "pacer_slot_us",
+            "pacer_wait_ms",
+            "route",
+            "id",
+            "to"
+        ]
+    );
+    assert_eq!(
+        [
+            "pacer_route",
+            "pacer_source_stream",
+            "pacer_source_id",
+            "route",
+            "id",
+            "to"
+        ]
+        .map(|f| rerouted.field(f)),
+        [
+            Some("b"),
+            Some("in"),
+            Some(ids[1].as_str()),
+            Some("a"),
+            Some(x),
+            Some("+331")
+        ],
+        "the rerouted entry on b"
+    );
+
+    // Once a has room again (its one slot a second, by Redis's clock): the retries come before
+    // a fresh event for a, so a could send the retry naming it were its id free there.
+    let a_free_ms = sent_on_a[0].ms + 1000;
+    assert!(wait_until(Duration::from_secs(5), || redis_time_ms(&redis)
+        >= a_free_ms));
+    let retries = [
+        event(&[("route", "a"), ("id", x), ("to", "+332")]),
+        event(&[("route", "a"), ("id", "a-later")]),
+        event(&[("route", "b"), ("id", x), ("to", "+333")]),
+        event(&[("route", "c"), ("id", x), ("to", "+334")]),
+    ];
+    ids.extend(push(&redis, "in", &retries));
+    assert!(
+        wait_until(Duration::from_secs(10), || lengths(&redis, &outputs)
+            == [2, 1, 1, 0, 2]
+            && pending(&redis, "in", "pacer") == 0),
+        "outputs {:?}\n{}",
+        lengths(&redis, &outputs),
+        pacer.log_text()
+    );
+    let at = assert_each_once(&redis, &ids, &outputs, "in");
+    let placed: Vec<&str> = ids.iter().map(|id| at[id][0].as_str()).collect();
+    assert_eq!(placed, [a, b, "pacer:dead", a, "pacer:dead", c]);
+
+    let source = |e: &pacer::report::OutputEntry| e.field("pacer_source_id").unwrap().to_string();
+    assert_eq!(
+        read(&redis, a).iter().map(source).collect::<Vec<_>>(),
+        [ids[0].clone(), ids[3].clone()]
+    );
+    let on_c = &read(&redis, c)[0];
+    assert_eq!(
+        ["pacer_route", "pacer_source_id", "route", "id", "to"].map(|f| on_c.field(f)),
+        [
+            Some("c"),
+            Some(ids[5].as_str()),
+            Some("c"),
+            Some(x),
+            Some("+334")
+        ]
+    );
+    let owner = format!("event id \"{x}\" was already taken by entry {}@in", ids[1]);
+    // The routes decide in parallel: their dead letters may come in either order.
+    let dead = read(&redis, "pacer:dead");
+    for (retry, route, to) in [(&ids[2], "a", "+332"), (&ids[4], "b", "+333")] {
+        let d = dead
+            .iter()
+            .find(|d| d.field("pacer_source_id") == Some(retry.as_str()))
+            .unwrap_or_else(|| panic!("the retry naming {route} is not dead-lettered"));
+        assert_eq!(
+            [
+                "route",
+                "id",
+                "to",
+                "pacer_reason",
+                "pacer_detail",
+                "pacer_source_stream",
+                "pacer_source_id"
+            ]
+            .map(|f| d.field(f)),
+            [
+                Some(route),
+                Some(x),
+                Some(to),
+                Some("duplicate"),
+                Some(owner.as_str()),
+                Some("in"),
+                Some(retry.as_str())
+            ],
+            "the retry naming {route}"
+        );
+    }
+    let text = http_get(port, "/metrics").expect("metrics served").1;
+    let count = |outcome: &str| metric(&text, &format!("outcome=\"{outcome}\""));
+    assert_eq!(
+        [count("dispatched"), count("duplicate"), count("rejected")],
+        [4.0, 2.0, 0.0],
+        "{text}"
+    );
+}
