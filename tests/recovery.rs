@@ -1265,3 +1265,226 @@ fn parked_entries_end_once_through_a_trim_and_kill_minus_nine() {
     );
     assert_rate(&redis, outputs[0], 50.0, 1.0);
 }
+
+/// The sum of `field=<n>` over the log lines of `pacer` that say `message`, and how many such
+/// lines there were.
+fn logged_sum(pacer: &Pacer, message: &str, field: &str) -> (u64, usize) {
+    let key = format!("{field}=");
+    let lines: Vec<String> = pacer
+        .log_text()
+        .lines()
+        .filter(|l| l.contains(message))
+        .map(str::to_string)
+        .collect();
+    let sum = lines
+        .iter()
+        .map(|l| {
+            let at = l.find(&key).unwrap_or_else(|| panic!("no {key} in {l}")) + key.len();
+            let digits: String = l[at..].chars().take_while(char::is_ascii_digit).collect();
+            digits.parse::<u64>().unwrap()
+        })
+        .sum();
+    (sum, lines.len())
+}
+
+/// A worker that wakes holding an event whose decision has vanished (expired or evicted) while
+/// the group still lists the entry as its own decides it anew, on its route, and it ends once:
+/// here the decision hashes of a slow route's sleeping events are deleted while they sleep.
+/// Each sleeper finds nothing on record at its slot, is checked against the group's pending
+/// list (still its own), said to be decided anew (`decided_anew` in
+/// `placement::still_held`'s warning, none let go), and given a new slot within its wait: every
+/// event is dispatched once, at the route's rate, and nothing stays pending.
+#[test]
+fn a_worker_whose_sleeping_events_lost_their_decisions_decides_them_anew_and_each_ends_once() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("decisions-gone");
+    let port = free_port();
+    let body =
+        "outbound:\n  streams: [\"in\"]\n  routes:\n    slow: {rate: 2/s, burst: 1, max_wait: 5s}\n";
+    let worker = "  batch: 16\n  drain: 500ms\n  claim_idle: 60s";
+    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
+    let outputs = ["pacer:{slow}:ready", "pacer:rejected", "pacer:dead"];
+    let pacer = start(&cfg, port);
+    // Slots 0, 0.5 s, ... 3.5 s: the first goes at once, the rest sleep.
+    let events: Vec<_> = (0..8)
+        .map(|i| event(&[("route", "slow"), ("n", &i.to_string())]))
+        .collect();
+    let ids = push(&redis, "in", &events);
+    assert!(
+        wait_until(Duration::from_secs(5), || sleeping(port) >= 6.0),
+        "{} sleeping:\n{}",
+        sleeping(port),
+        pacer.log_text()
+    );
+    // Every decision record deleted in one step, counting the sleeping ones ("s…") among them:
+    // exactly those find their decision gone at their slot (a dispatch before this step left
+    // "d…", one after it finds nothing).
+    let (hashes, asleep): (i64, i64) = redis::cmd("EVAL")
+        .arg(
+            "local hashes, asleep = 0, 0
+             for _, k in ipairs(redis.call('KEYS', ARGV[1])) do
+               for _, v in ipairs(redis.call('HVALS', k)) do
+                 if string.sub(v, 1, 1) == 's' then asleep = asleep + 1 end
+               end
+               redis.call('DEL', k)
+               hashes = hashes + 1
+             end
+             return {hashes, asleep}",
+        )
+        .arg(0)
+        .arg("pacer:{*}:dec:slow:in:*")
+        .query(&mut redis.con())
+        .unwrap();
+    assert!(
+        hashes >= 1,
+        "no decision hash to delete: {:?}",
+        keys(&redis)
+    );
+    assert!(asleep >= 5, "only {asleep} sleeping decisions deleted");
+    assert!(
+        wait_until(Duration::from_secs(15), || {
+            placements(&redis, &outputs).len() == ids.len() && pending(&redis, "in", "pacer") == 0
+        }),
+        "{:?} placed, {} pending:\n{}",
+        lengths(&redis, &outputs),
+        pending(&redis, "in", "pacer"),
+        pacer.log_text()
+    );
+    // Time for a second write to show, should one come.
+    std::thread::sleep(Duration::from_millis(1500));
+    let at = assert_each_once(&redis, &ids, &outputs, "in");
+    assert_eq!(
+        lengths(&redis, &outputs),
+        [8, 0, 0],
+        "every event dispatched on its own route, none rejected: {at:?}"
+    );
+    let message = "events whose decisions expired while this worker held them";
+    let (anew, lines) = logged_sum(&pacer, message, "decided_anew");
+    let (let_go, _) = logged_sum(&pacer, message, "let_go");
+    assert_eq!(
+        (anew, let_go),
+        (asleep as u64, 0),
+        "each sleeper whose decision was deleted is decided anew, none let go:\n{}",
+        pacer.log_text()
+    );
+    // Decided anew, not dispatched at the slot first given: the route's plan reached past its
+    // first 3.5 s.
+    let times = assert_rate(&redis, "pacer:{slow}:ready", 2.0, 1.0);
+    let span = times.last().unwrap() - times.first().unwrap();
+    assert!(
+        span > 4_000,
+        "dispatched over {span} ms: the deleted slots were kept"
+    );
+    assert_eq!(claimed(port), 0.0);
+    eprintln!(
+        "{hashes} decision hashes deleted holding {asleep} sleepers; {anew} decided anew in {lines} batches, all 8 dispatched over {span} ms"
+    );
+}
+
+/// A read whose reply is lost (Redis delivered the entries to this consumer, the worker's call
+/// timed out before the reply came) is carried on from what Redis recorded: the reader reads
+/// its own pending entries again (`reader.rs`, "taking up entries this consumer holds
+/// pending"), instead of leaving them for a claimer after `claim_idle`. Made here with Redis
+/// stalled (`DEBUG SLEEP`, longer than the reader's block time plus `redis.timeout`) right
+/// after the entries it delivers to the blocked read: every entry ends once within seconds,
+/// with `claim_idle` at 60 s, none claimed.
+#[test]
+fn a_read_whose_reply_was_lost_is_taken_up_from_the_consumers_pending_list_before_claim_idle() {
+    let redis = RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let dir = TempDir::new("lost-read");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    fast: {rate: 1000/s, burst: 100, max_wait: 1s}\n";
+    let worker = "  batch: 64\n  drain: 500ms\n  claim_idle: 60s";
+    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
+    let pacer = start(&cfg, port);
+    let consumers_pending = || -> Vec<(String, i64)> {
+        let reply: Vec<redis::Value> = redis::cmd("XPENDING")
+            .arg("in")
+            .arg("pacer")
+            .query(&mut redis.con())
+            .unwrap();
+        match reply.get(3) {
+            Some(redis::Value::Array(rows)) => rows
+                .iter()
+                .map(|r| redis::from_redis_value::<(String, i64)>(r.clone()).unwrap())
+                .collect(),
+            _ => Vec::new(),
+        }
+    };
+    // Nothing pending to take up at the start: any recovery read below is the lost read's.
+    assert_eq!(consumers_pending(), vec![], "{}", pacer.log_text());
+    // Past the start's own recovery read: the reader blocked in XREADGROUP for new entries (it
+    // blocks again within microseconds of each 500 ms block's end).
+    let blocked_read = || -> bool {
+        let clients: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query(&mut redis.con())
+            .unwrap();
+        clients
+            .lines()
+            .any(|c| c.contains(" flags=b ") && c.contains(" cmd=xreadgroup "))
+    };
+    assert!(
+        wait_until(Duration::from_secs(5), blocked_read),
+        "no read blocked:\n{}",
+        pacer.log_text()
+    );
+    // The entries go to the blocked read at once, all of them (one transaction: Redis serves
+    // a blocked read after EXEC, where after a lone XADD it would take that one entry); the
+    // read's reply leaves Redis only after the stall, 2 s later, past the reader's 1 s (500 ms
+    // block + 500 ms timeout).
+    let mut con = redis.con();
+    let mut pipe = redis::pipe();
+    pipe.cmd("MULTI").ignore();
+    for i in 0..20 {
+        pipe.cmd("XADD")
+            .arg("in")
+            .arg("*")
+            .arg("route")
+            .arg("fast")
+            .arg("n")
+            .arg(i)
+            .ignore();
+    }
+    pipe.cmd("EXEC");
+    pipe.cmd("DEBUG").arg("SLEEP").arg(2).ignore();
+    let pushed = Instant::now();
+    let (ids,): (Vec<String>,) = pipe.query(&mut con).unwrap();
+    assert_eq!(ids.len(), 20);
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            lengths(&redis, &["pacer:{fast}:ready"])[0] == ids.len()
+                && pending(&redis, "in", "pacer") == 0
+        }),
+        "{:?} dispatched, {} pending after {:?}:\n{}",
+        lengths(&redis, &["pacer:{fast}:ready"]),
+        pending(&redis, "in", "pacer"),
+        pushed.elapsed(),
+        pacer.log_text()
+    );
+    let took = pushed.elapsed();
+    let outputs = ["pacer:{fast}:ready", "pacer:rejected", "pacer:dead"];
+    std::thread::sleep(Duration::from_millis(500));
+    assert_each_once(&redis, &ids, &outputs, "in");
+    assert_eq!(lengths(&redis, &outputs), [20, 0, 0]);
+    let (taken_up, lines) = logged_sum(
+        &pacer,
+        "taking up entries this consumer holds pending",
+        "entries",
+    );
+    // In one recovery read or more (one entry at first, when Redis could not yet count them).
+    assert_eq!(
+        taken_up,
+        20,
+        "the lost read's entries are read again from the pending list, each once:\n{}",
+        pacer.log_text()
+    );
+    assert_eq!(claimed(port), 0.0, "{}", pacer.log_text());
+    assert!(
+        took < Duration::from_secs(10),
+        "took {took:?} with claim_idle 60 s"
+    );
+    eprintln!(
+        "a lost read of 20 entries taken up from the pending list in {lines} reads; all ended in {took:?}"
+    );
+}
