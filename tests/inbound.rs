@@ -15,7 +15,7 @@ use pacer::scripts::{
     AdmitItem, AdmitReply, AdmitTargets, Admitted, ScriptRules, Scripts, LOG_ENTRIES_PER_READ,
 };
 use pacer::testkit::{
-    command_calls, free_port, http_get, metric, wait_until, RedisServer, TempDir,
+    command_calls, free_port, http_get, metric, wait_until, Pacer, RedisServer, TempDir,
 };
 use std::time::Duration;
 
@@ -722,6 +722,20 @@ fn shadow_mode_forwards_everything_and_counts_would_be_rejections() {
     assert_eq!((count("accepted"), count("rejected")), (3.0, 7.0), "{text}");
 }
 
+/// Waits until `n` entries are forwarded or rejected and none is pending.
+fn wait_all_decided(redis: &RedisServer, pacer: &Pacer, n: usize) {
+    assert!(
+        wait_until(Duration::from_secs(15), || pending(
+            redis, "pacer:in", "pacer"
+        ) == 0
+            && read(redis, "pacer:accepted").len()
+                + read(redis, "pacer:in-rejected").len()
+                == n),
+        "log:\n{}",
+        pacer.log_text()
+    );
+}
+
 /// Admission fails for real: with maxmemory 1 and noeviction, Redis refuses every script that
 /// writes (OOM) while reads still work. pacer is stopped (SIGSTOP) while the events are pushed
 /// and memory runs out, then continued: its admission calls fail, the policy decides, and once
@@ -756,16 +770,7 @@ fn fail_policy_run(policy: &str) -> (RedisServer, String) {
     });
     redis.config_set("maxmemory", "0");
     assert!(failed, "admission never failed:\n{}", pacer.log_text());
-    assert!(
-        wait_until(Duration::from_secs(15), || pending(
-            &redis, "pacer:in", "pacer"
-        ) == 0
-            && read(&redis, "pacer:accepted").len()
-                + read(&redis, "pacer:in-rejected").len()
-                == 6),
-        "log:\n{}",
-        pacer.log_text()
-    );
+    wait_all_decided(&redis, &pacer, 6);
     let text = http_get(port, "/metrics").unwrap().1;
     drop(pacer);
     (redis, text)
@@ -826,16 +831,7 @@ fn an_admission_that_runs_after_its_timeout_and_the_fail_policy_decide_each_entr
     std::thread::sleep(Duration::from_millis(200));
     pacer.signal("CONT");
     sleeper.join().unwrap();
-    assert!(
-        wait_until(Duration::from_secs(15), || pending(
-            &redis, "pacer:in", "pacer"
-        ) == 0
-            && read(&redis, "pacer:accepted").len()
-                + read(&redis, "pacer:in-rejected").len()
-                == 6),
-        "log:\n{}",
-        pacer.log_text()
-    );
+    wait_all_decided(&redis, &pacer, 6);
     // Time for a second write to show, should one come.
     std::thread::sleep(Duration::from_secs(1));
     let log = pacer.log_text();
