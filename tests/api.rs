@@ -462,6 +462,84 @@ fn envoy_charges_the_descriptors_hits_addend_else_the_requests_else_one() {
     assert_eq!(each, [(over, 0)], "{r:?}");
 }
 
+/// README, "Envoy": the rules applied to a descriptor are those whose key fields it carries
+/// "(or that have a `default_identity`)", and "those on one identity are decided in their
+/// order". A descriptor lacking `tenant` is charged to the rule's default identity (the same
+/// limit a descriptor naming that identity draws on), while a rule without one is not applied
+/// to it; and three descriptors on one identity in one request, costing 2, 2 and 1 of a limit
+/// of 3, are OK, OVER_LIMIT, OK in that order (decided out of order, or all at once, the
+/// answers differ). A fixed window of an hour: nothing refills within the test.
+#[test]
+fn envoy_charges_a_descriptor_lacking_its_key_to_the_default_identity_and_one_identity_in_order() {
+    use envoy_types::pb::google::protobuf::UInt64Value;
+    clear_of_the_hour();
+    let api = start_api(
+        1,
+        "    - {name: per-tenant, key: [tenant], algorithm: fixed_window, limits: [3/h], default_identity: anonymous}\n    - {name: per-user, key: [user], algorithm: fixed_window, limits: [3/h]}\n",
+    );
+    let (_, _, g) = api.ports[0];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
+    // One call: each status's (code, remaining, limit's name).
+    let ask = |descriptors: Vec<RateLimitDescriptor>| {
+        let r = rt
+            .block_on(should_rate_limit(g, "edge", descriptors))
+            .unwrap();
+        r.statuses
+            .iter()
+            .map(|s| {
+                let limit = s.current_limit.as_ref().map(|l| l.name.clone());
+                (s.code, s.limit_remaining, limit)
+            })
+            .collect::<Vec<_>>()
+    };
+    let tenant = Some("per-tenant.3/h".to_string());
+    // No tenant field: charged as "anonymous" (per-user, without a default, is not applied).
+    let lacking = || descriptor(&[("path", "/a")]);
+    assert_eq!(ask(vec![lacking()]), [(ok, 2, tenant.clone())]);
+    // The same identity as a descriptor that names it; another tenant has its own room.
+    assert_eq!(
+        ask(vec![descriptor(&[("tenant", "anonymous")])]),
+        [(ok, 1, tenant.clone())]
+    );
+    assert_eq!(
+        ask(vec![descriptor(&[("tenant", "acme")])]),
+        [(ok, 2, tenant.clone())]
+    );
+    assert_eq!(ask(vec![lacking()]), [(ok, 0, tenant.clone())]);
+    assert_eq!(ask(vec![lacking()]), [(over, 0, tenant.clone())]);
+    // A user's descriptor lacks the tenant too: the default identity applies beside per-user.
+    assert_eq!(
+        ask(vec![descriptor(&[("user", "u1")])]),
+        [(over, 0, tenant.clone())],
+        "the anonymous tenant is used up"
+    );
+
+    // One identity, costs 2, 2, 1 of 3: in order, OK (1 left), over (charged nothing), OK.
+    let costing = |t: &str, cost: u64| {
+        let mut d = descriptor(&[("tenant", t)]);
+        d.hits_addend = Some(UInt64Value { value: cost });
+        d
+    };
+    assert_eq!(
+        ask(vec![costing("t1", 2), costing("t1", 2), costing("t1", 1)]),
+        [
+            (ok, 1, tenant.clone()),
+            (over, 0, tenant.clone()),
+            (ok, 0, tenant.clone())
+        ]
+    );
+    // The other order on a fresh identity: 1, 2, 2 are OK, OK, over.
+    assert_eq!(
+        ask(vec![costing("t2", 1), costing("t2", 2), costing("t2", 2)]),
+        [
+            (ok, 2, tenant.clone()),
+            (ok, 0, tenant.clone()),
+            (over, 0, tenant.clone())
+        ]
+    );
+}
+
 #[test]
 fn stream_events_http_and_grpc_draw_on_one_limit() {
     let api = start_api(
@@ -962,6 +1040,74 @@ fn a_leased_answer_reports_the_identitys_room_not_only_the_lease() {
     }
 }
 
+/// README, "Leasing" and "Metrics": `pacer_lease_tokens_total{rule, fate="leased|wasted"}`, a
+/// lease that "expires with tokens left" counted as wasted. Nothing checked either figure.
+/// Twenty requests on a leased fixed window (1000 an hour, leases of up to 8 for 1 s), some
+/// answered from leases, some fetching; then, past every lease's end, one request more, whose
+/// fetch counts what the ended leases left. The identity's count in Redis says what was
+/// charged: the tokens leased are all of it but the requests decided on demand (each charged
+/// its own token beside its lease), and the tokens wasted are exactly those charged and
+/// never spent (charged, less the twenty allowed).
+#[test]
+fn lease_tokens_total_counts_the_tokens_leased_and_as_wasted_those_charged_and_never_spent() {
+    clear_of_the_hour();
+    let api = start_api(
+        1,
+        "    - {name: leased, key: [k], algorithm: fixed_window, limits: [1000/h], lease: {max: 8, ttl: 1s}}\n",
+    );
+    let (m, h, _) = api.ports[0];
+    let tokens = |fate: &str| {
+        metric_at(
+            m,
+            &format!("pacer_lease_tokens_total{{rule=\"leased\",fate=\"{fate}\"}}"),
+        )
+    };
+    let on_demand = || {
+        metric_at(
+            m,
+            "pacer_lease_fetches_total{rule=\"leased\",ahead=\"false\"}",
+        )
+    };
+    let ask = || {
+        let (status, _, body) = post(h, r#"{"fields": {"k": "a"}}"#);
+        assert_eq!(status, 200, "{body}");
+        body["remaining"].as_i64().expect("remaining")
+    };
+    let n = 20;
+    for _ in 0..n {
+        ask();
+    }
+    // Past the ttl of every lease, those fetched ahead by the last requests included (and
+    // any such fetch answered: redis.timeout is 500 ms).
+    std::thread::sleep(Duration::from_millis(2500));
+    let (leased, fetched) = (tokens("leased"), on_demand());
+    let wasted_before = tokens("wasted");
+    // Every lease has ended: this request fetches on demand, and its fetch counts what they
+    // left. Decided in Redis, it says the identity's room: 1000 less what was charged before
+    // it, less its own token.
+    let remaining = ask();
+    assert_eq!(on_demand(), fetched + 1.0, "the last request fetched");
+    let charged = (1000 - 1 - remaining) as f64;
+    let wasted = tokens("wasted");
+    eprintln!(
+        "{n} requests: {charged} charged, {leased} leased, {fetched} fetches on demand, {wasted} wasted ({wasted_before} before the last fetch)"
+    );
+    assert!(leased >= 1.0 && fetched >= 1.0, "{leased} {fetched}");
+    assert_eq!(
+        leased + fetched,
+        charged,
+        "tokens leased ({leased}) and requests decided on demand ({fetched}) against Redis's count"
+    );
+    assert_eq!(
+        wasted,
+        charged - n as f64,
+        "wasted: charged {charged}, allowed {n}"
+    );
+    assert!(wasted >= 1.0 && wasted >= wasted_before, "{wasted}");
+    // The last fetch's tokens are leased, not yet wasted.
+    assert!(tokens("leased") > leased, "{}", tokens("leased"));
+}
+
 #[test]
 fn a_request_costing_more_than_its_lease_holds_spends_the_lease_and_asks_redis_for_the_rest() {
     // 100/s with a burst of 10, leased and not: every 100 ms a request of 1, then one of 8.
@@ -1336,6 +1482,77 @@ fn a_redis_refusing_the_apis_writes_holds_readiness_while_the_stream_flow_idles(
     assert_eq!(log.matches("Redis takes writes again").count(), 1, "{log}");
 }
 
+/// README, "Synchronous admission": while Redis refuses writes, the worker asks it every second
+/// on the API's connection, with "a write of `pacer:{api}:probe`, which expires", "so readiness
+/// comes back with Redis and not only with the next request". The test above sends a request
+/// before it looks at `/readyz` again; here none is sent: readiness comes back by the probe's
+/// write alone (the key is there, expiring, and no `decide` call was made), and not before
+/// Redis takes writes (the probe's write refused meanwhile).
+#[test]
+fn readiness_comes_back_without_a_request_once_redis_takes_the_probes_write() {
+    let api = start_api(
+        1,
+        "    - {name: per-source, key: [source], limits: [1000/s]}\n",
+    );
+    let (m, h, _) = api.ports[0];
+    let ask = |n: usize| post(h, &format!("{{\"fields\": {{\"source\": \"s{n}\"}}}}")).0;
+    assert_eq!(ask(0), 200);
+    assert!(wait_until(Duration::from_secs(10), || matches!(
+        http_get(m, "/readyz"),
+        Some((200, _))
+    )));
+    let probe = pacer::keys::api_probe();
+    let exists = || -> bool {
+        redis::cmd("EXISTS")
+            .arg(probe)
+            .query(&mut api.redis.con())
+            .unwrap()
+    };
+    api.redis.config_set("maxmemory-policy", "noeviction");
+    api.redis.config_set("maxmemory", "1");
+    assert_eq!(ask(1), 503);
+    // Not ready, for over two of the probe's seconds: its write is refused too.
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(2500) {
+        let got = http_get(m, "/readyz");
+        let Some((503, why)) = &got else {
+            panic!("ready while Redis refuses writes: {got:?}");
+        };
+        assert!(why.contains("refuses writes"), "{why}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!exists(), "the probe wrote while Redis refused writes");
+    let calls = metric_at(m, "pacer_api_redis_calls_total{api=\"http\"}");
+    let fcalls = command_calls(&mut api.redis.con(), "fcall");
+    api.redis.config_set("maxmemory", "0");
+    // No request: the probe alone brings readiness back, within a few of its seconds.
+    assert!(
+        wait_until(Duration::from_secs(8), || matches!(
+            http_get(m, "/readyz"),
+            Some((200, _))
+        )),
+        "{:?}\n{}",
+        http_get(m, "/readyz"),
+        api.pacers[0].log_text()
+    );
+    assert!(exists(), "readiness came back without the probe's write");
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(probe)
+        .query(&mut api.redis.con())
+        .unwrap();
+    assert!((1..=10_000).contains(&ttl), "{probe} expires in {ttl} ms");
+    assert_eq!(
+        (
+            metric_at(m, "pacer_api_redis_calls_total{api=\"http\"}"),
+            command_calls(&mut api.redis.con(), "fcall")
+        ),
+        (calls, fcalls),
+        "a decision reached Redis"
+    );
+    let log = api.pacers[0].log_text();
+    assert_eq!(log.matches("Redis takes writes again").count(), 1, "{log}");
+}
+
 /// Redis closes connections idle for longer than its `timeout` (as proxies and managed Redis
 /// do): the API's connection, idle between requests, is made anew and the request asked again,
 /// not answered 503.
@@ -1528,6 +1745,86 @@ fn each_api_listener_holds_at_most_max_connections_open_and_metrics_stay_served(
         api.pacers[0].log_text().contains("max_connections open"),
         "the full listener is told in the log:\n{}",
         api.pacers[0].log_text()
+    );
+}
+
+/// README, "Synchronous admission": the API's `listen` "may be metrics.listen itself", and the
+/// metrics listener then has "the API's" connection bound (`src/server.rs`). On one port:
+/// `POST /v1/admit`, `/metrics`, `/healthz` and `/readyz` all answer, no separate HTTP
+/// listener is bound, and that one listener holds at most the API's `max_connections` (2 here,
+/// against the metrics listener's own 10,000): a third client, be it an admission or a probe,
+/// waits until one of the two closes.
+#[test]
+fn an_api_listening_on_metrics_listen_shares_its_port_and_the_apis_connection_bound() {
+    use std::io::Write;
+    use std::net::TcpStream;
+    let redis = RedisServer::start();
+    let dir = TempDir::new("api-shared-port");
+    let (m, g) = (free_port(), free_port());
+    let body = format!(
+        "inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  api:\n    listen: 127.0.0.1:{m}\n    grpc_listen: 127.0.0.1:{g}\n    domain: edge\n    read_timeout: 20s\n    max_connections: 2\n  rules:\n{PER_SOURCE}"
+    );
+    let cfg = config(&dir, "w.yaml", &redis, m, "  batch: 64", &body);
+    let pacer = start(&cfg, m);
+    // Every endpoint on the one port.
+    let (status, _, answer) = post(m, r#"{"fields": {"source": "acme"}}"#);
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(
+        (&answer["rule"], &answer["remaining"]),
+        (&serde_json::json!("per-source"), &serde_json::json!(99)),
+        "{answer}"
+    );
+    assert_eq!(http_get(m, "/readyz").map(|r| r.0), Some(200));
+    assert_eq!(http_get(m, "/healthz").map(|r| r.0), Some(200));
+    let (status, text) = http_get(m, "/metrics").expect("/metrics answers");
+    assert_eq!(status, 200);
+    assert_eq!(
+        pacer::testkit::metric(
+            &text,
+            "pacer_api_decisions_total{api=\"http\",rule=\"per-source\",outcome=\"allowed\""
+        ),
+        1.0,
+        "{text}"
+    );
+    // One listener for both, bound by the API's max_connections; no HTTP listener of its own.
+    assert_eq!(
+        pacer::testkit::metric(
+            &text,
+            "pacer_listener_connections_max{listener=\"metrics\"}"
+        ),
+        2.0,
+        "{text}"
+    );
+    assert!(!text.contains("listener=\"http\""), "{text}");
+    // Two silent connections fill it: an admission waits, and so does a probe.
+    let idle = || TcpStream::connect(("127.0.0.1", m)).expect("connects");
+    let (first, second) = (idle(), idle());
+    std::thread::sleep(Duration::from_millis(200));
+    let mut third = idle();
+    third.write_all(admit_request().as_bytes()).unwrap();
+    let got = read_answer(&mut third, Duration::from_millis(1000));
+    assert!(got.is_empty(), "answered past the API's bound: {got}");
+    assert_eq!(http_get(m, "/readyz"), None, "a probe past the API's bound");
+    // One closes: the waiting admission is answered.
+    drop(first);
+    let got = read_answer(&mut third, Duration::from_secs(5));
+    assert!(got.starts_with("HTTP/1.1 200"), "once one closed: {got:?}");
+    drop((second, third));
+    // All closed: served again, the scrape itself the one connection open, and the waits
+    // counted.
+    let scraped = |name: &str| metric_at(m, &format!("{name}{{listener=\"metrics\"}}"));
+    assert!(
+        wait_until(Duration::from_secs(5), || scraped(
+            "pacer_listener_connections"
+        ) == 1.0),
+        "{}",
+        scraped("pacer_listener_connections")
+    );
+    assert!(scraped("pacer_listener_full_total") >= 1.0);
+    assert!(
+        pacer.log_text().contains("max_connections open"),
+        "{}",
+        pacer.log_text()
     );
 }
 
