@@ -133,6 +133,7 @@ impl Worker {
                 .inbound
                 .as_ref()
                 .map(|i| ScriptRules::new(&i.rules, LOG_ENTRIES_PER_READ)),
+            inbound_lanes: Default::default(),
             cfg,
         };
         Ok(Worker {
@@ -172,6 +173,10 @@ impl Worker {
         let hard_stop = CancellationToken::new();
         let (tx, rx) = mpsc::unbounded_channel();
         let placers = Placers::start(&ctx, tx, &shutdown);
+        let lanes = inbound::Lanes::start(&ctx, &shutdown);
+        if ctx.inbound_lanes.set(lanes).is_err() {
+            unreachable!("a worker runs once");
+        }
         let dispatcher = tokio::spawn(dispatcher::run(
             ctx.clone(),
             rx,

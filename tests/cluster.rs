@@ -146,7 +146,19 @@ fn feed(
     per_tick: usize,
     make: impl Fn(usize, usize) -> Vec<(String, Vec<u8>)> + Send + 'static,
 ) -> JoinHandle<Vec<(String, String)>> {
-    let url = cluster.server_of(stream).url();
+    feed_on(cluster.server_of(stream), stream, seconds, per_tick, make)
+}
+
+/// `feed` on `server`, named by the caller: finding a key's master asks the cluster, which may
+/// wait on a frozen node.
+fn feed_on(
+    server: &RedisServer,
+    stream: &str,
+    seconds: u64,
+    per_tick: usize,
+    make: impl Fn(usize, usize) -> Vec<(String, Vec<u8>)> + Send + 'static,
+) -> JoinHandle<Vec<(String, String)>> {
+    let url = server.url();
     let stream = stream.to_string();
     std::thread::spawn(move || {
         let mut con = redis::Client::open(url).unwrap().get_connection().unwrap();
@@ -1069,4 +1081,185 @@ fn a_long_frozen_master_takes_no_places_from_the_other_routes() {
             tail(&pacers[0].log_text())
         );
     }
+}
+
+/// README, "Partitions": each partition is decided by its own call in its own slot,
+/// "concurrently, so a slow node holds up only its partitions' entries". The inbound
+/// counterpart of `a_frozen_master_holds_up_no_route_on_the_others`: 6 partitions (by
+/// `source`, each with its own outputs) over 3 masters without replicas, the input stream on a
+/// master that stays healthy, two workers. The master of some partitions is frozen (SIGSTOP)
+/// while 600 events of 60 sources arrive over 3 s: within 10 s of the last push every event of
+/// the partitions on the healthy masters is forwarded in its partition's stream (exactly as
+/// many as were routed there, none rejected), while the frozen master's stay unfinished;
+/// after the thaw every entry ends exactly once, each in its own partition's outputs.
+#[test]
+fn a_frozen_master_holds_up_no_inbound_partition_on_the_others() {
+    const PARTITIONS: usize = 6;
+    const SOURCES: usize = 60;
+    const PER_TICK: usize = 20;
+    let cluster = Cluster::start_with(3, 0, &["--cluster-require-full-coverage", "no"]);
+    let masters = cluster.masters();
+    let dir = TempDir::new("frozen-partitions");
+    let (accepted, rejected) = ("pacer:accepted", "pacer:in-rejected");
+    let input = cluster.name_on(masters[0], "in");
+    let dead = format!("{{{input}}}:in-dead");
+    let keys: Vec<InboundKeys> = (0..PARTITIONS)
+        .map(|k| InboundKeys::partition(accepted, rejected, k, PARTITIONS, true))
+        .collect();
+    // Where each partition lives, found before the freeze: asking the cluster for its topology
+    // while a master is frozen may wait on that master.
+    let owners: Vec<u16> = keys
+        .iter()
+        .map(|k| cluster.owner_of(k.slot_key()))
+        .collect();
+    for (k, &owner) in keys.iter().zip(&owners) {
+        assert_eq!(cluster.owner_of(&k.forward), owner, "{}", k.forward);
+        assert_eq!(cluster.owner_of(&k.rejected), owner, "{}", k.rejected);
+    }
+    let frozen = masters[2];
+    assert_ne!(cluster.owner_of(&input), frozen);
+    assert_ne!(cluster.owner_of(&dead), frozen);
+    let stalled: Vec<bool> = owners.iter().map(|&o| o == frozen).collect();
+    assert!(
+        stalled.iter().any(|&s| s) && !stalled.iter().all(|&s| s),
+        "the frozen master should hold some partitions, not all: {owners:?}"
+    );
+    let server = |port: u16| {
+        &cluster
+            .nodes
+            .iter()
+            .find(|n| n.server.port == port)
+            .expect("a node on that port")
+            .server
+    };
+    let source_of = |n: usize| format!("s{}", n % SOURCES);
+    let partition_of = |source: &str| pacer::keys::partition(source.as_bytes(), PARTITIONS);
+    let per_partition = (0..SOURCES).fold(vec![0; PARTITIONS], |mut n, s| {
+        n[partition_of(&source_of(s))] += 1;
+        n
+    });
+    assert!(per_partition.iter().all(|&n| n > 0), "{per_partition:?}");
+
+    let body = format!(
+        "inbound:\n  streams: [\"{input}\"]\n  forward_stream: \"{accepted}\"\n  rejected_stream: \"{rejected}\"\n  dead_letter_stream: \"{dead}\"\n  partitions: {PARTITIONS}\n  partition_by: source\n  partitioned_outputs: true\n  rules:\n    - {{name: per-source, key: [source], algorithm: sliding_log, limits: [1000/s]}}\n"
+    );
+    let pacers = workers(&dir, &cluster, "", WORKER, &body, 2);
+    // Healthy partitions' forwards, read on their masters directly (never on the frozen one).
+    let forwarded_healthy = || -> usize {
+        (0..PARTITIONS)
+            .filter(|&k| !stalled[k])
+            .map(|k| read(server(owners[k]), &keys[k].forward).len())
+            .sum()
+    };
+    let rejected_healthy = || -> usize {
+        (0..PARTITIONS)
+            .filter(|&k| !stalled[k])
+            .map(|k| read(server(owners[k]), &keys[k].rejected).len())
+            .sum()
+    };
+
+    // First one event of every partition, all decided before the freeze: every master's
+    // connection made and its scripts loaded.
+    let mut warm_sources: Vec<String> = Vec::new();
+    for n in 0..SOURCES {
+        let s = source_of(n);
+        if !warm_sources
+            .iter()
+            .any(|w| partition_of(w) == partition_of(&s))
+        {
+            warm_sources.push(s);
+        }
+    }
+    let warm_events: Vec<_> = warm_sources
+        .iter()
+        .map(|s| event(&[("source", s), ("n", "warm")]))
+        .collect();
+    let input_server = server(cluster.owner_of(&input));
+    let mut pushed: Vec<(String, String)> = common::push(input_server, &input, &warm_events)
+        .into_iter()
+        .map(|id| (input.clone(), id))
+        .collect();
+    let warmed = wait_until(Duration::from_secs(15), || {
+        (0..PARTITIONS)
+            .map(|k| read(server(owners[k]), &keys[k].forward).len())
+            .sum::<usize>()
+            == PARTITIONS
+    });
+    assert!(warmed, "not warmed up:\n{}", tail(&pacers[0].log_text()));
+    let healthy_before = forwarded_healthy();
+
+    // Freeze, then 20 events every 100 ms for 3 s, source n % 60 for the n-th.
+    let mut clock = input_server.con();
+    let frozen_at = now_ms(&mut clock);
+    cluster.pause(frozen);
+    let producer = feed_on(input_server, &input, 3, PER_TICK, |tick, i| {
+        let n = tick * PER_TICK + i;
+        event(&[
+            ("source", &format!("s{}", n % SOURCES)),
+            ("n", &n.to_string()),
+        ])
+    });
+    let fed = producer.join().unwrap();
+    let fed_at = Instant::now();
+    let routed: Vec<usize> = fed
+        .iter()
+        .enumerate()
+        .map(|(n, _)| partition_of(&source_of(n)))
+        .collect();
+    let healthy_expected = routed.iter().filter(|&&k| !stalled[k]).count();
+    let stalled_expected = routed.len() - healthy_expected;
+    pushed.extend(fed);
+    // Bounded: 10 s after the last push, however slowly this machine runs.
+    let all_healthy = wait_until(Duration::from_secs(10), || {
+        forwarded_healthy() - healthy_before >= healthy_expected
+    });
+    let decided_in = fed_at.elapsed();
+    let healthy_seen = forwarded_healthy() - healthy_before;
+    let healthy_rejected = rejected_healthy();
+    let still_pending = unfinished(input_server, &input, "pacer");
+    let thawed_at = now_ms(&mut clock);
+    cluster.resume(frozen);
+    let logs: String = pacers.iter().map(|p| p.log_text()).collect();
+    eprintln!(
+        "frozen partitions: master {frozen} frozen {} ms; {healthy_seen} of {healthy_expected} healthy-partition events forwarded {:.2} s after the last push, {still_pending} unfinished ({stalled_expected} on the frozen master)",
+        thawed_at - frozen_at,
+        decided_in.as_secs_f64()
+    );
+    assert!(
+        all_healthy && healthy_seen == healthy_expected,
+        "while master {frozen} was frozen, the partitions on the healthy masters had {healthy_seen} of their {healthy_expected} events forwarded within 10 s of the last push:\n{}",
+        tail(&logs)
+    );
+    assert_eq!(healthy_rejected, 0, "a healthy partition rejected");
+    assert!(
+        still_pending >= stalled_expected as i64,
+        "{still_pending} unfinished, but {stalled_expected} events of the frozen master's partitions cannot have ended"
+    );
+
+    // After the thaw: every entry once, each in its own partition's outputs.
+    let mut outputs: Vec<String> = keys.iter().map(|k| k.forward.clone()).collect();
+    outputs.extend(keys.iter().map(|k| k.rejected.clone()));
+    outputs.push(dead.clone());
+    let at = assert_each_once(
+        &cluster,
+        &pushed,
+        &outputs,
+        std::slice::from_ref(&input),
+        &pacers,
+    );
+    for (k, key) in keys.iter().enumerate() {
+        for stream in [&key.forward, &key.rejected] {
+            for e in entries(&cluster, stream) {
+                let source = e.field("source").unwrap();
+                assert_eq!(partition_of(source), k, "{source} in {stream}");
+            }
+        }
+    }
+    assert!(entries(&cluster, &dead).is_empty());
+    let forwarded_healthy_after: usize = (0..PARTITIONS)
+        .filter(|&k| !stalled[k])
+        .map(|k| entries(&cluster, &keys[k].forward).len())
+        .sum();
+    assert_eq!(forwarded_healthy_after, healthy_before + healthy_expected);
+    eprintln!("frozen partitions: {} entries ended once", at.len());
 }

@@ -53,6 +53,8 @@ pub(crate) struct Context {
     pub(crate) route_metrics: Vec<telemetry::RouteMetrics>,
     /// The inbound rules as `admit.lua` takes them, made once (when there is an inbound flow).
     pub(crate) inbound_rules: Option<crate::scripts::ScriptRules>,
+    /// The tasks deciding each inbound partition's entries, started before the first read.
+    pub(crate) inbound_lanes: std::sync::OnceLock<super::inbound::Lanes>,
 }
 
 impl Context {

@@ -6,8 +6,10 @@
 //! stream and the rejected ones to the rejected stream, atomically, where it may (the stream
 //! shares the partition's slot, or Redis is not a cluster). Then whatever the call did not write
 //! (outputs in other slots or of the wrong kind, dead letters) is written once each (write-once
-//! `emit`) and the batch's remaining entries acknowledged, one XACK per input stream, beside the
-//! next read: an output that cannot be written holds only its own entries. A redelivered entry finds
+//! `emit`) and the batch's remaining entries acknowledged, one XACK per input stream, once every
+//! partition's part of it is done. Each partition is decided by its own task (`Lanes`), in the
+//! order its entries were read, beside the reading: a partition whose node is slow or frozen, or
+//! whose output cannot be written, holds only its own entries. A redelivered entry finds
 //! its marker: the recorded decision is carried out again, idempotently, and nothing is charged
 //! twice.
 //!
@@ -27,15 +29,142 @@ use crate::keys::{InboundKeys, OutputKeys};
 use crate::scripts::{call_len, AdmitItem, AdmitReply, AdmitTargets, Admitted};
 use crate::telemetry::{self, InboundOutcome};
 use crate::worker::held::Hold;
-use futures_util::future::join_all;
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-/// Takes the entries of inbound streams out of a batch, decides them and finishes them beside
-/// the next read; returns the rest (outbound entries, with their permits) untouched.
-pub(super) async fn admit(
+/// One task per partition (`inbound.partitions`) deciding its entries in the order they were
+/// read: each partition's admission calls go to its own slot, and a partition whose node is slow
+/// or frozen holds up only its own entries, not the reading nor the other partitions. (Until
+/// 2026-11-29 the reader waited for each batch's decisions: one frozen master stopped inbound
+/// admission on every other, `a_frozen_master_holds_up_no_inbound_partition_on_the_others`.)
+/// What paces the reading is the worker's places, as for the outbound flow: each entry holds
+/// its place until it is decided and its outputs are written.
+pub(crate) struct Lanes {
+    lanes: Vec<mpsc::UnboundedSender<Part>>,
+}
+
+/// One partition's entries of a batch as they are gathered: those delivered too often, the
+/// others, and the places of both.
+#[derive(Default)]
+struct Gathered {
+    over: Vec<InboundEvent>,
+    fresh: Vec<InboundEvent>,
+    holds: Vec<Hold>,
+}
+
+/// Input entries to acknowledge: (stream, id).
+type Acks = Vec<(Arc<str>, String)>;
+
+/// One batch's entries of one partition, with their places.
+struct Part {
+    over: Vec<InboundEvent>,
+    fresh: Vec<InboundEvent>,
+    holds: Vec<Hold>,
+    batch: Arc<Batch>,
+}
+
+/// A batch read together is acknowledged together (one XACK per input stream, not one per
+/// partition: the entries of every partition share the input streams), once each of its parts
+/// is finished. Shutdown first: left pending, to be claimed and found decided.
+struct Batch {
+    /// Parts not finished yet, and the entries the finished ones left to acknowledge.
+    left: std::sync::Mutex<(usize, Acks)>,
+}
+
+impl Batch {
+    async fn part_done(&self, ctx: &Context, acks: Acks, stop: &CancellationToken) {
+        let all = {
+            let mut left = self.left.lock().expect("not poisoned");
+            left.0 -= 1;
+            left.1.extend(acks);
+            (left.0 == 0).then(|| std::mem::take(&mut left.1))
+        };
+        if let Some(all) = all {
+            outputs::ack(ctx, all, stop).await;
+        }
+    }
+}
+
+impl Lanes {
+    /// Starts a task per partition of the inbound flow (none without one); they end on `stop`.
+    pub(crate) fn start(ctx: &Arc<Context>, stop: &CancellationToken) -> Self {
+        let n = ctx.cfg.inbound.as_ref().map_or(0, |cfg| cfg.keys.len());
+        let lanes = (0..n)
+            .map(|k| {
+                let (tx, rx) = mpsc::unbounded_channel();
+                tokio::spawn(lane(ctx.clone(), k, rx, stop.clone()));
+                tx
+            })
+            .collect();
+        Lanes { lanes }
+    }
+}
+
+/// Parts a lane decides together at most: under load the parts queued behind a call go in the
+/// next one (several input streams' readers, or the claimer, feed one lane), in fewer and larger
+/// calls rather than one at a time.
+const MERGE_PARTS: usize = 8;
+
+/// Decides partition `k`'s parts in the order they came; each round's outputs are written beside
+/// the deciding, not before the next round's: an output that cannot be written (its key of
+/// another kind) holds only the entries bound for it, with their places.
+async fn lane(
+    ctx: Arc<Context>,
+    k: usize,
+    mut parts: mpsc::UnboundedReceiver<Part>,
+    stop: CancellationToken,
+) {
+    let cfg = ctx
+        .cfg
+        .inbound
+        .as_ref()
+        .expect("lanes run for an inbound flow");
+    loop {
+        let first = tokio::select! {
+            _ = stop.cancelled() => return,
+            part = parts.recv() => match part {
+                Some(part) => part,
+                None => return,
+            },
+        };
+        let (mut over, mut fresh, mut holds, mut batches) =
+            (first.over, first.fresh, first.holds, vec![first.batch]);
+        while batches.len() < MERGE_PARTS {
+            let Ok(part) = parts.try_recv() else { break };
+            over.extend(part.over);
+            fresh.extend(part.fresh);
+            holds.extend(part.holds);
+            batches.push(part.batch);
+        }
+        let mut dead = Vec::new();
+        let keys = &cfg.keys[k];
+        let Some(decided) = decide(&ctx, cfg, keys, over, fresh, &mut dead, &stop).await else {
+            return;
+        };
+        let (ctx, stop) = (ctx.clone(), stop.clone());
+        tokio::spawn(async move {
+            let cfg = ctx.cfg.inbound.as_ref().expect("an inbound flow");
+            let acks = finish(&ctx, cfg, &cfg.keys[k], decided, dead, &stop).await;
+            drop(holds);
+            let Some(acks) = acks else { return };
+            // The round's entries are finished whichever batch they came in: the last batch
+            // acknowledges them all with its own, the others count this part done.
+            let last = batches.pop().expect("a round has a part");
+            for batch in batches {
+                batch.part_done(&ctx, Vec::new(), &stop).await;
+            }
+            last.part_done(&ctx, acks, &stop).await;
+        });
+    }
+}
+
+/// Takes the entries of inbound streams out of a batch and hands each partition's to its lane
+/// (entries that cannot be decided are dead-lettered beside them); returns the rest (outbound
+/// entries, with their permits) untouched, without waiting for any decision.
+pub(super) fn admit(
     ctx: &Arc<Context>,
     entries: Vec<Entry>,
     permits: Vec<Hold>,
@@ -44,92 +173,68 @@ pub(super) async fn admit(
     let Some(cfg) = &ctx.cfg.inbound else {
         return (entries, permits);
     };
-    let (inbound, rest): (Vec<_>, Vec<_>) = entries
-        .into_iter()
-        .zip(permits)
-        .partition(|(e, _)| cfg.flow.streams.iter().any(|s| *s == *e.stream));
-    if !inbound.is_empty() {
-        let (entries, held): (Vec<Entry>, Vec<Hold>) = inbound.into_iter().unzip();
-        let decided = decide_batch(ctx, cfg, entries, stop).await;
-        // Written beside the reading, not before the next read: an output that cannot be
-        // written (its key of another kind) holds only the entries bound for it, with their
-        // permits, not every entry after them. The deciding stays in line: it is what paces
-        // the reading, and it ends (fail_policy) within limiter_attempts.
-        let (ctx, stop) = (ctx.clone(), stop.clone());
-        tokio::spawn(async move {
-            finish_batch(&ctx, decided, &stop).await;
-            drop(held);
-        });
-    }
-    rest.into_iter().unzip()
-}
-
-/// A batch as decided, per partition (`None` where shutdown came first): its decisions and its
-/// entries to dead-letter. Entries that could not be decided at all are the last item's, on
-/// partition 0.
-type Decided = Vec<(
-    usize,
-    Option<(Vec<(InboundEvent, Decision)>, Vec<(Entry, Refused)>)>,
-)>;
-
-async fn decide_batch(
-    ctx: &Context,
-    cfg: &InboundConfig,
-    entries: Vec<Entry>,
-    stop: &CancellationToken,
-) -> Decided {
+    let lanes = ctx
+        .inbound_lanes
+        .get()
+        .expect("the worker starts its inbound lanes before it reads");
+    let mut rest = (Vec::new(), Vec::new());
     let max = ctx.cfg.worker.max_deliveries;
-    let mut undecidable: Vec<(Entry, Refused)> = Vec::new();
-    // Per partition: the entries delivered too often, the others.
-    let mut parts: BTreeMap<usize, (Vec<InboundEvent>, Vec<InboundEvent>)> = BTreeMap::new();
-    for entry in entries {
+    let mut undecidable: (Vec<(Entry, Refused)>, Vec<Hold>) = (Vec::new(), Vec::new());
+    // Per partition: the entries delivered too often, the others, their places.
+    let mut parts: BTreeMap<usize, Gathered> = BTreeMap::new();
+    for (entry, hold) in entries.into_iter().zip(permits) {
+        if !cfg.flow.streams.iter().any(|s| *s == *entry.stream) {
+            rest.0.push(entry);
+            rest.1.push(hold);
+            continue;
+        }
         match ev::parse_inbound(entry, cfg) {
             Ok(e) => {
-                let (over, fresh) = parts.entry(e.partition).or_default();
+                let part = parts.entry(e.partition).or_default();
+                part.holds.push(hold);
                 if e.entry.deliveries > max {
-                    over.push(e);
+                    part.over.push(e);
                 } else {
-                    fresh.push(e);
+                    part.fresh.push(e);
                 }
             }
             // An entry that cannot be decided is dead-lettered for that, however often it came.
-            Err((entry, refused)) => undecidable.push((entry, refused)),
+            Err(refused) => {
+                undecidable.0.push(refused);
+                undecidable.1.push(hold);
+            }
         }
     }
-    // Each partition is decided in its own slot by its own call: a partition whose node is
-    // slow or failing holds up no other's decisions.
-    let partitions = parts.into_iter().map(|(k, (over, fresh))| async move {
-        let mut dead = Vec::new();
-        let decided = decide(ctx, cfg, &cfg.keys[k], over, fresh, &mut dead, stop).await;
-        (k, decided.map(|d| (d, dead)))
-    });
-    let mut decided = join_all(partitions).await;
-    if !undecidable.is_empty() {
-        decided.push((0, Some((Vec::new(), undecidable))));
+    let n = parts.len() + usize::from(!undecidable.0.is_empty());
+    if n == 0 {
+        return rest;
     }
-    decided
-}
-
-/// Writes what a decided batch's admission calls did not, then acknowledges the batch: one
-/// acknowledgement per input stream for the whole batch, not one per partition, since the
-/// entries of every partition share the input streams. Each partition's outputs are written on
-/// their own: one whose node is slow or failing holds up no other's. (Shutdown first: left
-/// pending, to be claimed and found decided.)
-async fn finish_batch(ctx: &Context, decided: Decided, stop: &CancellationToken) {
-    let Some(cfg) = &ctx.cfg.inbound else {
-        return;
-    };
-    let finishing = decided.into_iter().map(|(k, d)| async move {
-        let (decided, dead) = d?;
-        finish(ctx, cfg, &cfg.keys[k], decided, dead, stop).await
+    let batch = Arc::new(Batch {
+        left: std::sync::Mutex::new((n, Vec::new())),
     });
-    let acks: Vec<(Arc<str>, String)> = join_all(finishing)
-        .await
-        .into_iter()
-        .flatten()
-        .flatten()
-        .collect();
-    outputs::ack(ctx, acks, stop).await;
+    for (k, Gathered { over, fresh, holds }) in parts {
+        let part = Part {
+            over,
+            fresh,
+            holds,
+            batch: batch.clone(),
+        };
+        // A lane gone has seen shutdown: the part is dropped, its entries left pending.
+        let _ = lanes.lanes[k].send(part);
+    }
+    if !undecidable.0.is_empty() {
+        let (ctx, stop) = (ctx.clone(), stop.clone());
+        tokio::spawn(async move {
+            let cfg = ctx.cfg.inbound.as_ref().expect("an inbound flow");
+            let (dead, holds) = undecidable;
+            let acks = finish(&ctx, cfg, &cfg.keys[0], Vec::new(), dead, &stop).await;
+            drop(holds);
+            if let Some(acks) = acks {
+                batch.part_done(&ctx, acks, &stop).await;
+            }
+        });
+    }
+    rest
 }
 
 /// Decides one partition's entries: those delivered too often (`over`) are voided unless a

@@ -240,7 +240,7 @@ pub(super) async fn handle(
     if !entries.is_empty() {
         fault::point("read");
     }
-    let (entries, permits) = inbound::admit(ctx, entries, permits, stop).await;
+    let (entries, permits) = inbound::admit(ctx, entries, permits, stop);
     let mut done = Finished::default();
     let mut placing = Vec::new();
     let mut over = Vec::new();
