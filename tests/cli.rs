@@ -1,6 +1,7 @@
 //! The commands a user meets first, against a live pacer and a real redis-server: `inspect`
-//! (table and JSON), `report --since`, `produce` refusing unknown routes, `--help`, and the
-//! README's table of the fields pacer writes checked against every kind of output.
+//! (table and JSON), `report --since`, `produce` refusing unknown routes, `--help`, the daemon's
+//! log as text and as JSON, and the README's table of the fields pacer writes checked against
+//! every kind of output.
 
 mod common;
 
@@ -769,4 +770,236 @@ fn sigint_drains_exits_0_and_leaves_the_sleeping_events_pending() {
         "all {ready} dispatched: the drain did not stop it"
     );
     assert_eq!(pending(&redis, "in", "pacer") as usize, n - ready);
+}
+
+/// What a daemon run wrote: its stderr and its stdout, and how it exited.
+struct DaemonRun {
+    stderr: String,
+    stdout: String,
+    code: Option<i32>,
+}
+
+/// Runs `pacer <before_run…> run --config …` on a fresh Redis with `env` (RUST_LOG=info and no
+/// ambient PACER_* variable unless given) and its stdout and stderr in files of their own: a
+/// route `fine` that dispatches and a route `broken` whose bucket another program overwrote (its
+/// event is dead-lettered as route_broken, said in a WARN line). Once the three events for
+/// `fine` are dispatched and the one for `broken` dead-lettered, SIGTERM, and the exit is
+/// waited for (bounded).
+fn run_daemon_to_sigterm(label: &str, before_run: &[&str], env: &[(&str, &str)]) -> DaemonRun {
+    let redis = RedisServer::start();
+    let _: () = redis::cmd("SET")
+        .arg("pacer:{broken}:bucket:broken")
+        .arg("written by something else")
+        .query(&mut redis.con())
+        .unwrap();
+    let dir = TempDir::new(label);
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    fine: {rate: 1000/s, burst: 10}\n    broken: {rate: 1000/s, burst: 10}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let (out_path, err_path) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let mut cmd = Command::new(bin());
+    cmd.args(before_run).arg("run").arg("--config").arg(&cfg);
+    for var in [
+        "PACER_REDIS_URL",
+        "PACER_CONFIG",
+        "PACER_LOG_FORMAT",
+        "PACER_METRICS_LISTEN",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.env("RUST_LOG", "info");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .spawn()
+        .expect("running pacer");
+    let stderr = || std::fs::read_to_string(&err_path).unwrap_or_default();
+    let ready = wait_until(Duration::from_secs(15), || {
+        matches!(http_get(port, "/readyz"), Some((200, _)))
+    });
+    if !ready {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("pacer did not become ready:\n{}", stderr());
+    }
+    let mut events: Vec<_> = (0..3)
+        .map(|i| event(&[("route", "fine"), ("n", &i.to_string())]))
+        .collect();
+    events.push(event(&[("route", "broken")]));
+    push(&redis, "in", &events);
+    let done = wait_until(Duration::from_secs(10), || {
+        lengths(&redis, &["pacer:{fine}:ready", "pacer:dead"]) == [3, 1]
+    });
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let mut status = None;
+    while std::time::Instant::now() < deadline && status.is_none() {
+        status = child.try_wait().unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if status.is_none() {
+        let _ = child.kill();
+    }
+    // Reaped already when it exited; else after the kill.
+    let _ = child.wait();
+    assert!(
+        done,
+        "the events did not end: {:?}\n{}",
+        lengths(&redis, &["pacer:{fine}:ready", "pacer:dead"]),
+        stderr()
+    );
+    DaemonRun {
+        stderr: stderr(),
+        stdout: std::fs::read_to_string(&out_path).unwrap_or_default(),
+        code: status.and_then(|s| s.code()),
+    }
+}
+
+/// The message route_broken's dead-lettering says once, at WARN.
+const BROKEN_ROUTE_WARNING: &str = "a route's key holds the wrong kind of value: its events are dead-lettered as route_broken until it is fixed";
+
+/// `--log-format json` and `PACER_LOG_FORMAT=json` (README, "Running it"): every line the
+/// daemon writes to stderr, from its start through work and a warning to SIGTERM's drain, is
+/// one JSON object in tracing-subscriber's shape (`timestamp`, `level`, `target`, and `fields`
+/// holding `message`), and a line's structured fields are JSON fields of their own, numbers as
+/// numbers, not text squashed into the message. Nothing is written to stdout.
+#[test]
+fn json_log_format_writes_every_stderr_line_as_a_json_object_with_its_fields() {
+    for (label, before_run, env) in [
+        ("log-json-flag", &["--log-format", "json"][..], &[][..]),
+        ("log-json-env", &[][..], &[("PACER_LOG_FORMAT", "json")][..]),
+    ] {
+        let run = run_daemon_to_sigterm(label, before_run, env);
+        assert_eq!(
+            run.code,
+            Some(0),
+            "{label}: SIGTERM exits 0\n{}",
+            run.stderr
+        );
+        assert_eq!(run.stdout, "", "{label}: the daemon's stdout");
+        let lines: Vec<serde_json::Map<String, serde_json::Value>> = run
+            .stderr
+            .lines()
+            .map(|line| match serde_json::from_str(line) {
+                Ok(serde_json::Value::Object(o)) => o,
+                other => panic!(
+                    "{label}: a stderr line that is not a JSON object ({other:?}): {line:?}\n{}",
+                    run.stderr
+                ),
+            })
+            .collect();
+        assert!(lines.len() >= 4, "{label}: {}", run.stderr);
+        for l in &lines {
+            let level = l.get("level").and_then(|v| v.as_str());
+            assert!(
+                matches!(level, Some("TRACE" | "DEBUG" | "INFO" | "WARN" | "ERROR")),
+                "{label}: level of {l:?}"
+            );
+            assert!(
+                l.get("timestamp").is_some_and(|v| v.is_string()),
+                "{label}: {l:?}"
+            );
+            assert!(
+                l.get("target").is_some_and(|v| v.is_string()),
+                "{label}: {l:?}"
+            );
+            assert!(
+                l.get("fields")
+                    .and_then(|f| f.get("message"))
+                    .is_some_and(|m| m.is_string()),
+                "{label}: no fields.message in {l:?}"
+            );
+        }
+        let message = |l: &serde_json::Map<String, serde_json::Value>| -> String {
+            l["fields"]["message"].as_str().unwrap().to_string()
+        };
+        let find = |text: &str| {
+            lines
+                .iter()
+                .find(|l| message(l) == text)
+                .unwrap_or_else(|| panic!("{label}: no line {text:?} in\n{}", run.stderr))
+        };
+        // The route_broken warning: its route and error are fields beside the message.
+        let warning = find(BROKEN_ROUTE_WARNING);
+        assert_eq!(warning["level"], "WARN", "{label}: {warning:?}");
+        let fields = warning["fields"].as_object().unwrap();
+        assert_eq!(
+            fields.get("route"),
+            Some(&"broken".into()),
+            "{label}: {warning:?}"
+        );
+        let error = fields.get("error").and_then(|e| e.as_str()).unwrap_or("");
+        assert!(error.contains("WRONGTYPE"), "{label}: {warning:?}");
+        assert!(
+            !message(warning).contains("route=") && !message(warning).contains("WRONGTYPE"),
+            "{label}: fields squashed into the message: {warning:?}"
+        );
+        // The start: an integer field is a JSON number.
+        let start = find("worker starting");
+        assert_eq!(start["level"], "INFO", "{label}: {start:?}");
+        assert_eq!(
+            start["fields"]["consumer"], "cli-worker",
+            "{label}: {start:?}"
+        );
+        assert_eq!(start["fields"]["routes"], 2, "{label}: {start:?}");
+        assert_eq!(start["fields"]["inbound_rules"], 0, "{label}: {start:?}");
+        // SIGTERM's drain, in the same format to the end.
+        find("SIGTERM: draining");
+        assert_eq!(
+            message(lines.last().unwrap()),
+            "worker stopped",
+            "{label}: {}",
+            run.stderr
+        );
+    }
+}
+
+/// Without `--log-format` or `PACER_LOG_FORMAT` the log is text: no line is JSON, a line's
+/// level stands in it, and its fields are written `name=value` after the message.
+#[test]
+fn the_default_log_format_is_text_with_fields_as_name_value() {
+    let run = run_daemon_to_sigterm("log-text", &[], &[]);
+    assert_eq!(run.code, Some(0), "SIGTERM exits 0\n{}", run.stderr);
+    assert_eq!(run.stdout, "", "the daemon's stdout");
+    assert!(run.stderr.lines().count() >= 4, "{}", run.stderr);
+    for line in run.stderr.lines() {
+        assert!(
+            serde_json::from_str::<serde_json::Value>(line).is_err() && !line.starts_with('{'),
+            "a JSON line in the text log: {line:?}"
+        );
+    }
+    let warning = run
+        .stderr
+        .lines()
+        .find(|l| l.contains(BROKEN_ROUTE_WARNING))
+        .unwrap_or_else(|| panic!("no route_broken warning in\n{}", run.stderr));
+    assert!(
+        warning.contains(" WARN ")
+            && warning.contains("route=broken")
+            && warning.contains("error="),
+        "{warning}"
+    );
+    let start = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("worker starting"))
+        .unwrap_or_else(|| panic!("no start line in\n{}", run.stderr));
+    assert!(
+        start.contains(" INFO ") && start.contains("consumer=cli-worker routes=2 "),
+        "{start}"
+    );
+    assert!(
+        run.stderr
+            .lines()
+            .last()
+            .unwrap()
+            .ends_with("worker stopped"),
+        "{}",
+        run.stderr
+    );
 }

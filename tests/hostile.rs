@@ -1249,3 +1249,176 @@ fn large_parked_events_are_weighed_again_when_taken_back() {
         "at most {most_asleep} asleep at once"
     );
 }
+
+/// Fields of each event of the huge outbound test below: so many that a call's argument count,
+/// which Redis's slow log keeps when it cuts the arguments themselves, tells how many events the
+/// call carried (each brings at least two arguments a field; a call's other arguments are far
+/// fewer than one event's).
+const FIELDS_PER_HUGE_EVENT: usize = 600;
+
+/// The `schedule` and `dispatch` calls in Redis's slow log (every command logged), as how many
+/// events each carried, in the order Redis ran them: (function, events, µs it held Redis). A
+/// script call of events by `EVALSHA` (the function off) cannot be told apart and fails the
+/// test; other commands (the test's own `XADD`s) are left out.
+fn pacing_calls_in_slowlog(redis: &RedisServer) -> Vec<(&'static str, usize, u64)> {
+    let log: Vec<redis::Value> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(-1)
+        .query(&mut redis.con())
+        .unwrap();
+    let mut calls = Vec::new();
+    // The log lists the newest first.
+    for entry in log.into_iter().rev() {
+        let redis::Value::Array(parts) = entry else {
+            continue;
+        };
+        let Some(redis::Value::Array(args)) = parts.get(3) else {
+            continue;
+        };
+        let text: Vec<String> = args
+            .iter()
+            .map(|a| match a {
+                redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                other => format!("{other:?}"),
+            })
+            .collect();
+        // Past 32 arguments the log keeps 31 and "... (N more arguments)".
+        let argc = text
+            .last()
+            .and_then(|l| l.strip_prefix("... ("))
+            .and_then(|l| l.strip_suffix(" more arguments)"))
+            .and_then(|n| n.parse::<usize>().ok())
+            .map_or(text.len(), |more| text.len() - 1 + more);
+        let events = argc / (2 * FIELDS_PER_HUGE_EVENT);
+        if events == 0 {
+            continue;
+        }
+        let command = text[0].to_ascii_uppercase();
+        let function = text.get(1).map(String::as_str).unwrap_or("");
+        let name = match (command.as_str(), function) {
+            ("FCALL", f) if f.starts_with("pacer_schedule_") => "schedule",
+            ("FCALL", f) if f.starts_with("pacer_dispatch_") => "dispatch",
+            (c, _) if c.starts_with("FCALL") || c.starts_with("EVAL") => {
+                panic!("a script call of {events} events, neither schedule nor dispatch: {text:?}")
+            }
+            // Not a script (the test's own XADDs).
+            _ => continue,
+        };
+        let micros = match parts.get(2) {
+            Some(redis::Value::Int(us)) => *us as u64,
+            _ => 0,
+        };
+        calls.push((name, events, micros));
+    }
+    calls
+}
+
+/// Outbound events near the 16 MiB `max_event_bytes` go in `schedule.lua` and `dispatch.lua`
+/// calls of at most 64 MiB of fields (`MAX_CALL_BYTES`; README, "Pacing under pressure"): 40
+/// events of 12 MiB went out in one call that held Redis 857 ms. Twelve of 12 MiB, read in one
+/// read (one group for the route's placer) and, behind a plan 8 s ahead on a 100/ms route, all
+/// due within 120 µs of each other (one moment for the dispatcher): every call that carried
+/// them, counted in Redis's slow log, carried at most the five that fit in 64 MiB, as many as
+/// fit (the bound binds), and each event is scheduled once, dispatched once, whole.
+#[test]
+fn huge_outbound_events_are_scheduled_and_dispatched_in_calls_of_bounded_size() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("huge-out");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  max_event_bytes: 16777216\n  routes:\n    a: {rate: 100/ms, burst: 1, max_wait: 30s}\n";
+    // read_bytes and max_inflight_bytes above the twelve's 151 MB: one read, all held at once.
+    let worker = "  batch: 16\n  read_bytes: 1073741824\n  max_inflight_bytes: 1073741824\n  claim_idle: 60s\n  drain: 1s";
+    let cfg = config_for_large_calls(&dir, &redis, port, worker, body);
+    // Calls of 60 MiB on a busy machine: no retry for slowness (a retry is a call more).
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, text.replace("timeout: 5s", "timeout: 60s")).unwrap();
+    let blob = vec![b'x'; 12 << 20];
+    let events: Vec<Vec<(String, Vec<u8>)>> = (0..12)
+        .map(|i| {
+            let mut e = event(&[("route", "a"), ("i", &i.to_string())]);
+            e.push(("blob".to_string(), blob.clone()));
+            e.extend((e.len()..FIELDS_PER_HUGE_EVENT).map(|f| (format!("f{f}"), Vec::new())));
+            e
+        })
+        .collect();
+    drop(blob);
+    // What a call counts of an event: each name and value with its 4-byte length.
+    let packed: usize = events[0].iter().map(|(k, v)| k.len() + v.len() + 8).sum();
+    let fit = pacer::scripts::MAX_CALL_BYTES / packed;
+    assert_eq!(
+        fit, 5,
+        "12 MiB events: five to a call of 64 MiB ({packed} bytes each)"
+    );
+    let mut con = redis.con();
+    for (name, value) in [
+        ("slowlog-log-slower-than", "0"),
+        ("slowlog-max-len", "100000"),
+    ] {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query(&mut con)
+            .unwrap();
+    }
+    // All twelve in the stream before the worker starts: one read, one group.
+    pacer::testkit::create_group(&mut con, "in", "pacer");
+    let ids = push(&redis, "in", &events);
+    drop(events);
+    // The route's plan 8 s ahead (as a backlog would leave it): each event sleeps, its slot
+    // 10 µs after the one before.
+    let _: () = redis::cmd("HSET")
+        .arg("pacer:{a}:bucket:a")
+        .arg("tat")
+        .arg((redis_time_ms(&redis) + 8_000) * 1000)
+        .query(&mut con)
+        .unwrap();
+    let started = std::time::Instant::now();
+    let pacer = start(&cfg, port);
+    let outputs = ["pacer:{a}:ready", "pacer:rejected", "pacer:dead"];
+    assert!(
+        wait_until(Duration::from_secs(90), || lengths(&redis, &outputs)
+            .iter()
+            .sum::<usize>()
+            >= 12
+            && pending(&redis, "in", "pacer") == 0),
+        "ended {:?}, pending {}\n{}",
+        lengths(&redis, &outputs),
+        pending(&redis, "in", "pacer"),
+        pacer.log_text()
+    );
+    println!(
+        "all dispatched {:.1}s after the start",
+        started.elapsed().as_secs_f64()
+    );
+    assert_each_once(&redis, &ids, &outputs, "in");
+    let blobs: Vec<usize> = read(&redis, "pacer:{a}:ready")
+        .iter()
+        .map(|e| e.field("blob").map_or(0, str::len))
+        .collect();
+    assert_eq!(blobs, [12 << 20; 12], "every event dispatched whole");
+
+    let calls = pacing_calls_in_slowlog(&redis);
+    println!("calls (function, events, µs) in the order Redis ran them: {calls:?}");
+    for function in ["schedule", "dispatch"] {
+        let sizes: Vec<usize> = calls
+            .iter()
+            .filter(|(f, _, _)| *f == function)
+            .map(|(_, n, _)| *n)
+            .collect();
+        assert!(
+            sizes.iter().all(|&n| n <= fit),
+            "a {function} call of more than {fit} events of {packed} bytes (MAX_CALL_BYTES): {sizes:?}"
+        );
+        assert_eq!(
+            sizes.iter().sum::<usize>(),
+            12,
+            "each event in one {function} call: {sizes:?}"
+        );
+        assert_eq!(
+            sizes.iter().max(),
+            Some(&fit),
+            "{function}: the twelve together, split as the bound allows: {sizes:?}"
+        );
+    }
+}
