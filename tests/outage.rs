@@ -10,7 +10,10 @@
 mod common;
 
 use common::*;
-use pacer::testkit::{create_group, free_port, metric_at, wait_until, RedisServer, TempDir};
+use pacer::testkit::{
+    command_calls, create_group, free_port, metric_at, wait_until, Pacer, RedisServer, TempDir,
+};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// A 4/s route with waits up to 1 s. claim_idle must exceed max_wait + 1 s, dedupe_ttl must
@@ -332,5 +335,170 @@ fn a_group_rewound_or_deleted_by_hand_places_nothing_twice() {
         "moved back twice: {} outbound and {} inbound entries each ended once",
         out_ids.len(),
         in_ids.len()
+    );
+}
+
+/// Each consumer of group `pacer` on `stream` by name, with its idle time in ms (`XINFO
+/// CONSUMERS`).
+fn consumer_idles(con: &mut redis::Connection, stream: &str) -> BTreeMap<String, i64> {
+    let rows: Vec<Vec<redis::Value>> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(stream)
+        .arg("pacer")
+        .query(con)
+        .unwrap();
+    rows.iter()
+        .map(|row| {
+            let field = |name: &str| {
+                let at = row
+                    .iter()
+                    .position(|v| matches!(v, redis::Value::BulkString(b) if b == name.as_bytes()))
+                    .unwrap_or_else(|| panic!("no {name} in {row:?}"));
+                row[at + 1].clone()
+            };
+            let (redis::Value::BulkString(name), redis::Value::Int(idle)) =
+                (field("name"), field("idle"))
+            else {
+                panic!("a consumer: {row:?}");
+            };
+            (String::from_utf8(name).unwrap(), idle)
+        })
+        .collect()
+}
+
+/// The heartbeat keeps the reaper from deleting a live consumer: a worker that reads nothing
+/// (its stream stays empty, and Redis 7.0 does not refresh a consumer's idle time on an empty
+/// read of new entries) stays in the group through many rounds of another worker's reaper, its
+/// idle time never near the reaper's threshold, while the consumer of a worker killed with
+/// nothing pending is deleted once it has been silent that long, and so is a departed consumer
+/// left later. The shortest the config allows: an inbound flow alone (no route's `max_wait` to
+/// exceed), `claim_idle` 100 ms, so the reaper runs every 500 ms (10 claim ticks of 50 ms) and
+/// deletes consumers idle 1 s (twice `claim_idle`, at least 1 s); a beat every 500 ms.
+#[test]
+fn a_live_worker_reading_nothing_outlives_the_reaper_and_a_killed_ones_consumer_goes() {
+    const STREAM: &str = "pacer:in";
+    const MIN_IDLE_MS: i64 = 1_000;
+    let redis = RedisServer::start();
+    let dir = TempDir::new("reaped");
+    let body = inbound_body("{name: per-source, key: [source], algorithm: gcra, limits: [10/s]}");
+    let worker = |name: &str| format!("  batch: 16\n  claim_idle: 100ms\n  consumer: {name}");
+    let mut workers: BTreeMap<&str, (Pacer, u16)> = BTreeMap::new();
+    for name in ["alive", "killed", "reaper"] {
+        let port = free_port();
+        let cfg = config(
+            &dir,
+            &format!("{name}.yaml"),
+            &redis,
+            port,
+            &worker(name),
+            &body,
+        );
+        workers.insert(name, (start(&cfg, port), port));
+    }
+    let mut con = redis.con();
+    let mut idles = || consumer_idles(&mut con, STREAM);
+    let listed = wait_until(Duration::from_secs(10), || idles().len() == 3);
+    assert!(listed, "consumers: {:?}", idles());
+    assert_eq!(
+        idles().into_keys().collect::<Vec<_>>(),
+        ["alive", "killed", "reaper"]
+    );
+    let deleted = |con: &mut redis::Connection| command_calls(con, "xgroup|delconsumer");
+    assert_eq!(deleted(&mut redis.con()), 0);
+
+    // Watches the group until `until` holds; every sample must list `alive`, idle under the
+    // reaper's threshold. Returns the highest idle `alive` showed.
+    let watch = |until: &mut dyn FnMut(&BTreeMap<String, i64>, Instant) -> bool,
+                 limit: Duration,
+                 what: &str|
+     -> i64 {
+        let mut con = redis.con();
+        let (started, mut highest) = (Instant::now(), 0);
+        loop {
+            let now = consumer_idles(&mut con, STREAM);
+            let at = Instant::now();
+            let alive = *now
+                .get("alive")
+                .unwrap_or_else(|| panic!("the live worker's consumer was deleted: {now:?}"));
+            assert!(
+                alive < MIN_IDLE_MS,
+                "the live worker idle {alive} ms: {now:?}"
+            );
+            highest = highest.max(alive);
+            if until(&now, at) {
+                return highest;
+            }
+            assert!(started.elapsed() < limit, "{what}: {now:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+
+    // kill -9: the killed worker's consumer holds nothing and beats no more. It is deleted once
+    // silent MIN_IDLE_MS, at the next reaper round (every 500 ms, on two workers).
+    workers.get_mut("killed").unwrap().0.kill();
+    let killed = Instant::now();
+    let mut last_beat: Option<Instant> = None;
+    let mut gone_at = None;
+    let mut killed_gone = |now: &BTreeMap<String, i64>, at: Instant| match now.get("killed") {
+        Some(&idle) => {
+            let beat = at - Duration::from_millis(idle as u64);
+            last_beat = Some(last_beat.map_or(beat, |b: Instant| b.max(beat)));
+            false
+        }
+        None => {
+            gone_at = Some(at);
+            true
+        }
+    };
+    let mut highest = watch(
+        &mut killed_gone,
+        Duration::from_secs(10),
+        "the killed worker's consumer was not deleted",
+    );
+    let (last_beat, gone_at) = (last_beat.expect("listed after the kill"), gone_at.unwrap());
+    let silent = gone_at - last_beat;
+    assert!(
+        silent >= Duration::from_millis(MIN_IDLE_MS as u64 - 50),
+        "deleted after only {silent:?} of silence"
+    );
+    assert_eq!(deleted(&mut redis.con()), 1);
+
+    // Many more rounds of both live workers' reapers (each 500 ms): the live one stays.
+    let watched = Instant::now();
+    highest = highest.max(watch(
+        &mut |_, at| at - watched >= Duration::from_secs(4),
+        Duration::from_secs(10),
+        "",
+    ));
+    // The reapers still run at the end: a departed consumer left now (it holds nothing) goes.
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg(&["GROUP", "pacer", "departed", "STREAMS", STREAM, "0"])
+        .query(&mut redis.con())
+        .unwrap();
+    highest = highest.max(watch(
+        &mut |now, _| !now.contains_key("departed"),
+        Duration::from_secs(10),
+        "the departed consumer was not deleted",
+    ));
+    let now = consumer_idles(&mut redis.con(), STREAM);
+    assert_eq!(now.into_keys().collect::<Vec<_>>(), ["alive", "reaper"]);
+    assert_eq!(
+        deleted(&mut redis.con()),
+        2,
+        "only the killed and the departed consumers were ever deleted"
+    );
+    for name in ["alive", "reaper"] {
+        let (pacer, _) = &workers[name];
+        assert!(
+            !pacer.log_text().contains("panicked"),
+            "{name}:\n{}",
+            pacer.log_text()
+        );
+    }
+    println!(
+        "killed consumer deleted {:.1} s after the kill ({:.1} s silent); the live one idle at most {highest} ms over {:.1} s",
+        (gone_at - killed).as_secs_f64(),
+        silent.as_secs_f64(),
+        killed.elapsed().as_secs_f64()
     );
 }

@@ -1277,3 +1277,143 @@ fn sizes_counts_the_entries_that_fit_in_a_budget_from_the_first() {
         "no such group: the read will say so"
     );
 }
+
+/// Each consumer of `group` on `stream` by name: (entries pending, idle ms), from `XINFO
+/// CONSUMERS`.
+fn consumer_table(
+    con: &mut redis::Connection,
+    stream: &str,
+    group: &str,
+) -> std::collections::BTreeMap<String, (i64, i64)> {
+    let rows: Vec<Vec<redis::Value>> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(stream)
+        .arg(group)
+        .query(con)
+        .unwrap();
+    rows.iter()
+        .map(|row| {
+            let field = |name: &str| {
+                let at = row
+                    .iter()
+                    .position(|v| matches!(v, redis::Value::BulkString(b) if b == name.as_bytes()))
+                    .unwrap_or_else(|| panic!("no {name} in {row:?}"));
+                row[at + 1].clone()
+            };
+            let redis::Value::BulkString(name) = field("name") else {
+                panic!("a name: {row:?}");
+            };
+            let (redis::Value::Int(pending), redis::Value::Int(idle)) =
+                (field("pending"), field("idle"))
+            else {
+                panic!("counts: {row:?}");
+            };
+            (String::from_utf8(name).unwrap(), (pending, idle))
+        })
+        .collect()
+}
+
+/// `reap.lua` deletes exactly the consumers that hold no pending entry and have been idle at
+/// least the given time, never the caller's own: one idle long but holding entries stays with
+/// its entries, one idle long holding nothing goes, one that has just read stays, and the
+/// caller stays however idle. A threshold longer than anyone's idle deletes nothing; a zero
+/// threshold leaves only the holder and the caller.
+#[test]
+fn reaping_deletes_only_consumers_idle_past_the_threshold_that_hold_nothing() {
+    let rig = Rig::new("10/s", 1);
+    let mut con = rig.redis.con();
+    let _: () = redis::cmd("XGROUP")
+        .arg(&["CREATE", "s", "g", "0", "MKSTREAM"])
+        .query(&mut con)
+        .unwrap();
+    let ids: Vec<String> = (0..3)
+        .map(|n| {
+            redis::cmd("XADD")
+                .arg("s")
+                .arg("*")
+                .arg("n")
+                .arg(n)
+                .query(&mut con)
+                .unwrap()
+        })
+        .collect();
+    // A read of the consumer's own pending entries: creates it (or refreshes its idle time)
+    // and takes nothing new.
+    let touch = |con: &mut redis::Connection, consumer: &str| {
+        let _: redis::Value = redis::cmd("XREADGROUP")
+            .arg(&["GROUP", "g", consumer, "STREAMS", "s", "0"])
+            .query(con)
+            .unwrap();
+    };
+    // `holder` reads two entries and keeps them pending; `gone` and `me` hold nothing.
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg(&["GROUP", "g", "holder", "COUNT", "2", "STREAMS", "s", ">"])
+        .query(&mut con)
+        .unwrap();
+    touch(&mut con, "gone");
+    touch(&mut con, "me");
+    std::thread::sleep(Duration::from_millis(1_300));
+    // `fresh` holds nothing either, but has just read.
+    touch(&mut con, "fresh");
+    let before = consumer_table(&mut con, "s", "g");
+    let names: Vec<&str> = before.keys().map(String::as_str).collect();
+    assert_eq!(names, ["fresh", "gone", "holder", "me"]);
+    assert_eq!(before["holder"].0, 2);
+    for old in ["gone", "holder", "me"] {
+        assert!(before[old].1 >= 1_000, "{old} idle: {before:?}");
+    }
+    assert!(before["fresh"].1 < 1_000, "fresh idle: {before:?}");
+
+    let reap = |min_idle_ms: u64| -> i64 {
+        let mut con = rig.con.clone();
+        rig.rt
+            .block_on(rig.scripts.reap(
+                &mut con,
+                "s",
+                "g",
+                Duration::from_millis(min_idle_ms),
+                "me",
+            ))
+            .unwrap()
+    };
+    let names = |con: &mut redis::Connection| -> Vec<String> {
+        consumer_table(con, "s", "g").into_keys().collect()
+    };
+    // Nobody has been idle a minute: nothing goes.
+    assert_eq!(reap(60_000), 0);
+    assert_eq!(names(&mut con), ["fresh", "gone", "holder", "me"]);
+    // Idle a second or more: of those, only the one holding nothing that is not the caller.
+    assert_eq!(reap(1_000), 1);
+    let after = consumer_table(&mut con, "s", "g");
+    assert_eq!(
+        after.keys().collect::<Vec<_>>(),
+        ["fresh", "holder", "me"],
+        "{after:?}"
+    );
+    assert_eq!(after["holder"].0, 2, "{after:?}");
+    assert_eq!(reap(1_000), 0, "a second call finds no one more");
+    // No threshold: the one that just read goes too; the holder and the caller stay.
+    assert_eq!(reap(0), 1);
+    assert_eq!(names(&mut con), ["holder", "me"]);
+    // The holder's entries are still pending on it, and the third was never delivered.
+    let pending: Vec<(String, String, i64, i64)> = redis::cmd("XPENDING")
+        .arg(&["s", "g", "-", "+", "10"])
+        .query(&mut con)
+        .unwrap();
+    let held: Vec<(&str, &str)> = pending
+        .iter()
+        .map(|(id, consumer, _, _)| (id.as_str(), consumer.as_str()))
+        .collect();
+    assert_eq!(
+        held,
+        [(ids[0].as_str(), "holder"), (ids[1].as_str(), "holder")]
+    );
+    let group: Vec<Vec<redis::Value>> = redis::cmd("XINFO")
+        .arg(&["GROUPS", "s"])
+        .query(&mut con)
+        .unwrap();
+    assert!(
+        group[0].contains(&redis::Value::BulkString(ids[1].clone().into_bytes())),
+        "last delivered: {group:?}"
+    );
+}
