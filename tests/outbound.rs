@@ -870,3 +870,77 @@ fn a_rerouted_events_id_is_taken_on_its_first_route_and_its_fallback_and_no_othe
         "{text}"
     );
 }
+
+/// An event's own `max_wait_ms` (producer contract): it waits at most that long, and never
+/// longer than its route's `max_wait` however much it asks for. Seven events at once on a
+/// route of 2/s (a slot every 500 ms) with `max_wait` 1.7 s: the first goes at once; one that
+/// accepts 100 ms would wait 500 and is rejected; one that accepts 700 waits 500; two that ask
+/// for a minute wait 1,000 and 1,500 (within the route's 1.7 s); a third that asks for a minute
+/// would wait 2,000, past the route's cap, and is rejected as one that asks for nothing is.
+#[test]
+fn an_events_own_max_wait_is_kept_and_capped_by_its_routes() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("own-wait");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    slow: {rate: 2/s, burst: 1, max_wait: 1700ms}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let pacer = start(&cfg, port);
+    let asks: [(&str, Option<&str>); 7] = [
+        ("first", None),
+        ("short", Some("100")),
+        ("enough", Some("700")),
+        ("long-1", Some("60000")),
+        ("long-2", Some("60000")),
+        ("long-3", Some("60000")),
+        ("none", None),
+    ];
+    // In one MULTI: the worker's blocked read gets all seven at once, decided in one call.
+    let mut tx = redis::pipe();
+    tx.atomic();
+    for (name, wait) in asks {
+        let cmd = tx.cmd("XADD").arg("in").arg("*").arg("route").arg("slow");
+        cmd.arg("name").arg(name);
+        if let Some(ms) = wait {
+            cmd.arg("max_wait_ms").arg(ms);
+        }
+    }
+    let _: () = tx.query(&mut redis.con()).unwrap();
+    let outputs = ["pacer:{slow}:ready", "pacer:rejected"];
+    assert!(
+        wait_until(Duration::from_secs(10), || lengths(&redis, &outputs)
+            .iter()
+            .sum::<usize>()
+            == 7
+            && pending(&redis, "in", "pacer") == 0),
+        "{:?}\n{}",
+        lengths(&redis, &outputs),
+        pacer.log_text()
+    );
+    let waited: Vec<(String, i64)> = read(&redis, "pacer:{slow}:ready")
+        .iter()
+        .map(|e| {
+            let ms = e.field("pacer_wait_ms").unwrap().parse().unwrap();
+            (e.field("name").unwrap().to_string(), ms)
+        })
+        .collect();
+    let names: Vec<&str> = waited.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["first", "enough", "long-1", "long-2"], "{waited:?}");
+    for ((name, ms), want) in waited.iter().zip([0, 500, 1000, 1500]) {
+        assert!((ms - want).abs() <= 20, "{name} waited {ms} ms, not {want}");
+    }
+    let rejected: Vec<(String, String)> = read(&redis, "pacer:rejected")
+        .iter()
+        .map(|e| {
+            let name = e.field("name").unwrap().to_string();
+            (name, e.field("pacer_reason").unwrap().to_string())
+        })
+        .collect();
+    let expected = [
+        ("short", "queue_full"),
+        ("long-3", "queue_full"),
+        ("none", "queue_full"),
+    ]
+    .map(|(n, r)| (n.to_string(), r.to_string()));
+    assert_eq!(rejected, expected);
+    assert_rate(&redis, "pacer:{slow}:ready", 2.0, 1.0);
+}
