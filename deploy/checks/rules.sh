@@ -24,7 +24,13 @@ rules_tests_can_fail() {
         's/sum by (job) (pacer_ready) == 0/sum by (job) (pacer_ready) < 2/' \
         's/(increase(pacer_listener_full_total\[5m\])) > 0$/(increase(pacer_listener_full_total[5m])) > 10/' \
         's/(increase(pacer_listener_full_total\[5m\])) > 0$/(increase(pacer_listener_full_total[5m])) >= 0/' \
-        's/{outcome="dead_lettered"}\[5m\]/{outcome=~"dead_lettered|duplicate"}[5m]/'; do
+        's/{outcome="dead_lettered"}\[5m\]/{outcome=~"dead_lettered|duplicate"}[5m]/' \
+        's/up{job="pacer"} == 0$/up{job="pacer"} <= 1/' \
+        '/alert: PacerWorkerDown$/,/for:/s/for: 3m$/for: 1m/' \
+        '/alert: PacerWorkerDown$/,/for:/s/for: 3m$/for: 5m/' \
+        's/ or absent(up{job="pacer"})$//' \
+        's/sum by (job) (up{job="pacer"}) == 0 or //' \
+        '/alert: PacerDown$/,/for:/s/for: 1m$/for: 5m/'; do
         i=$((i + 1))
         sed "$m" deploy/prometheus/alerts.yml >"$dir/alerts.yml"
         if cmp -s "$dir/alerts.yml" deploy/prometheus/alerts.yml; then
