@@ -1575,3 +1575,54 @@ fn what_each_event_keeps_in_redis_for_dedupe_ttl_is_bounded() {
         );
     }
 }
+
+/// DESIGN: a Redis that may lose acknowledged writes on failover is named, never trusted
+/// silently. A master with a replica and `wait_replicas: 0` is one: pacer says so once at start.
+/// With `wait_replicas: 1`, or on a master with no replica, it says nothing of the kind.
+#[test]
+fn a_replicated_redis_without_wait_replicas_is_named_at_start() {
+    let master = RedisServer::start();
+    let mut replica = RedisServer::start();
+    let lone = RedisServer::start();
+    replica.restart_as_replica_of(master.port);
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let info: String = redis::cmd("INFO")
+                .arg("replication")
+                .query(&mut master.con())
+                .unwrap();
+            info.contains("connected_slaves:1")
+        }),
+        "the replica never connected"
+    );
+    let dir = TempDir::new("replicated");
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    r: {rate: 100/s}\n";
+    let named = "replicates pacer's writes to replicas asynchronously";
+    for (redis, wait, said) in [(&master, 0, true), (&master, 1, false), (&lone, 0, false)] {
+        let port = free_port();
+        let name = format!("w{wait}-{}.yaml", redis.port);
+        let cfg = config(&dir, &name, redis, port, "  drain: 200ms", body);
+        let text = std::fs::read_to_string(&cfg).unwrap();
+        let text = text.replace(
+            "  timeout: 500ms\n",
+            &format!("  timeout: 500ms\n  wait_replicas: {wait}\n"),
+        );
+        std::fs::write(&cfg, text).unwrap();
+        let mut pacer = start(&cfg, port);
+        let ids = push(&redis, "in", &[event(&[("route", "r")])]);
+        assert!(wait_until(Duration::from_secs(10), || placements(
+            redis,
+            &["pacer:{r}:ready"]
+        )
+        .contains_key(&ids[0])));
+        pacer.signal("TERM");
+        pacer.wait_for(Duration::from_secs(10));
+        let log = pacer.log_text();
+        assert_eq!(
+            log.matches(named).count(),
+            usize::from(said),
+            "wait_replicas {wait} on port {}:\n{log}",
+            redis.port
+        );
+    }
+}

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 const EVERY: Duration = Duration::from_secs(2);
 /// Ticks between two reads of the eviction policy (a minute).
@@ -111,6 +111,51 @@ async fn read_queues(mut con: RedisConn, routes: &[&Route]) {
     for (route, tat) in routes.iter().zip(&values[1..]) {
         let tat = Option::<i64>::from_redis_value_ref(tat).ok().flatten();
         telemetry::route_queue(&route.name, tat.unwrap_or(0) - (s * 1_000_000 + us));
+    }
+}
+
+/// With `redis.wait_replicas: 0`, says once per process (as DESIGN asks of a Redis that may
+/// lose acknowledged writes on failover: named, never trusted silently) when the Redis pacer
+/// writes to replicates to replicas: replication is asynchronous, and a replica promoted
+/// before it received pacer's last writes takes them away while their input entries, possibly
+/// acknowledged elsewhere, stay acknowledged. A Redis without replicas has no failover to lose
+/// writes in; with `wait_replicas` set, each write waits for its replicas.
+/// A Redis that will not say (INFO refused) is not named: this is advice, not a condition.
+pub(super) async fn check_replication<C: ConnectionLike>(ctx: &Context, con: &mut C) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if ctx.cfg.redis.wait_replicas > 0 || SAID.load(std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    // On a cluster, INFO goes to every master and comes back per node.
+    let reply: redis::RedisResult<redis::Value> =
+        redis::cmd("INFO").arg("replication").query_async(con).await;
+    let texts: Vec<String> = match reply {
+        Ok(redis::Value::Map(nodes)) => nodes
+            .into_iter()
+            .filter_map(|(_, v)| redis::from_redis_value::<String>(v).ok())
+            .collect(),
+        Ok(other) => redis::from_redis_value::<String>(other)
+            .into_iter()
+            .collect(),
+        Err(_) => return,
+    };
+    let replicas: u64 = texts
+        .iter()
+        .filter_map(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("connected_slaves:"))
+                .and_then(|n| n.trim().parse::<u64>().ok())
+        })
+        .sum();
+    if replicas > 0 && !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        warn!(
+            replicas,
+            "Redis replicates pacer's writes to replicas asynchronously and redis.wait_replicas \
+             is 0: a failover to a replica that lacks the last writes loses them (ready, \
+             rejected and forwarded entries written just before it vanish, their inputs \
+             acknowledged). Set redis.wait_replicas to how many replicas must confirm each \
+             write, or accept that risk"
+        );
     }
 }
 
