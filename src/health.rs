@@ -158,9 +158,13 @@ impl Health {
         }
     }
 
-    /// Fewer replicas than `redis.wait_replicas` confirmed a write: not ready until enough do.
-    pub fn replicas_short(&self) {
+    /// Fewer replicas than `redis.wait_replicas` confirmed a write (`error`): not ready until
+    /// enough do. Said once per stall, here, whichever calls meet it (each route's placing and
+    /// dispatching, admissions, outputs: until 2026-11-29 each kind of call said it, two lines
+    /// or more a stall, `a_frozen_replica_stalls_the_route_counted_and_logged_once_per_stall_losing_nothing`).
+    pub fn replicas_short(&self, error: &dyn Display) {
         if self.replicas.add() {
+            warn!(%error, "fewer replicas than redis.wait_replicas confirm pacer's writes: holding them (nothing acknowledged or slept on), retrying with backoff until they do");
             self.publish();
         }
     }
@@ -324,7 +328,7 @@ mod tests {
         h.set_scripts_loaded(true);
         h.set_groups_ok(true);
         h.set_keys_kept(true);
-        h.replicas_short();
+        h.replicas_short(&"0 of 1 replicas");
         assert!(h.why_not().unwrap().contains("wait_replicas"));
         // The calls succeed meanwhile (their writes are made, only not confirmed).
         h.wrote();

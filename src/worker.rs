@@ -105,7 +105,12 @@ impl Worker {
             cfg.worker.max_inflight,
             reserve,
         );
+        // WAITs block their connection: they get one of their own, waited on for as long.
+        let waits = (cfg.redis.wait_replicas > 0)
+            .then(|| RedisConn::new(&cfg.redis, timeout + cfg.redis.wait_timeout))
+            .transpose()?;
         let ctx = Context {
+            waits,
             consumer,
             scripts: Scripts::default(),
             con,

@@ -1609,7 +1609,7 @@ fn a_replicated_redis_without_wait_replicas_is_named_at_start() {
         );
         std::fs::write(&cfg, text).unwrap();
         let mut pacer = start(&cfg, port);
-        let ids = push(&redis, "in", &[event(&[("route", "r")])]);
+        let ids = push(redis, "in", &[event(&[("route", "r")])]);
         assert!(wait_until(Duration::from_secs(10), || placements(
             redis,
             &["pacer:{r}:ready"]

@@ -2,14 +2,20 @@
 //! sentinels), with `redis.wait_replicas: 1`: the master is killed (-9) while both flows run,
 //! after its replica has lagged behind it, and the sentinels promote that replica. pacer follows
 //! it on the sentinels' word, and on what the promoted replica holds every entry ends exactly
-//! once and no window of the route or of any identity holds more than its limit.
+//! once and no window of the route or of any identity holds more than its limit. And with a plain
+//! master and replica, a replica frozen stalls pacing: counted, logged once per stall, losing
+//! nothing.
 
 mod common;
 
-use common::{inbound_body, placements_by_stream, read, redis_time_ms, start, unfinished};
+use common::{
+    inbound_body, placements, placements_by_stream, read, redis_time_ms, start, unfinished,
+};
 use pacer::report::max_in_window;
 
-use pacer::testkit::{free_port, master_port_of, wait_until, RedisServer, Sentinels, TempDir};
+use pacer::testkit::{
+    free_port, http_get, master_port_of, metric_at, wait_until, RedisServer, Sentinels, TempDir,
+};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
@@ -228,4 +234,317 @@ fn a_killed_master_is_followed_through_the_sentinels_losing_and_doubling_nothing
         followed_ms <= 10_000,
         "the promoted master was not followed within 10 s; logs:\n{logs}"
     );
+}
+
+/// A line of pacer's log reporting writes held for want of replicas: at WARN, carrying the
+/// `ReplicasShort` error (whichever call met it: schedule, dispatch, an output's write).
+fn replicas_short_warnings(log: &str) -> usize {
+    log.lines()
+        .filter(|l| l.contains("WARN") && l.contains("replicas redis.wait_replicas asks for"))
+        .count()
+}
+
+/// The line health logs when a stall for want of replicas ends.
+const REPLICAS_BACK: &str = "the replicas confirm pacer's writes again";
+
+/// `INFO replication` of `redis` (empty when it does not answer).
+fn replication(redis: &RedisServer) -> String {
+    redis::cmd("INFO")
+        .arg("replication")
+        .query(&mut redis.con())
+        .unwrap_or_default()
+}
+
+/// A stream entry id as (ms, seq), to compare.
+fn id_key(id: &str) -> (i64, i64) {
+    let (ms, seq) = id.split_once('-').expect("an entry id");
+    (ms.parse().unwrap(), seq.parse().unwrap())
+}
+
+/// The group `pacer`'s last-delivered-id on `stream`: entries after it are not read yet.
+fn last_delivered(redis: &RedisServer, stream: &str) -> (i64, i64) {
+    let groups: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .query(&mut redis.con())
+        .unwrap();
+    let group = groups
+        .iter()
+        .find(|g| redis::from_redis_value::<String>(g["name"].clone()).unwrap() == "pacer")
+        .expect("the group pacer");
+    id_key(&redis::from_redis_value::<String>(group["last-delivered-id"].clone()).unwrap())
+}
+
+/// Entries of `stream` the group holds pending now, by id.
+fn pending_ids(redis: &RedisServer, stream: &str) -> BTreeSet<String> {
+    let reply: Vec<(String, String, i64, i64)> = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg("pacer")
+        .arg("-")
+        .arg("+")
+        .arg(100_000)
+        .query(&mut redis.con())
+        .unwrap();
+    reply.into_iter().map(|(id, ..)| id).collect()
+}
+
+/// README, "Redis Cluster, failover and `wait_replicas`": while fewer replicas than
+/// `wait_replicas` answer, the routes stall, "counted in `pacer_replication_short_total` and
+/// logged once per stall, not flapping `/readyz`", and nothing is acknowledged or slept on
+/// before the replicas confirm it. A plain master with one replica (`replicaof`), pacer on the
+/// master in standalone mode with `wait_replicas: 1`, bursts of 10 events every 500 ms (20/s)
+/// onto a 50/s route (burst 1) throughout; the replica is frozen (SIGSTOP) for 2 s while a burst
+/// goes out, twice, with the flow settled in between. During each stall the counter rises,
+/// `/readyz` never says ready, and of the events pushed after the first shortfall none is slept
+/// on: at most the one the stalled schedule call dispatched at once goes out (its ready entry
+/// and acknowledgement in one script on the master, before its WAIT), every other is still
+/// pending or unread. After each thaw its events go out and the stall's end is logged once at
+/// INFO; after both, every event ends exactly once, nothing is left pending, and the replica
+/// holds every output the master does. Last, each stall was logged at WARN exactly once.
+///
+/// Until 2026-11-29 (when this test was written) each call the stall held logged its own line
+/// (each route's placing and dispatching): two or more lines a stall; health now says it once,
+/// when it begins. And a call queued behind the WAITs on the shared connection could pass
+/// `redis.timeout`, which health took for Redis being down ("Redis calls are failing") in about
+/// half the stalls; the WAITs now have a connection of their own. Neither line may show.
+#[test]
+fn a_frozen_replica_stalls_the_route_counted_and_logged_once_per_stall_losing_nothing() {
+    let master = RedisServer::start();
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port.to_string()]);
+    assert!(
+        wait_until(Duration::from_secs(10), || replication(&replica)
+            .contains("master_link_status:up")),
+        "the replica did not sync with the master"
+    );
+    let dir = TempDir::new("replicas-short");
+    let port = free_port();
+    let text = format!(
+        "redis:\n  url: \"{}\"\n  timeout: 500ms\n  wait_replicas: 1\n  wait_timeout: 200ms\nmetrics:\n  listen: 127.0.0.1:{port}\nworker:\n  batch: 64\n  drain: 1s\n  claim_idle: 10s\noutbound:\n  streams: [\"pacer:out\"]\n  routes:\n    r: {{rate: 50/s, burst: 1, max_wait: 5s}}\n",
+        master.url()
+    );
+    let pacer = start(&dir.write("w.yaml", &text), port);
+    let short = || metric_at(port, "pacer_replication_short_total");
+    let outputs = [ROUTE_READY, "pacer:rejected", "pacer:dead"];
+
+    // 10 events every 500 ms (20/s against the route's 50/s, each burst going out over 200 ms,
+    // so that some are slept on at any time) until told to stop.
+    let pushed = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let producer = {
+        let (pushed, stop, url) = (pushed.clone(), stop.clone(), master.url());
+        std::thread::spawn(move || {
+            let mut con = redis::Client::open(url).unwrap().get_connection().unwrap();
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut pipe = redis::pipe();
+                for _ in 0..10 {
+                    pipe.cmd("XADD").arg("pacer:out").arg("*");
+                    pipe.arg("route").arg("r").arg("n").arg(n);
+                    n += 1;
+                }
+                let ids: Vec<String> = pipe.query(&mut con).expect("pushing events");
+                pushed.lock().unwrap().extend(ids);
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        })
+    };
+    let pushed_now = || pushed.lock().unwrap().clone();
+
+    // Each stall's WARN lines carrying the shortfall, and every WARN line it brought.
+    let mut warnings: Vec<(Vec<String>, Vec<String>)> = Vec::new();
+    for stall in 1..=2 {
+        // The flow runs confirmed: events are dispatched, the workers ready.
+        let before = read(&master, ROUTE_READY).len();
+        assert!(
+            wait_until(Duration::from_secs(15), || read(&master, ROUTE_READY).len()
+                >= before + 20),
+            "stall {stall}: events are not dispatched before the freeze; log:\n{}",
+            pacer.log_text()
+        );
+        let (counted, warned, ended, lines_before) = {
+            let log = pacer.log_text();
+            (
+                short(),
+                replicas_short_warnings(&log),
+                log.matches(REPLICAS_BACK).count(),
+                log.lines().count(),
+            )
+        };
+
+        // Frozen while a burst goes out: its first event dispatched, its last slept on, so
+        // that the dispatcher's calls meet the shortfall as well as the placements'.
+        let mid_burst = wait_until(Duration::from_secs(10), || {
+            let ids = pushed_now();
+            let Some(burst) = ids.len().checked_sub(10).map(|i| &ids[i..]) else {
+                return false;
+            };
+            let out: BTreeSet<String> = read(&master, ROUTE_READY)
+                .iter()
+                .filter_map(|e| e.field("pacer_source_id").map(str::to_string))
+                .collect();
+            out.contains(&burst[0]) && !out.contains(&burst[9])
+        });
+        if !mid_burst {
+            eprintln!("stall {stall}: froze the replica without catching a burst going out");
+        }
+        replica.pause();
+        let paused = Instant::now();
+        let risen = wait_until(Duration::from_secs(10), || short() > counted);
+        if !risen {
+            replica.resume();
+        }
+        assert!(
+            risen,
+            "stall {stall}: pacer_replication_short_total stayed at {counted} with the replica frozen; log:\n{}",
+            pacer.log_text()
+        );
+        // From here every WAIT has been seen to fall short: whatever is pushed now may be
+        // decided on the master, but not slept on, dispatched or acknowledged.
+        let short_at = redis_time_ms(&master);
+        let mut ready_seen = Vec::new();
+        while paused.elapsed() < Duration::from_secs(2) {
+            ready_seen.push(http_get(port, "/readyz").map(|(s, _)| s));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let after: Vec<String> = pushed_now()
+            .into_iter()
+            .filter(|id| id.split('-').next().unwrap().parse::<i64>().unwrap() > short_at)
+            .collect();
+        let ended_now = placements(&master, &outputs);
+        // Unread first: an entry read in between then shows as pending.
+        let delivered = last_delivered(&master, "pacer:out");
+        let pending_now = pending_ids(&master, "pacer:out");
+        replica.resume();
+
+        assert!(
+            after.len() >= 10,
+            "stall {stall}: only {} events pushed during the stall",
+            after.len()
+        );
+        assert!(
+            ready_seen.iter().all(|s| *s != Some(200)),
+            "stall {stall}: /readyz said ready while the replica was frozen: {ready_seen:?}"
+        );
+        // The first schedule call of the stall dispatches at once what is due now (the
+        // route's burst of 1: its ready entry and its acknowledgement in one script, on the
+        // master, before the WAIT that finds the replica short; README: "a reader of a ready
+        // stream may see an entry the failover then takes away"). Nothing else pushed after
+        // the shortfall is slept on, so none goes out nor is acknowledged: slept on, they
+        // would have gone out at 50/s.
+        let went: Vec<_> = after
+            .iter()
+            .filter_map(|id| ended_now.get(id).map(|at| (id, at)))
+            .collect();
+        assert!(
+            went.len() <= 1 && went.iter().all(|(_, at)| at[..] == [ROUTE_READY]),
+            "stall {stall}: events pushed after the shortfall went out with no replica's word: {went:?}"
+        );
+        // Acknowledged only with such an output: each other one is pending, or not read yet.
+        let acked: Vec<_> = after
+            .iter()
+            .filter(|id| !pending_now.contains(*id) && id_key(id) <= delivered)
+            .filter(|id| !ended_now.contains_key(*id))
+            .collect();
+        assert!(
+            acked.is_empty(),
+            "stall {stall}: events pushed during the stall acknowledged with no replica's word: {acked:?}"
+        );
+
+        // Thawed, the flow resumes and the stall's end is logged once.
+        assert!(
+            wait_until(Duration::from_secs(15), || pacer
+                .log_text()
+                .matches(REPLICAS_BACK)
+                .count()
+                > ended),
+            "stall {stall}: the end of the stall was never logged; log:\n{}",
+            pacer.log_text()
+        );
+        assert!(
+            wait_until(Duration::from_secs(20), || {
+                let ended_now = placements(&master, &outputs);
+                after.iter().all(|id| ended_now.contains_key(id))
+            }),
+            "stall {stall}: events held during the stall did not go out after the thaw; log:\n{}",
+            pacer.log_text()
+        );
+        // Some time for any late line to show before counting.
+        std::thread::sleep(Duration::from_millis(1500));
+        let log = pacer.log_text();
+        let lines: Vec<String> = log
+            .lines()
+            .filter(|l| l.contains("WARN") && l.contains("replicas redis.wait_replicas asks for"))
+            .skip(warned)
+            .map(str::to_string)
+            .collect();
+        let said: Vec<String> = log
+            .lines()
+            .skip(lines_before)
+            .filter(|l| l.contains("WARN") || l.contains("replicas"))
+            .map(str::to_string)
+            .collect();
+        eprintln!(
+            "stall {stall}: counted {} shortfalls, {} events pushed after the first; logged:\n{}",
+            short() - counted,
+            after.len(),
+            said.join("\n")
+        );
+        assert_eq!(
+            log.matches(REPLICAS_BACK).count(),
+            ended + 1,
+            "stall {stall}: the stall's end logged other than once; log:\n{log}"
+        );
+        assert!(
+            !lines.is_empty(),
+            "stall {stall}: the stall was not logged; log:\n{log}"
+        );
+        // Checked last, so that a failure here says the rest held.
+        warnings.push((lines, said));
+    }
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    producer.join().unwrap();
+    let ids = pushed_now();
+    let settled = wait_until(Duration::from_secs(30), || {
+        unfinished(&master, "pacer:out", "pacer") == 0
+            && placements(&master, &outputs).len() == ids.len()
+    });
+    assert!(
+        settled,
+        "entries left pending or unread; log:\n{}",
+        pacer.log_text()
+    );
+    let at = common::assert_each_once(&master, &ids, &outputs, "pacer:out");
+    assert!(
+        at.values().all(|s| s[0] == ROUTE_READY),
+        "an event was rejected or dead-lettered: {:?}",
+        at.iter()
+            .filter(|(_, s)| s[0] != ROUTE_READY)
+            .collect::<Vec<_>>()
+    );
+    // The replica holds what the master does.
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            placements(&replica, &outputs) == placements(&master, &outputs)
+        }),
+        "the replica lacks outputs the master holds"
+    );
+    // README: "logged once per stall": one line when a stall begins, not one per retry, nor
+    // one per call or route the stall holds.
+    for (stall, (lines, said)) in warnings.iter().enumerate() {
+        assert!(
+            !said.iter().any(|l| l.contains("Redis calls are failing")),
+            "stall {}: a stall of replicas taken for Redis being down:\n{}",
+            stall + 1,
+            said.join("\n")
+        );
+        assert_eq!(
+            lines.len(),
+            1,
+            "stall {}: the shortfall logged at WARN {} times (README: \"logged once per stall\"); the stall's log:\n{}",
+            stall + 1,
+            lines.len(),
+            said.join("\n")
+        );
+    }
 }

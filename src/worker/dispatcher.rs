@@ -334,8 +334,11 @@ impl State {
                     });
                     let delay = failing.backoff.fail();
                     failing.retry_at = received + delay;
-                    // One line per route per outage, not one per event.
-                    if failing.backoff.failures() == 1 {
+                    // One line per route per outage, not one per event; a stall of replicas is
+                    // said once for all routes (health).
+                    if failing.backoff.failures() == 1
+                        && !matches!(e, crate::error::Error::ReplicasShort { .. })
+                    {
                         let route = &self.ctx.cfg.outbound.route_at(index).name;
                         warn!(error = %e, %route, events = group.len(), "dispatch failed; retrying with backoff");
                     }

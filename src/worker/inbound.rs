@@ -392,10 +392,9 @@ async fn admit_batch(
                 let Err(e) = ctx.replicated(keys.slot_key()).await else {
                     return Some(Ok(reply));
                 };
+                // Health says the stall once; here only the detail.
                 let delay = lagging.fail();
-                if lagging.failures() == 1 {
-                    warn!(error = %e, "holding admissions the replicas have not confirmed; retrying with backoff");
-                }
+                debug!(error = %e, attempt = lagging.failures(), "holding admissions the replicas have not confirmed; retrying");
                 tokio::select! {
                     _ = stop.cancelled() => return None,
                     _ = tokio::time::sleep(delay) => {}
