@@ -2,7 +2,8 @@
 //! streams and NOSCRIPT on every master; a slot moved under traffic; graceful, TAKEOVER and
 //! hard-kill failovers), a Sentinel-managed master that is killed, TLS with and without client
 //! certificates, and ACL users. Every failover is followed by the same `RedisConn`, never a new
-//! one.
+//! one. A whole worker (`pacer run`) over TLS too: both flows, and its refusal of a server it
+//! cannot verify.
 //!
 //! Over 400 lines: one subject's process-level tests (Cluster, Sentinel, TLS, ACL) sharing one rig.
 
@@ -715,4 +716,338 @@ async fn a_database_the_server_lacks_is_fatal() {
     let e = conn(&cfg).check().await.unwrap_err();
     assert!(e.is_fatal(), "{e}");
     assert!(e.to_string().contains("DB index is out of range"), "{e}");
+}
+
+/// A blocking connection to the TLS-only server on `port`, verifying it against `files.ca` and
+/// presenting the client certificate: the test's own traffic goes over TLS too.
+fn tls_con(files: &TlsFiles, port: u16) -> redis::Connection {
+    let read = |p: &std::path::Path| std::fs::read(p).expect("reading a test certificate");
+    let certs = redis::TlsCertificates {
+        client_tls: Some(redis::ClientTlsConfig {
+            client_cert: read(&files.client_cert),
+            client_key: read(&files.client_key),
+        }),
+        root_cert: Some(read(&files.ca)),
+    };
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    redis::Client::build_with_tls(format!("rediss://127.0.0.1:{port}"), certs)
+        .expect("a TLS client")
+        .get_connection_with_timeout(Duration::from_secs(5))
+        .expect("a TLS connection to the test Redis")
+}
+
+/// One entry of an output stream: its id, its millisecond, its fields as text.
+struct Entry {
+    id: String,
+    ms: i64,
+    fields: std::collections::HashMap<String, String>,
+}
+
+/// Every entry of `stream` (XRANGE over `con`), oldest first.
+fn entries(con: &mut redis::Connection, stream: &str) -> Vec<Entry> {
+    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg("-")
+        .arg("+")
+        .query(con)
+        .expect("XRANGE");
+    reply
+        .ids
+        .into_iter()
+        .map(|e| Entry {
+            ms: e.id.split('-').next().unwrap().parse().unwrap(),
+            fields: e
+                .map
+                .iter()
+                .map(|(k, v)| (k.clone(), redis::from_redis_value_ref(v).unwrap()))
+                .collect(),
+            id: e.id,
+        })
+        .collect()
+}
+
+/// XADDs one entry per field list to `stream`; the entry ids.
+fn xadd_all(
+    con: &mut redis::Connection,
+    stream: &str,
+    events: &[Vec<(&str, &str)>],
+) -> Vec<String> {
+    let mut pipe = redis::pipe();
+    for fields in events {
+        let cmd = pipe.cmd("XADD").arg(stream).arg("*");
+        for (k, v) in fields {
+            cmd.arg(*k).arg(*v);
+        }
+    }
+    pipe.query(con).expect("pushing events over TLS")
+}
+
+/// Entries of `stream` group `pacer` has pending (XPENDING's count).
+fn pending_of(con: &mut redis::Connection, stream: &str) -> i64 {
+    let (count, ..): (i64, redis::Value, redis::Value, redis::Value) = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg("pacer")
+        .query(con)
+        .expect("XPENDING");
+    count
+}
+
+/// A `pacer run` config for the TLS server on `port` with these `redis.tls` settings, metrics
+/// on `metrics`: two outbound routes and one inbound rule.
+fn tls_run_config(
+    dir: &TempDir,
+    name: &str,
+    port: u16,
+    metrics: u16,
+    tls: &str,
+) -> std::path::PathBuf {
+    dir.write(
+        name,
+        &format!(
+            r#"redis:
+  url: "rediss://127.0.0.1:{port}"
+  timeout: 2s
+  tls: {tls}
+metrics:
+  listen: 127.0.0.1:{metrics}
+worker:
+  drain: 1s
+outbound:
+  streams: ["pacer:out"]
+  routes:
+    fast: {{rate: 20/s, burst: 1, max_wait: 10s}}
+    slow: {{rate: 5/s, burst: 1, max_wait: 10s}}
+inbound:
+  streams: ["pacer:in"]
+  forward_stream: "pacer:accepted"
+  rejected_stream: "pacer:in-rejected"
+  rules:
+    - {{name: per-source, key: [source], algorithm: sliding_log, limits: [3/min]}}
+"#
+        ),
+    )
+}
+
+fn readyz_status(port: u16) -> Option<u16> {
+    pacer::testkit::http_get(port, "/readyz").map(|(status, _)| status)
+}
+
+/// Runs `pacer run` on `config` and waits up to 20 s for it to exit: its exit code (None if
+/// it did not), whether `/readyz` ever said 200 meanwhile, and its log.
+fn run_until_exit(config: &std::path::Path, metrics: u16) -> (Option<i32>, bool, String) {
+    let mut worker = pacer::testkit::Pacer::run(
+        std::path::Path::new(env!("CARGO_BIN_EXE_pacer")),
+        config,
+        &[],
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut was_ready = false;
+    let code = loop {
+        if let Some(code) = worker.wait_for(Duration::from_millis(100)) {
+            break Some(code);
+        }
+        was_ready |= readyz_status(metrics) == Some(200);
+        if Instant::now() >= deadline {
+            break None;
+        }
+    };
+    (code, was_ready, worker.log_text())
+}
+
+/// A real worker (`pacer run`) against a TLS-only redis-server that requires client
+/// certificates (`rediss://`, `redis.tls` CA, certificate and key), every event pushed and
+/// every output read over TLS too: it becomes ready; 40 events on a 20/s route and 10 on a 5/s
+/// route (burst 1) are each dispatched exactly once, on their route, no rolling window holding
+/// more than rate × W + 1, nothing left pending; of 5 inbound events of one source under a
+/// 3/min limit the first 3 are forwarded and the last 2 rejected `rate_limited`; `/readyz` and
+/// `pacer_ready` say ready; SIGTERM drains and exits 0.
+#[test]
+fn a_worker_runs_both_flows_over_tls_with_a_client_certificate() {
+    let files = TlsFiles::generate();
+    let server = files.start_server(true);
+    let port = server.port;
+    let dir = TempDir::new("tls-run");
+    let s = |p: &std::path::Path| p.display().to_string();
+    let mut con = tls_con(&files, port);
+
+    // The right CA and the client certificate.
+    let metrics = free_port();
+    let right = format!(
+        "{{ca_file: {}, cert_file: {}, key_file: {}}}",
+        s(&files.ca),
+        s(&files.client_cert),
+        s(&files.client_key)
+    );
+    let config = tls_run_config(&dir, "tls.yaml", port, metrics, &right);
+    let mut worker = pacer::testkit::Pacer::run(
+        std::path::Path::new(env!("CARGO_BIN_EXE_pacer")),
+        &config,
+        &[],
+    );
+    let ready = pacer::testkit::wait_until(Duration::from_secs(20), || {
+        readyz_status(metrics) == Some(200)
+    });
+    assert!(ready, "not ready over TLS:\n{}", worker.log_text());
+
+    let routes = [("fast", 40, 20.0), ("slow", 10, 5.0)];
+    let mut pushed: Vec<(String, &str)> = Vec::new();
+    let events: Vec<Vec<(&str, &str)>> = routes
+        .iter()
+        .flat_map(|&(route, n, _)| (0..n).map(move |_| vec![("route", route)]))
+        .collect();
+    let ids = xadd_all(&mut con, "pacer:out", &events);
+    for (id, fields) in ids.into_iter().zip(&events) {
+        pushed.push((id, fields[0].1));
+    }
+    let inbound: Vec<Vec<(&str, &str)>> = (0..5).map(|_| vec![("source", "acme")]).collect();
+    let in_ids = xadd_all(&mut con, "pacer:in", &inbound);
+
+    let outputs = [
+        "pacer:{fast}:ready",
+        "pacer:{slow}:ready",
+        "pacer:rejected",
+        "pacer:dead",
+    ];
+    let done = pacer::testkit::wait_until(Duration::from_secs(30), || {
+        let ended: usize = outputs.iter().map(|s| entries(&mut con, s).len()).sum();
+        let decided = entries(&mut con, "pacer:accepted").len()
+            + entries(&mut con, "pacer:in-rejected").len();
+        ended >= pushed.len()
+            && decided >= in_ids.len()
+            && pending_of(&mut con, "pacer:out") == 0
+            && pending_of(&mut con, "pacer:in") == 0
+    });
+    assert!(done, "not every event ended:\n{}", worker.log_text());
+
+    // Outbound: each event once, on its own route, at its route's rate.
+    let mut ended: std::collections::BTreeMap<String, Vec<&str>> = Default::default();
+    for stream in outputs {
+        for e in entries(&mut con, stream) {
+            ended
+                .entry(e.fields["pacer_source_id"].clone())
+                .or_default()
+                .push(stream);
+        }
+    }
+    for (id, route) in &pushed {
+        let ready = format!("pacer:{{{route}}}:ready");
+        assert_eq!(
+            ended.get(id).map(|v| v.as_slice()),
+            Some(&[ready.as_str()][..]),
+            "event {id} of {route}"
+        );
+    }
+    assert_eq!(
+        ended.len(),
+        pushed.len(),
+        "outputs hold events never pushed"
+    );
+    for (route, n, rate) in routes {
+        let stream = format!("pacer:{{{route}}}:ready");
+        let got = entries(&mut con, &stream);
+        assert_eq!(got.len(), n, "{stream}");
+        assert!(got.iter().all(|e| e.fields["pacer_route"] == route));
+        let times: Vec<i64> = got.iter().map(|e| e.ms).collect();
+        for w in [1, 5, 10, 20, 50, 100, 200, 250, 500, 1000, 2000, 5000] {
+            let limit = rate * w as f64 / 1000.0 + 1.0;
+            let seen = pacer::report::max_in_window(&times, w);
+            assert!(
+                seen as f64 <= limit,
+                "{stream}: {seen} entries in a {w} ms window, limit {limit}"
+            );
+        }
+        let span = times[n - 1] - times[0];
+        let least = ((n - 1) as f64 / rate * 1000.0) as i64 - 1;
+        assert!(span >= least, "{stream}: {n} entries in {span} ms");
+        eprintln!("{route}: {n} entries over {span} ms at {rate}/s");
+    }
+
+    // Inbound: the first 3 forwarded, the last 2 rejected by the limit.
+    let source_ids = |stream: &str, con: &mut redis::Connection| -> Vec<String> {
+        entries(con, stream)
+            .iter()
+            .map(|e| e.fields["pacer_source_id"].clone())
+            .collect()
+    };
+    assert_eq!(source_ids("pacer:accepted", &mut con), in_ids[..3].to_vec());
+    assert_eq!(
+        source_ids("pacer:in-rejected", &mut con),
+        in_ids[3..].to_vec()
+    );
+    for e in entries(&mut con, "pacer:in-rejected") {
+        assert_eq!(e.fields["pacer_reason"], "rate_limited", "{}", e.id);
+    }
+
+    // Ready all along, by /readyz and by the metric; SIGTERM drains and exits 0.
+    assert_eq!(readyz_status(metrics), Some(200));
+    assert_eq!(pacer::testkit::metric_at(metrics, "pacer_ready "), 1.0);
+    worker.signal("TERM");
+    let code = worker.wait_for(Duration::from_secs(15));
+    assert_eq!(code, Some(0), "{}", worker.log_text());
+}
+
+/// A worker that cannot verify its TLS server refuses to start: given a CA that did not sign
+/// the server's certificate, or no client certificate where the server requires one, `pacer
+/// run` exits 1 within 20 s, never ready, having written nothing, its log saying it is TLS that
+/// failed and naming the setting to check (`redis.tls.ca_file`; `redis.tls`), as `pacer
+/// inspect` says for the same config.
+#[test]
+fn a_worker_that_cannot_verify_its_tls_server_exits_naming_tls_and_the_setting() {
+    let files = TlsFiles::generate();
+    let server = files.start_server(true);
+    let port = server.port;
+    let dir = TempDir::new("tls-refused");
+    let s = |p: &std::path::Path| p.display().to_string();
+    let mut con = tls_con(&files, port);
+
+    let client = format!(
+        "cert_file: {}, key_file: {}",
+        s(&files.client_cert),
+        s(&files.client_key)
+    );
+    let cases = [
+        // A CA that did not sign the server's certificate.
+        (
+            "wrong CA",
+            format!("{{ca_file: {}, {client}}}", s(&files.other_ca)),
+            "redis.tls.ca_file",
+        ),
+        // No client certificate where the server requires one.
+        (
+            "no client certificate",
+            format!("{{ca_file: {}}}", s(&files.ca)),
+            "redis.tls",
+        ),
+    ];
+    let mut said = Vec::new();
+    for (case, tls, setting) in &cases {
+        let metrics = free_port();
+        let config = tls_run_config(&dir, &format!("{case}.yaml"), port, metrics, tls);
+        let (code, was_ready, log) = run_until_exit(&config, metrics);
+        eprintln!("{case}, pacer run:\n{log}");
+        assert_eq!(code, Some(1), "{case}: {log}");
+        assert!(!was_ready, "{case}: ready all the same:\n{log}");
+        // The one-shot commands, for the same config, say what failed and what to check.
+        let inspect = std::process::Command::new(env!("CARGO_BIN_EXE_pacer"))
+            .args(["inspect", "--config"])
+            .arg(&config)
+            .output()
+            .expect("running pacer inspect");
+        let inspect = String::from_utf8_lossy(&inspect.stderr).into_owned();
+        eprintln!("{case}, pacer inspect: {inspect}");
+        assert!(
+            inspect.contains("TLS") && inspect.contains(setting),
+            "{case}: {inspect}"
+        );
+        said.push((case, setting, log));
+    }
+    let size: i64 = redis::cmd("DBSIZE").query(&mut con).unwrap();
+    assert_eq!(size, 0, "the refused workers wrote nothing");
+    // The worker's own words: that TLS failed, and the setting to check.
+    for (case, setting, log) in said {
+        assert!(
+            log.contains("TLS") && log.contains(setting),
+            "{case}: pacer run does not say TLS and {setting}:\n{log}"
+        );
+    }
 }

@@ -30,6 +30,17 @@ pub(super) async fn prepare(ctx: &Context, shutdown: &CancellationToken) -> Resu
                 return Ok(true);
             }
             Err(e) if e.is_fatal() => {
+                // Said as `inspect` says it: what failed (TLS, credentials) and which setting
+                // to look at, not the bare error (a test of a worker that cannot verify its
+                // server found `redis: invalid peer certificate: UnknownIssuer`, and nothing
+                // naming TLS or redis.tls.ca_file).
+                let e = match e {
+                    Error::Redis(e) => Error::Connect(crate::connection::ConnectError::classify(
+                        ctx.con.target(),
+                        e,
+                    )),
+                    other => other,
+                };
                 error!(error = %e, "pacer cannot start on this Redis; retrying cannot help");
                 return Err(e);
             }
