@@ -274,3 +274,412 @@ fn parked_entries_are_bounded_and_the_readers_wait_past_the_bound() {
     assert!(expired > 500, "{expired} rejected expired");
     assert_rate(&redis, "pacer:{a}:ready", 10.0, 1.0);
 }
+
+/// An input entry id as its two numbers, so that ids compare as Redis orders them.
+fn id_key(id: &str) -> (u64, u64) {
+    let (ms, seq) = id.split_once('-').expect("an entry id");
+    (ms.parse().unwrap(), seq.parse().unwrap())
+}
+
+/// Two input entry ids: the earlier entry's and the later one's, one way or the other.
+type IdPair = (String, String);
+
+/// What `stream`'s ready entries show of the order their route took its events in: how many
+/// there are; each pair of entries that went out one after the other with the later input entry
+/// first; and each pair of input entries, one after the other in the input, whose first
+/// decisions on the route (`pacer_slot_us` less `pacer_wait_ms`, which counts from it, a move
+/// included) came the later first, by more than the millisecond `pacer_wait_ms` rounds away.
+fn out_of_order(redis: &RedisServer, stream: &str) -> (usize, Vec<IdPair>, Vec<IdPair>) {
+    let out: Vec<(String, i64)> = read(redis, stream)
+        .iter()
+        .map(|e| {
+            let slot_us: i64 = e.field("pacer_slot_us").unwrap().parse().unwrap();
+            let wait_ms: i64 = e.field("pacer_wait_ms").unwrap().parse().unwrap();
+            (
+                e.field("pacer_source_id").unwrap().to_string(),
+                slot_us - wait_ms * 1000,
+            )
+        })
+        .collect();
+    let sent_behind = out
+        .windows(2)
+        .filter(|w| id_key(&w[0].0) >= id_key(&w[1].0))
+        .map(|w| (w[0].0.clone(), w[1].0.clone()))
+        .collect();
+    let mut by_input = out.clone();
+    by_input.sort_by_key(|(id, _)| id_key(id));
+    let decided_behind = by_input
+        .windows(2)
+        .filter(|w| w[0].1 > w[1].1 + 999)
+        .map(|w| (w[0].0.clone(), w[1].0.clone()))
+        .collect();
+    (out.len(), sent_behind, decided_behind)
+}
+
+/// Parked entries are taken back oldest first, so a route's events still go out in the order
+/// they were read. One worker of 20 places serves two routes of 20/s with max_wait 60 s; route
+/// a is sent 200 events and route b 20, one b behind every tenth a, all before the worker starts.
+/// The places a may hold run out at once, so it parks most of its backlog (checked: the parked
+/// gauge passes 50) and takes it back as its sleeping events go out. Checked twice on each
+/// route's ready entries: no input entry was first decided on its route (its slot less its
+/// wait, which counts from that decision whatever moved the slot since) after the input entry
+/// behind it, by more than the millisecond the wait is rounded to; and the ready entries hold
+/// their input ids in increasing order (at 20/s a wake-up a few milliseconds late never moves an
+/// event behind a later one: the gate passes it at once). With the parked entries taken back
+/// newest first (tried on a copy), both fail: 187 of route a's 200 went out behind a later one.
+#[test]
+fn parked_entries_are_taken_back_oldest_first_and_each_route_keeps_its_input_order() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("parked-order");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 20/s, burst: 1, max_wait: 60s}\n    b: {rate: 20/s, burst: 1, max_wait: 60s}\n";
+    let worker = "  batch: 10\n  max_inflight: 20\n  claim_idle: 90s";
+    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
+    let mut events = Vec::new();
+    for i in 0..200 {
+        events.push(event(&[("route", "a"), ("n", &i.to_string())]));
+        if i % 10 == 9 {
+            events.push(event(&[("route", "b"), ("n", &i.to_string())]));
+        }
+    }
+    let ids = push(&redis, "in", &events);
+    let pacer = start(&cfg, port);
+    let outputs = [
+        "pacer:{a}:ready",
+        "pacer:{b}:ready",
+        "pacer:rejected",
+        "pacer:dead",
+    ];
+    let mut con = redis.con();
+    let mut most_parked = 0.0_f64;
+    let done = wait_until(Duration::from_secs(60), || {
+        most_parked = most_parked.max(pacer::testkit::metric_at(port, "pacer_parked_events"));
+        entries(&mut con, &outputs) >= ids.len()
+    });
+    assert!(done, "not every entry ended:\n{}", pacer.log_text());
+    let at = assert_each_once(&redis, &ids, &outputs, "in");
+    assert!(
+        at.values().all(|s| s[0].ends_with(":ready")),
+        "every event fits its wait, so every one goes out"
+    );
+    eprintln!(
+        "at most {most_parked} parked, {} slots moved",
+        pacer::testkit::metric_at(port, "pacer_replanned_total")
+    );
+    assert!(most_parked > 50.0, "at most {most_parked} parked");
+    for (stream, n) in [(outputs[0], 200), (outputs[1], 20)] {
+        let (out, sent_behind, decided_behind) = out_of_order(&redis, stream);
+        assert_eq!(out, n, "{stream}");
+        assert!(
+            decided_behind.is_empty(),
+            "{stream}: {} of {out} decided after a later input entry (earlier, later; first 10): {:?}",
+            decided_behind.len(),
+            &decided_behind[..decided_behind.len().min(10)]
+        );
+        assert!(
+            sent_behind.is_empty(),
+            "{stream}: {} of {out} went out after a later input entry (later, earlier; first 10): {:?}",
+            sent_behind.len(),
+            &sent_behind[..sent_behind.len().min(10)]
+        );
+    }
+}
+
+/// At most two `dispatch.lua` calls are out at once on a route (`MAX_OUT`), however long their
+/// answers take. The worker reaches Redis through a proxy (`SlowWire`) that holds every reply
+/// 30 ms, a slow network, and serves a route of 1000/s with burst 1 and a backlog of 2,000: an
+/// event falls due every millisecond, so a worker that sent a call for each would have about 30
+/// out at once. Redis answers one command at a time and its own logs cannot tell what a client
+/// has out, so the proxy reads it off the wire: each `FCALL` of `pacer_dispatch_*`, the routes
+/// whose ready streams are among its keys, when it passed towards Redis and when its reply passed
+/// back (a connection's replies come in the order of its commands). Both times err towards
+/// fewer calls out (the worker sent a little earlier and read a little later), by microseconds
+/// against the cap's 30 ms. The most calls of the route out at any moment is exactly two: the
+/// cap is reached, and never passed. With `MAX_OUT` at 3 (tried on a copy) the proxy saw three.
+#[test]
+fn a_route_never_has_more_than_two_dispatch_calls_out_at_once() {
+    let redis = RedisServer::start();
+    let wire = SlowWire::start(redis.port, Duration::from_millis(30));
+    let dir = TempDir::new("dispatch-out");
+    let port = free_port();
+    // A timeout far beyond the wire's delay: a call given up on would leave the worker free to
+    // send another while the proxy still counts the first.
+    let text = format!(
+        "redis:\n  url: redis://127.0.0.1:{}\n  timeout: 3s\nmetrics:\n  listen: 127.0.0.1:{port}\nworker:\n  batch: 512\n  max_inflight: 200000\n  claim_idle: 90s\n  drain: 1s\noutbound:\n  streams: [\"in\"]\n  routes:\n    r: {{rate: 1000/s, burst: 1, max_wait: 60s}}\n",
+        wire.port
+    );
+    let cfg = dir.write("c.yaml", &text);
+    push_events(&redis, 2000, "b");
+    let pacer = start(&cfg, port);
+    let answered = wait_until(Duration::from_secs(60), || {
+        wire.dispatch_calls()
+            .iter()
+            .filter(|c| c.answered.is_some())
+            .count()
+            >= 200
+    });
+    drop(pacer);
+    assert!(
+        answered,
+        "{:?} dispatch calls answered",
+        wire.dispatch_calls().len()
+    );
+    let calls = wire.dispatch_calls();
+    assert!(
+        calls.iter().all(|c| c.routes == [READY]),
+        "a call for another route: {:?}",
+        calls.iter().find(|c| c.routes != [READY])
+    );
+    assert!(lengths(&redis, &[READY])[0] > 0, "nothing dispatched");
+    let most = most_out(&calls);
+    eprintln!("{} dispatch calls, at most {most} out at once", calls.len());
+    assert_eq!(most, 2, "dispatch calls of route r out at once, at most");
+}
+
+/// The most calls of `calls` out at one moment: sent and not yet answered (an answer at the
+/// moment of a send counts first). A call still unanswered counts as out until the end.
+fn most_out(calls: &[WireCall]) -> usize {
+    let mut edges: Vec<(std::time::Instant, i32)> = Vec::new();
+    for c in calls {
+        edges.push((c.sent, 1));
+        if let Some(answered) = c.answered {
+            edges.push((answered, -1));
+        }
+    }
+    edges.sort();
+    let (mut out, mut most) = (0i32, 0i32);
+    for (_, step) in edges {
+        out += step;
+        most = most.max(out);
+    }
+    most as usize
+}
+
+/// One dispatch call seen on the wire: its routes' ready streams, when it passed towards Redis
+/// and when its reply passed back (None while it has not).
+#[derive(Debug, Clone)]
+struct WireCall {
+    routes: Vec<String>,
+    sent: std::time::Instant,
+    answered: Option<std::time::Instant>,
+}
+
+/// A TCP proxy on loopback in front of a Redis, holding every reply `delay` before passing it
+/// on, that logs the dispatch calls it carries (`WireCall`). It reads the RESP frames on each
+/// connection: the commands one way, the replies the other, the n-th reply answering the n-th
+/// command (pushes and attributes answer none).
+struct SlowWire {
+    port: u16,
+    calls: std::sync::Arc<std::sync::Mutex<Vec<WireCall>>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl SlowWire {
+    fn start(target: u16, delay: Duration) -> SlowWire {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::{Arc, Mutex};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        listener.set_nonblocking(true).unwrap();
+        let calls: Arc<Mutex<Vec<WireCall>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (log, halt) = (calls.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !halt.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((client, _)) => {
+                        client.set_nonblocking(false).unwrap();
+                        let server = std::net::TcpStream::connect(("127.0.0.1", target)).unwrap();
+                        wire_connection(client, server, delay, log.clone(), halt.clone());
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        SlowWire { port, calls, stop }
+    }
+
+    fn dispatch_calls(&self) -> Vec<WireCall> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+impl Drop for SlowWire {
+    fn drop(&mut self) {
+        (self.stop).store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Carries one connection both ways until either end closes: commands at once, each logged
+/// (its index in `log` if a dispatch call) before it passes; replies `delay` after they came,
+/// each answering the oldest command not yet answered, logged before it passes.
+fn wire_connection(
+    client: std::net::TcpStream,
+    server: std::net::TcpStream,
+    delay: Duration,
+    log: std::sync::Arc<std::sync::Mutex<Vec<WireCall>>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    use std::io::{Read, Write};
+    use std::net::Shutdown;
+    use std::sync::atomic::Ordering;
+    use std::sync::{Arc, Mutex};
+    use std::time::Instant;
+    // Per command in order: Some(its index in `log`) for a dispatch call.
+    let asked: Arc<Mutex<std::collections::VecDeque<Option<usize>>>> = Arc::default();
+    let read_timeout = Some(Duration::from_millis(50));
+    // Commands: client to server.
+    {
+        let (mut from, mut to) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+        let (asked, log, stop) = (asked.clone(), log.clone(), stop.clone());
+        from.set_read_timeout(read_timeout).unwrap();
+        std::thread::spawn(move || {
+            let (mut buf, mut chunk) = (Vec::new(), vec![0u8; 64 * 1024]);
+            while !stop.load(Ordering::Relaxed) {
+                let n = match from.read(&mut chunk) {
+                    Ok(0) => break,
+                    Ok(n) => n,
+                    Err(e) if is_timeout(&e) => continue,
+                    Err(_) => break,
+                };
+                buf.extend_from_slice(&chunk[..n]);
+                let now = Instant::now();
+                let mut at = 0;
+                while let Some((end, _)) = resp_frame(&buf, at) {
+                    let routes = dispatch_routes(&buf[at..end]);
+                    let index = routes.map(|routes| {
+                        let mut log = log.lock().unwrap();
+                        log.push(WireCall {
+                            routes,
+                            sent: now,
+                            answered: None,
+                        });
+                        log.len() - 1
+                    });
+                    asked.lock().unwrap().push_back(index);
+                    at = end;
+                }
+                buf.drain(..at);
+                if to.write_all(&chunk[..n]).is_err() {
+                    break;
+                }
+            }
+            let _ = to.shutdown(Shutdown::Write);
+        });
+    }
+    // Replies: server to a delay line to client.
+    let (tx, rx) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
+    {
+        let mut from = server.try_clone().unwrap();
+        let stop = stop.clone();
+        from.set_read_timeout(read_timeout).unwrap();
+        std::thread::spawn(move || {
+            let mut chunk = vec![0u8; 64 * 1024];
+            while !stop.load(Ordering::Relaxed) {
+                match from.read(&mut chunk) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        if tx.send((Instant::now(), chunk[..n].to_vec())).is_err() {
+                            break;
+                        }
+                    }
+                    Err(e) if is_timeout(&e) => continue,
+                    Err(_) => break,
+                }
+            }
+        });
+    }
+    let mut to = client;
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        for (came, bytes) in rx {
+            if let Some(wait) = (came + delay).checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+            buf.extend_from_slice(&bytes);
+            let now = Instant::now();
+            let mut at = 0;
+            while let Some((end, answers)) = resp_frame(&buf, at) {
+                if answers {
+                    let command = asked.lock().unwrap().pop_front();
+                    if let Some(Some(index)) = command {
+                        log.lock().unwrap()[index].answered = Some(now);
+                    }
+                }
+                at = end;
+            }
+            buf.drain(..at);
+            if to.write_all(&bytes).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(Shutdown::Both);
+        let _ = server.shutdown(Shutdown::Both);
+    });
+}
+
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
+}
+
+/// The end of the RESP2/RESP3 frame at `at` in `buf`, and whether it answers a command (a push
+/// or an attribute does not); None while it is not whole.
+fn resp_frame(buf: &[u8], at: usize) -> Option<(usize, bool)> {
+    let kind = *buf.get(at)?;
+    let eol = at + buf[at..].windows(2).position(|w| w == b"\r\n")?;
+    let head = std::str::from_utf8(&buf[at + 1..eol]).unwrap();
+    let next = eol + 2;
+    match kind {
+        b'$' | b'!' | b'=' => {
+            let n: i64 = head.parse().unwrap();
+            let end = if n < 0 { next } else { next + n as usize + 2 };
+            (end <= buf.len()).then_some((end, true))
+        }
+        b'*' | b'~' | b'>' | b'%' | b'|' => {
+            let n: i64 = head.parse().unwrap();
+            let items = if matches!(kind, b'%' | b'|') {
+                2 * n
+            } else {
+                n
+            };
+            let mut end = next;
+            for _ in 0..items.max(0) {
+                end = resp_frame(buf, end)?.0;
+            }
+            Some((end, !matches!(kind, b'>' | b'|')))
+        }
+        _ => Some((next, true)),
+    }
+}
+
+/// Of a whole command (a RESP array of bulk strings): if it is an `FCALL` of a
+/// `pacer_dispatch_*` function, the ready streams among its keys (its routes).
+fn dispatch_routes(frame: &[u8]) -> Option<Vec<String>> {
+    let mut args: Vec<&[u8]> = Vec::new();
+    let mut at = frame.iter().position(|b| *b == b'\n')? + 1;
+    while at < frame.len() {
+        let eol = at + frame[at..].windows(2).position(|w| w == b"\r\n")?;
+        let n: usize = std::str::from_utf8(&frame[at + 1..eol])
+            .ok()?
+            .parse()
+            .ok()?;
+        args.push(&frame[eol + 2..eol + 2 + n]);
+        at = eol + 2 + n + 2;
+    }
+    let text = |a: &[u8]| String::from_utf8_lossy(a).into_owned();
+    if !args.first()?.eq_ignore_ascii_case(b"FCALL")
+        || !args.get(1)?.starts_with(b"pacer_dispatch_")
+    {
+        return None;
+    }
+    let keys: usize = text(args.get(2)?).parse().ok()?;
+    let routes = args[3..3 + keys]
+        .iter()
+        .map(|k| text(k))
+        .filter(|k| k.ends_with(":ready"))
+        .collect();
+    Some(routes)
+}
