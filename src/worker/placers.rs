@@ -137,8 +137,10 @@ async fn run(
                 return;
             };
             ctx.shares.handed(route.index, places(&back));
-            back.append(&mut group);
-            group = back;
+            // After what the inbox handed over: a fresh event is parked only once the route
+            // has entries parked or no room (`Lot::admit`), so those in the inbox came before
+            // every parked one (found by review: they went after the entries taken back).
+            group.append(&mut back);
         }
         // In its calls from here: a route whose calls wait long gives nothing back.
         ctx.shares.busy(route.index, !group.is_empty());
