@@ -11,7 +11,7 @@ use common::{
     assert_each_once, assert_rate, config, event, lengths, push, read, redis_time_ms, start,
 };
 use pacer::pacing::LATE_US;
-use pacer::testkit::{free_port, wait_until, RedisServer, TempDir};
+use pacer::testkit::{free_port, wait_until, Pacer, RedisServer, TempDir};
 use std::time::Duration;
 
 /// A backlog of 4 × R events on a route of R/s with burst 1 drains at the route's rate: every
@@ -230,6 +230,36 @@ fn many_routes_with_backlogs_each_keep_their_rate() {
     }
 }
 
+/// The outputs of the two-route parking tests.
+const PARKING_OUTPUTS: [&str; 4] = [
+    "pacer:{a}:ready",
+    "pacer:{b}:ready",
+    "pacer:rejected",
+    "pacer:dead",
+];
+
+/// Waits up to `limit` for every entry of `ids` to end, reading the most entries parked at once
+/// meanwhile; checks each ended once. Returns that most and where each ended.
+fn drained_parking(
+    redis: &RedisServer,
+    pacer: &Pacer,
+    port: u16,
+    ids: &[String],
+    limit: Duration,
+) -> (f64, std::collections::BTreeMap<String, Vec<String>>) {
+    let mut con = redis.con();
+    let mut most_parked = 0.0_f64;
+    let done = wait_until(limit, || {
+        most_parked = most_parked.max(pacer::testkit::metric_at(port, "pacer_parked_events"));
+        entries(&mut con, &PARKING_OUTPUTS) >= ids.len()
+    });
+    assert!(done, "not every entry ended:\n{}", pacer.log_text());
+    (
+        most_parked,
+        assert_each_once(redis, ids, &PARKING_OUTPUTS, "in"),
+    )
+}
+
 /// What a worker parks is bounded: past 16 × `max_inflight` entries parked, its readers wait
 /// (as they wait for places) instead of reading a whole backlog into memory. One worker of 20
 /// places (320 parked at most) serving two routes of 10/s, one of them sent 1,000 events at
@@ -249,20 +279,7 @@ fn parked_entries_are_bounded_and_the_readers_wait_past_the_bound() {
         .collect();
     let ids = push(&redis, "in", &events);
     let pacer = start(&cfg, port);
-    let outputs = [
-        "pacer:{a}:ready",
-        "pacer:{b}:ready",
-        "pacer:rejected",
-        "pacer:dead",
-    ];
-    let mut con = redis.con();
-    let mut most_parked = 0.0_f64;
-    let done = wait_until(Duration::from_secs(40), || {
-        most_parked = most_parked.max(pacer::testkit::metric_at(port, "pacer_parked_events"));
-        entries(&mut con, &outputs) >= ids.len()
-    });
-    assert!(done, "not every entry ended:\n{}", pacer.log_text());
-    assert_each_once(&redis, &ids, &outputs, "in");
+    let (most_parked, _) = drained_parking(&redis, &pacer, port, &ids, Duration::from_secs(40));
     assert!(
         most_parked > 100.0 && most_parked <= 320.0 + 10.0,
         "at most {most_parked} parked"
@@ -344,20 +361,7 @@ fn parked_entries_are_taken_back_oldest_first_and_each_route_keeps_its_input_ord
     }
     let ids = push(&redis, "in", &events);
     let pacer = start(&cfg, port);
-    let outputs = [
-        "pacer:{a}:ready",
-        "pacer:{b}:ready",
-        "pacer:rejected",
-        "pacer:dead",
-    ];
-    let mut con = redis.con();
-    let mut most_parked = 0.0_f64;
-    let done = wait_until(Duration::from_secs(60), || {
-        most_parked = most_parked.max(pacer::testkit::metric_at(port, "pacer_parked_events"));
-        entries(&mut con, &outputs) >= ids.len()
-    });
-    assert!(done, "not every entry ended:\n{}", pacer.log_text());
-    let at = assert_each_once(&redis, &ids, &outputs, "in");
+    let (most_parked, at) = drained_parking(&redis, &pacer, port, &ids, Duration::from_secs(60));
     assert!(
         at.values().all(|s| s[0].ends_with(":ready")),
         "every event fits its wait, so every one goes out"
@@ -367,7 +371,7 @@ fn parked_entries_are_taken_back_oldest_first_and_each_route_keeps_its_input_ord
         pacer::testkit::metric_at(port, "pacer_replanned_total")
     );
     assert!(most_parked > 50.0, "at most {most_parked} parked");
-    for (stream, n) in [(outputs[0], 200), (outputs[1], 20)] {
+    for (stream, n) in [(PARKING_OUTPUTS[0], 200), (PARKING_OUTPUTS[1], 20)] {
         let (out, sent_behind, decided_behind) = out_of_order(&redis, stream);
         assert_eq!(out, n, "{stream}");
         assert!(
