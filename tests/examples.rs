@@ -8,7 +8,12 @@
 //! venv under `target/`; ioredis with `npm ci` in `examples/node`) and says so. A runtime that
 //! cannot be had fails the test: these run in CI.
 //!
-//! Over 400 lines: one test per example program and language, sharing one rig.
+//! Also: a consumer `kill -9`ed while it holds unacknowledged entries (Python and Node: another
+//! consumer claims them, or it takes them back restarted under its name), trim.lua on a stream
+//! whose groups hold pending and undelivered entries, and `scripts/demo.sh` run whole.
+//!
+//! Over 1,000 lines: one test per example program and language, sharing one rig; then the
+//! crash, trim.lua and demo tests.
 
 mod common;
 
@@ -208,6 +213,17 @@ impl Example {
 
 impl Lang {
     fn start(&self, redis: &RedisServer, script: &str, args: &[&str]) -> Example {
+        self.spawn(redis, script, args, EXIT_WHEN_IDLE)
+    }
+
+    /// Starts `script` with `EXIT_WHEN_IDLE=exit_when_idle` ("0": run until killed).
+    fn spawn(
+        &self,
+        redis: &RedisServer,
+        script: &str,
+        args: &[&str],
+        exit_when_idle: &str,
+    ) -> Example {
         let path = repo()
             .join("examples")
             .join(self.dir)
@@ -216,7 +232,9 @@ impl Lang {
             .arg(&path)
             .args(args)
             .env("PACER_REDIS_URL", redis.url())
-            .env("EXIT_WHEN_IDLE", EXIT_WHEN_IDLE)
+            .env("EXIT_WHEN_IDLE", exit_when_idle)
+            // Python's default: stdout to a pipe is block-buffered, whatever this shell says.
+            .env_remove("PYTHONUNBUFFERED")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -489,4 +507,665 @@ fn shell_examples() {
         dir: "shell",
         ext: "sh",
     });
+}
+
+// ---- A consumer that dies mid-work ---------------------------------------------------------
+
+/// Ready entries fed at once.
+const ROUND: usize = 10;
+
+/// XADDs `ROUND` ready entries to carrier-a's ready stream in one transaction (a consumer
+/// blocked on the stream gets them all in one reply), shaped as pacer writes them (`pacer_*`
+/// fields, then the event's own), each with a `pacer_source_id` of its own; returns
+/// `(ready entry id, pacer_source_id)` for each.
+fn feed_ready(redis: &RedisServer, round: usize) -> Vec<(String, String)> {
+    let mut pipe = redis::pipe();
+    pipe.atomic();
+    let mut sources = Vec::new();
+    for n in round * ROUND..(round + 1) * ROUND {
+        let source = format!("1700000000000-{n}");
+        pipe.cmd("XADD")
+            .arg(READY_A)
+            .arg("*")
+            .arg("pacer_route")
+            .arg("carrier-a")
+            .arg("pacer_source_stream")
+            .arg("pacer:out")
+            .arg("pacer_source_id")
+            .arg(&source)
+            .arg("pacer_slot_us")
+            .arg("1700000000000000")
+            .arg("pacer_wait_ms")
+            .arg("0")
+            .arg("route")
+            .arg("carrier-a")
+            .arg("id")
+            .arg(format!("sms-{n}"))
+            .arg("to")
+            .arg(format!("+1555{n:07}"))
+            .arg("body")
+            .arg("your code is 1234");
+        sources.push(source);
+    }
+    let ids: Vec<String> = pipe.query(&mut redis.con()).unwrap();
+    ids.into_iter().zip(sources).collect()
+}
+
+/// `(pending count, last-delivered-id)` of `group` on `stream`, if it has that group.
+fn group_state(redis: &RedisServer, stream: &str, group: &str) -> Option<(i64, String)> {
+    let groups: Vec<BTreeMap<String, redis::Value>> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .query(&mut redis.con())
+        .unwrap_or_default();
+    let g = groups
+        .iter()
+        .find(|g| g.get("name") == Some(&redis::Value::BulkString(group.as_bytes().to_vec())))?;
+    let pending: i64 = redis::from_redis_value(g["pending"].clone()).unwrap();
+    let last: String = redis::from_redis_value(g["last-delivered-id"].clone()).unwrap();
+    Some((pending, last))
+}
+
+/// The entries of `group` pending on `stream`, each with its owner.
+fn pending_entries(redis: &RedisServer, stream: &str, group: &str) -> BTreeMap<String, String> {
+    let reply: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .arg("-")
+        .arg("+")
+        .arg(10_000)
+        .query(&mut redis.con())
+        .unwrap();
+    reply.ids.into_iter().map(|p| (p.id, p.consumer)).collect()
+}
+
+/// Whether some client is blocked in XREADGROUP (CLIENT LIST: flag `b`).
+fn blocked_in_xreadgroup(redis: &RedisServer) -> bool {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(&mut redis.con())
+        .unwrap();
+    list.lines().any(|client| {
+        let field = |name: &str| {
+            client
+                .split(' ')
+                .find_map(|w| w.strip_prefix(name)?.strip_prefix('='))
+        };
+        field("cmd") == Some("xreadgroup") && field("flags").is_some_and(|f| f.contains('b'))
+    })
+}
+
+/// Sends `sig` (STOP, CONT) to process `pid`.
+fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill -{sig} {pid} failed");
+}
+
+/// Stream ids compare as `(ms, seq)`.
+fn id_key(id: &str) -> (u64, u64) {
+    let (ms, seq) = id.split_once('-').expect("a stream id");
+    (ms.parse().unwrap(), seq.parse().unwrap())
+}
+
+impl Example {
+    /// `kill -9`s it and returns what it had written to its stdout by then: its complete lines
+    /// only (a line cut off by the kill tells nothing).
+    fn kill9(mut self) -> String {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+        let mut raw = Vec::new();
+        self.child
+            .stdout
+            .take()
+            .unwrap()
+            .read_to_end(&mut raw)
+            .unwrap();
+        let out = String::from_utf8_lossy(&raw);
+        out[..out.rfind('\n').map_or(0, |i| i + 1)].to_string()
+    }
+}
+
+/// Who takes over from the consumer that died.
+#[derive(Clone, Copy, PartialEq)]
+enum Successor {
+    /// Another consumer of the group: its XAUTOCLAIM takes the dead one's entries once they
+    /// have been pending over a minute.
+    Another,
+    /// The same consumer restarted under its name: its own pending entries come first.
+    SameName,
+}
+
+/// examples/README.md, "consume", steps 1, 2 and 4: a consumer `kill -9`ed while it holds
+/// entries it read and has not acknowledged loses none of them.
+///
+/// The consumer `s1` of group `senders` on carrier-a's ready stream handles a first round of
+/// ready entries (fed by the test, shaped as pacer's). Then, while it waits in
+/// `XREADGROUP ... BLOCK`, it is stopped (SIGSTOP) and a second round is added: Redis hands the
+/// round to it, pending, and `s1` can neither work nor acknowledge it. It is killed (SIGKILL),
+/// a third round is added, and the `successor` finishes the job. Checked, by the
+/// `pacer_source_id` each printed line names:
+/// - every entry `s1` acknowledged, it had printed (the work comes before the XACK), on the
+///   stdout pipe the test reads;
+/// - the successor handles exactly what `s1` had not acknowledged (held, or never read), once;
+/// - every entry was handled, and only those `s1` held at its death may have been handled
+///   twice: the README promises at least once, not exactly once;
+/// - nothing is left pending, and the stream is trimmed to nothing.
+///
+/// With `Successor::Another`, `s2` first runs while `s1`'s entries are fresh and must leave
+/// them (XAUTOCLAIM takes entries idle over a minute), and trim.lua (which `s2` runs) must
+/// keep them. Their idle time is then set past the minute (`XCLAIM` to `s1` itself with
+/// `IDLE 61000 JUSTID`, which changes nothing else) rather than waited for, and `s2` runs
+/// again and claims them.
+fn consumer_killed_mid_work(lang: Lang, successor: Successor) {
+    let redis = RedisServer::start();
+    let group = "senders";
+    let s1 = lang.spawn(&redis, "consume", &[READY_A, group, "s1"], "0");
+    let pid = s1.child.id();
+    let caught_up = |last: &str, limit: u64| {
+        pacer::testkit::wait_until(Duration::from_secs(limit), || {
+            group_state(&redis, READY_A, group) == Some((0, last.to_string()))
+        })
+    };
+
+    // ready entry id -> pacer_source_id, for everything fed.
+    let mut fed: BTreeMap<String, String> = BTreeMap::new();
+    // Round 0, before the group exists: the consumer makes it at the stream's start.
+    let round = feed_ready(&redis, 0);
+    let mut last = round.last().unwrap().0.clone();
+    fed.extend(round);
+    assert!(caught_up(&last, 30), "{} did not handle round 0", s1.what);
+
+    // Stopped while blocked, so that the next round goes to it. Rarely the stop comes between
+    // two of its calls, or its 1 s block runs out first: then it goes on, and again.
+    let mut held = BTreeMap::new();
+    for attempt in 1..=20 {
+        assert!(
+            pacer::testkit::wait_until(Duration::from_secs(10), || blocked_in_xreadgroup(&redis)),
+            "{} is not waiting in XREADGROUP",
+            s1.what
+        );
+        signal(pid, "STOP");
+        let round = feed_ready(&redis, attempt);
+        last = round.last().unwrap().0.clone();
+        fed.extend(round);
+        std::thread::sleep(Duration::from_millis(300));
+        held = pending_entries(&redis, READY_A, group);
+        if !held.is_empty() {
+            break;
+        }
+        signal(pid, "CONT");
+        assert!(
+            caught_up(&last, 30),
+            "{} did not handle round {attempt}",
+            s1.what
+        );
+    }
+    assert!(
+        !held.is_empty(),
+        "{} was never handed a round while stopped",
+        s1.what
+    );
+    let printed_by_s1 = s1.kill9();
+    let (_, last_delivered) = group_state(&redis, READY_A, group).unwrap();
+    assert_eq!(
+        pending_entries(&redis, READY_A, group),
+        held,
+        "what s1 held, after its death"
+    );
+    assert!(held.values().all(|owner| owner == "s1"), "{held:?}");
+    let held: BTreeSet<String> = held.into_keys().map(|id| fed[&id].clone()).collect();
+    // What s1 acknowledged: every entry it was given, but those it held.
+    let acked: BTreeSet<String> = fed
+        .iter()
+        .filter(|(id, source)| id_key(id) <= id_key(&last_delivered) && !held.contains(*source))
+        .map(|(_, source)| source.clone())
+        .collect();
+    let fed_before = fed.len();
+    fed.extend(feed_ready(&redis, 100));
+    eprintln!(
+        "s1 killed holding {} entries; it had acknowledged {}, {} more fed since",
+        held.len(),
+        acked.len(),
+        fed.len() - fed_before
+    );
+
+    let sources = |out: &str| -> Vec<String> {
+        handled(out)
+            .into_iter()
+            .map(|(kind, source, line)| {
+                assert_eq!(kind, "sent", "{line}");
+                source
+            })
+            .collect()
+    };
+    let by_s1 = sources(&printed_by_s1);
+    let missing: Vec<&String> = acked.iter().filter(|s| !by_s1.contains(s)).collect();
+    assert!(
+        missing.is_empty(),
+        "{} acknowledged {} entries it had not printed (of {} acknowledged): {missing:?}",
+        lang.dir,
+        missing.len(),
+        acked.len()
+    );
+
+    let mut by_successor = Vec::new();
+    if successor == Successor::Another {
+        // Held for seconds only: s2 leaves them, and takes all the rest.
+        let out = lang
+            .start(&redis, "consume", &[READY_A, group, "s2"])
+            .finish(Duration::from_secs(60));
+        let first = sources(&out);
+        let want: BTreeSet<String> = fed
+            .values()
+            .filter(|s| !acked.contains(*s) && !held.contains(*s))
+            .cloned()
+            .collect();
+        assert_eq!(
+            first.iter().cloned().collect::<BTreeSet<_>>(),
+            want,
+            "what s2 handled while s1's entries were fresh"
+        );
+        let still: BTreeSet<String> = pending_entries(&redis, READY_A, group)
+            .into_iter()
+            .map(|(id, owner)| {
+                assert_eq!(owner, "s1", "{id}");
+                fed[&id].clone()
+            })
+            .collect();
+        assert_eq!(still, held, "s1's entries, within their minute");
+        // trim.lua (run by s2) kept s1's entries, and everything after the oldest of them.
+        let oldest = fed.iter().find(|(_, s)| held.contains(*s)).unwrap().0;
+        let left = ids(&redis, READY_A);
+        assert_eq!(
+            left.first(),
+            Some(oldest),
+            "the stream starts at s1's oldest"
+        );
+        by_successor.extend(first);
+
+        let ids_held: Vec<&String> = fed
+            .iter()
+            .filter(|(_, s)| held.contains(*s))
+            .map(|(id, _)| id)
+            .collect();
+        let _: redis::Value = redis::cmd("XCLAIM")
+            .arg(READY_A)
+            .arg(group)
+            .arg("s1")
+            .arg(0)
+            .arg(&ids_held)
+            .arg("IDLE")
+            .arg(61_000)
+            .arg("JUSTID")
+            .query(&mut redis.con())
+            .unwrap();
+    }
+    let me = match successor {
+        Successor::Another => "s2",
+        Successor::SameName => "s1",
+    };
+    let out = lang
+        .start(&redis, "consume", &[READY_A, group, me])
+        .finish(Duration::from_secs(60));
+    by_successor.extend(sources(&out));
+
+    let not_acked: BTreeSet<String> = fed
+        .values()
+        .filter(|s| !acked.contains(*s))
+        .cloned()
+        .collect();
+    let mut times: BTreeMap<String, usize> = BTreeMap::new();
+    for s in &by_successor {
+        *times.entry(s.clone()).or_default() += 1;
+    }
+    assert_eq!(
+        times.keys().cloned().collect::<BTreeSet<_>>(),
+        not_acked,
+        "what {me} handled"
+    );
+    assert!(times.values().all(|&n| n == 1), "{me} twice: {times:?}");
+    for s in &by_s1 {
+        *times.entry(s.clone()).or_default() += 1;
+    }
+    let all: BTreeSet<String> = fed.values().cloned().collect();
+    assert_eq!(times.keys().cloned().collect::<BTreeSet<_>>(), all);
+    for (source, n) in &times {
+        let most = if held.contains(source) { 2 } else { 1 };
+        assert!(*n <= most, "{source} handled {n} times");
+    }
+    assert_eq!(pending(&redis, READY_A, group), 0);
+    assert_eq!(xlen(&redis, READY_A), 0, "trimmed after the last XACK");
+}
+
+#[test]
+fn a_python_consumer_killed_mid_work_leaves_its_entries_for_another_to_claim_a_minute_later() {
+    consumer_killed_mid_work(
+        Lang {
+            program: python(),
+            dir: "python",
+            ext: "py",
+        },
+        Successor::Another,
+    );
+}
+
+#[test]
+fn a_python_consumer_killed_mid_work_takes_its_entries_back_first_when_restarted_under_its_name() {
+    consumer_killed_mid_work(
+        Lang {
+            program: python(),
+            dir: "python",
+            ext: "py",
+        },
+        Successor::SameName,
+    );
+}
+
+#[test]
+fn a_node_consumer_killed_mid_work_leaves_its_entries_for_another_to_claim_a_minute_later() {
+    consumer_killed_mid_work(
+        Lang {
+            program: node(),
+            dir: "node",
+            ext: "js",
+        },
+        Successor::Another,
+    );
+}
+
+#[test]
+fn a_node_consumer_killed_mid_work_takes_its_entries_back_first_when_restarted_under_its_name() {
+    consumer_killed_mid_work(
+        Lang {
+            program: node(),
+            dir: "node",
+            ext: "js",
+        },
+        Successor::SameName,
+    );
+}
+
+// ---- trim.lua ------------------------------------------------------------------------------
+
+/// Runs examples/trim.lua on `stream` as the README shows (`redis-cli --eval`); what it returns.
+fn trim_lua(redis: &RedisServer, stream: &str) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-u", &redis.url(), "--eval"])
+        .arg(repo().join("examples/trim.lua"))
+        .arg(stream)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "redis-cli --eval trim.lua failed");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// examples/README.md, "Trimming safely": trim.lua removes what every group has received and
+/// acknowledged, up to the oldest entry some group still needs, and keeps every entry a group
+/// holds pending (read, not acknowledged) as well as every entry it has not been given yet.
+///
+/// A stream of ten entries with explicit ids (several in one millisecond, so that "the entry
+/// after last-delivered-id" is a sequence number + 1) and two groups: `senders` reads six and
+/// acknowledges the 1st, 2nd and 4th; `audit` reads and acknowledges all ten. Each step names
+/// what is left and trim.lua's return exactly:
+/// - with no group yet, the stream is left alone;
+/// - the 1st and 2nd go (below `senders`' oldest pending, the 3rd); the 4th, acknowledged by
+///   both groups, stays above it (XTRIM MINID trims a prefix); the pending 3rd, 5th, 6th stay,
+///   still claimable with their fields (XAUTOCLAIM);
+/// - acknowledging the 3rd frees the 3rd and 4th; the 5th and 6th the 5th and 6th, and the
+///   four `senders` has not been given stay;
+/// - then `audit` is the lower group: an entry it holds pending keeps itself and everything
+///   after, though `senders` is done with them, and once acknowledged, what `audit` has not
+///   been given stays.
+#[test]
+fn trim_lua_keeps_every_entry_a_group_holds_pending_or_has_not_been_given() {
+    bash();
+    let redis = RedisServer::start();
+    let mut con = redis.con();
+    let s = "pacer:{carrier-a}:ready";
+    let e = [
+        "1-1", "1-2", "1-3", "2-0", "2-1", "3-0", "3-1", "3-2", "4-0", "5-0",
+    ];
+    for id in e {
+        let _: String = redis::cmd("XADD")
+            .arg(s)
+            .arg(id)
+            .arg("n")
+            .arg(id)
+            .query(&mut con)
+            .unwrap();
+    }
+    let left = |want: &[&str]| {
+        assert_eq!(ids(&redis, s), want, "what is left");
+    };
+    assert_eq!(trim_lua(&redis, s), "0", "no group");
+    left(&e);
+
+    let read = |con: &mut redis::Connection, group: &str, count: usize| {
+        let _: redis::Value = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg(group)
+            .arg("c1")
+            .arg("COUNT")
+            .arg(count)
+            .arg("STREAMS")
+            .arg(s)
+            .arg(">")
+            .query(con)
+            .unwrap();
+    };
+    let ack = |con: &mut redis::Connection, group: &str, which: &[&str]| {
+        let n: usize = redis::cmd("XACK")
+            .arg(s)
+            .arg(group)
+            .arg(which)
+            .query(con)
+            .unwrap();
+        assert_eq!(n, which.len(), "acknowledged by {group}: {which:?}");
+    };
+    for group in ["senders", "audit"] {
+        pacer::testkit::create_group(&mut con, s, group);
+    }
+    read(&mut con, "senders", 6);
+    ack(&mut con, "senders", &[e[0], e[1], e[3]]);
+    read(&mut con, "audit", 10);
+    ack(&mut con, "audit", &e);
+
+    assert_eq!(trim_lua(&redis, s), "2");
+    left(&e[2..]);
+    let held = || -> Vec<String> { pending_entries(&redis, s, "senders").into_keys().collect() };
+    assert_eq!(held(), [e[2], e[4], e[5]]);
+    // What a crashed consumer held is there for the next to claim, fields and all.
+    let claimed: redis::streams::StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
+        .arg(s)
+        .arg("senders")
+        .arg("c2")
+        .arg(0)
+        .arg("0-0")
+        .query(&mut con)
+        .unwrap();
+    assert!(claimed.deleted_ids.is_empty(), "{:?}", claimed.deleted_ids);
+    let fields: Vec<(String, Option<String>)> = claimed
+        .claimed
+        .iter()
+        .map(|entry| (entry.id.clone(), entry.get("n")))
+        .collect();
+    let want: Vec<(String, Option<String>)> = [e[2], e[4], e[5]]
+        .iter()
+        .map(|id| (id.to_string(), Some(id.to_string())))
+        .collect();
+    assert_eq!(fields, want, "claimed by c2");
+    assert_eq!(trim_lua(&redis, s), "0", "nothing new acknowledged");
+    left(&e[2..]);
+
+    ack(&mut con, "senders", &[e[2]]);
+    assert_eq!(trim_lua(&redis, s), "2");
+    left(&e[4..]);
+    ack(&mut con, "senders", &[e[4], e[5]]);
+    assert_eq!(trim_lua(&redis, s), "2");
+    left(&e[6..]);
+    assert!(held().is_empty());
+
+    // Two more entries: audit takes one and holds it; senders takes everything and acks it.
+    for id in ["6-0", "6-1"] {
+        let _: String = redis::cmd("XADD")
+            .arg(s)
+            .arg(id)
+            .arg("n")
+            .arg(id)
+            .query(&mut con)
+            .unwrap();
+    }
+    read(&mut con, "audit", 1);
+    read(&mut con, "senders", 10);
+    ack(&mut con, "senders", &[e[6], e[7], e[8], e[9], "6-0", "6-1"]);
+    assert_eq!(trim_lua(&redis, s), "4");
+    left(&["6-0", "6-1"]);
+    ack(&mut con, "audit", &["6-0"]);
+    assert_eq!(trim_lua(&redis, s), "1");
+    left(&["6-1"]);
+    assert_eq!(
+        pending(&redis, s, "senders") + pending(&redis, s, "audit"),
+        0
+    );
+}
+
+// ---- scripts/demo.sh -----------------------------------------------------------------------
+
+/// How long scripts/demo.sh may take in all: its `cargo build --release` (about 3.5 minutes
+/// from scratch on a two-core CI machine, seconds when target/release is current) and its
+/// waits, each bounded by `PACER_DEMO_TIMEOUT`.
+const DEMO_LIMIT: Duration = Duration::from_secs(15 * 60);
+
+/// README "## The two commands": `scripts/demo.sh` runs pacer for real (its own redis-server,
+/// a release build of pacer with config.yaml, a burst of events to carrier-a) and prints
+/// `pacer report` for the run, per route, as the README's sample shows.
+///
+/// Run with 50 events, the 50th naming an unknown route (`--bad-every 50`), so that the report
+/// accounts for exactly 50: dispatched on carrier-a or (rerouted) carrier-b, rejected or
+/// dead-lettered as `unknown_route=1`; every route's busiest second within `rate x 1 s +
+/// burst`; exit 0. Killed (its process group: the script traps TERM and stops what it started)
+/// past `DEMO_LIMIT`.
+#[test]
+fn the_demo_script_runs_pacer_for_real_and_reports_every_event_per_route() {
+    use std::os::unix::process::CommandExt;
+    let dir = TempDir::new("demo");
+    let (out_path, err_path) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let started = Instant::now();
+    let mut demo = Command::new("bash");
+    // What cargo sets for a test, not for a shell: CARGO_MANIFEST_DIR, for one, reruns ring's
+    // build script (it watches it) and so rebuilds ring, rustls, redis and pacer in release,
+    // here and again at the next `cargo build --release` from a shell.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if ["CARGO_PKG_", "CARGO_BIN_EXE_"]
+            .iter()
+            .any(|p| name.starts_with(p))
+            || [
+                "CARGO",
+                "CARGO_MANIFEST_DIR",
+                "CARGO_MANIFEST_PATH",
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+                "CARGO_TARGET_TMPDIR",
+            ]
+            .contains(&name.as_ref())
+        {
+            demo.env_remove(name.as_ref());
+        }
+    }
+    let mut child = demo
+        .arg(repo().join("scripts/demo.sh"))
+        .current_dir(repo())
+        .env("PACER_DEMO_EVENTS", "50")
+        .env("PACER_DEMO_TIMEOUT", "120")
+        // Its own redis-server and a free metrics port, whatever this shell says.
+        .env_remove("PACER_REDIS_URL")
+        .env_remove("PACER_METRICS_LISTEN")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let group = format!("-{}", child.id());
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if started.elapsed() > DEMO_LIMIT {
+            for (sig, grace) in [("-TERM", 20), ("-KILL", 0)] {
+                let _ = Command::new("kill").args([sig, "--", &group]).status();
+                let _ = pacer::testkit::wait_until(Duration::from_secs(grace), || {
+                    child.try_wait().unwrap().is_some()
+                });
+            }
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let out = std::fs::read_to_string(&out_path).unwrap();
+    let err = std::fs::read_to_string(&err_path).unwrap();
+    let took = started.elapsed();
+    eprintln!("scripts/demo.sh took {took:.1?}:\n{out}\nstderr:\n{err}");
+    let status = status.unwrap_or_else(|| panic!("scripts/demo.sh still ran after {DEMO_LIMIT:?}"));
+    assert!(status.success(), "scripts/demo.sh failed ({status})");
+
+    assert!(out.contains("pushed 50 events to pacer:out"), "{out}");
+    let lines: Vec<&str> = out.lines().collect();
+    let header = lines
+        .iter()
+        .position(|l| l.starts_with("entries written in the last "))
+        .expect("the report's first line");
+    let columns: Vec<&str> = lines[header + 1].split_whitespace().collect();
+    assert_eq!(
+        columns,
+        [
+            "route",
+            "rate",
+            "burst",
+            "dispatched",
+            "rerouted",
+            "rejected",
+            "max",
+            "in",
+            "1s/limit",
+            "min",
+            "gap",
+            "ms",
+            "late",
+            "p50/p99/max"
+        ],
+        "the report's header"
+    );
+    // route rate burst dispatched rerouted rejected max/limit min-gap late
+    let mut accounted = 0;
+    let mut routes = Vec::new();
+    for line in &lines[header + 2..header + 4] {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(w.len(), 9, "{line}");
+        let n = |i: usize| -> u64 { w[i].parse().unwrap_or_else(|_| panic!("{line}")) };
+        routes.push(w[0]);
+        accounted += n(3) + n(5);
+        let (max, limit) = w[6].split_once('/').unwrap();
+        let (max, limit): (u64, u64) = (max.parse().unwrap(), limit.parse().unwrap());
+        assert!(max <= limit && max > 0, "{line}");
+        if w[0] == "carrier-a" {
+            assert_eq!(n(4), 0, "carrier-a is nobody's fallback: {line}");
+        } else {
+            assert_eq!(
+                n(4),
+                n(3),
+                "carrier-b dispatches only carrier-a's events: {line}"
+            );
+        }
+    }
+    assert_eq!(routes, ["carrier-a", "carrier-b"]);
+    assert_eq!(lines[header + 4], "dead letters: unknown_route=1");
+    assert_eq!(accounted + 1, 50, "dispatched + rejected + dead letters");
 }

@@ -99,7 +99,10 @@ async function main() {
     }
     // Acknowledge only once the work is done: if this process dies first, the entries stay
     // pending and another consumer claims them. So an entry may be worked twice, never lost;
-    // make the work idempotent (the event's `id` is a good key).
+    // make the work idempotent (the event's `id` is a good key). Here the work is the printing:
+    // where stdout is a pipe Node may queue it in memory, so wait until it is written out (an
+    // empty write's callback comes once everything before it is).
+    await new Promise((resolve) => process.stdout.write('', resolve));
     await redis.xack(stream, group, ...entries.map(([id]) => id));
     await redis.trimAcked(stream);
     idleSince = Date.now();

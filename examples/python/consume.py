@@ -88,7 +88,9 @@ while True:
             handle(fields)
     # Acknowledge only once the work is done: if this process dies first, the entries stay
     # pending and another consumer claims them. So an entry may be worked twice, never lost;
-    # make the work idempotent (the event's `id` is a good key).
+    # make the work idempotent (the event's `id` is a good key). Here the work is the printing:
+    # to a pipe or a file, print() only fills Python's buffer, so flush it first.
+    sys.stdout.flush()
     r.xack(stream, group, *[entry_id for entry_id, _ in entries])
     trim(keys=[stream])
     idle_since = time.monotonic()
