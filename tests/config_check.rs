@@ -148,3 +148,62 @@ fn a_bad_metrics_listen_override_is_refused_naming_its_source() {
     assert_eq!(check(Some("127.0.0.1:9500"), Some("bad")).0, Some(0));
     assert_eq!(check(None, Some("127.0.0.1:9500")).0, Some(0));
 }
+
+/// deploy/README.md: the cluster-tls overlay's Secret is generated from placeholders, and
+/// "pacer refuses to start on the placeholders". Its config, with the Secret's mount pointed
+/// at the placeholder files themselves: `check-config` (and so `run`) refuses each PEM file by
+/// its path, before any connection is tried; with real PEM files in their place it loads.
+#[test]
+fn the_cluster_tls_overlays_placeholder_secrets_are_refused() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let overlay = root.join("deploy/kubernetes/overlays/cluster-tls");
+    let config = std::fs::read_to_string(overlay.join("config.yaml")).unwrap();
+    let dir = std::env::temp_dir().join(format!("pacer-placeholders-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let with_secrets = |secrets: &Path| {
+        let text = config.replace(
+            "/run/secrets/pacer-redis/",
+            &format!("{}/", secrets.display()),
+        );
+        assert_ne!(
+            text, config,
+            "the overlay no longer mounts its Secret there"
+        );
+        let path = dir.join("config.yaml");
+        std::fs::write(&path, text).unwrap();
+        pacer(&["check-config", "--config", path.to_str().unwrap()])
+    };
+    let (code, _, stderr) = with_secrets(&overlay.join("secrets"));
+    assert_eq!(code, 2, "{stderr}");
+    for problem in [
+        "redis.tls.ca_file",
+        "redis.tls.cert_file",
+        "redis.tls.key_file",
+    ] {
+        assert!(stderr.contains(problem), "{problem} not refused:\n{stderr}");
+    }
+    assert!(stderr.contains("holds no PEM certificate"), "{stderr}");
+    assert!(stderr.contains("holds no PEM private key"), "{stderr}");
+
+    // The same config with real PEM files where the placeholders were: it loads.
+    let real = dir.join("real");
+    std::fs::create_dir_all(&real).unwrap();
+    pacer::testkit::ensure_openssl_installed();
+    let made = Command::new("openssl")
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        ])
+        .args(["-subj", "/CN=pacer-test"])
+        .arg("-keyout")
+        .arg(real.join("tls.key"))
+        .arg("-out")
+        .arg(real.join("tls.crt"))
+        .output()
+        .expect("openssl");
+    assert!(made.status.success(), "{made:?}");
+    std::fs::copy(real.join("tls.crt"), real.join("ca.crt")).unwrap();
+    std::fs::write(real.join("password"), "a-real-one").unwrap();
+    let (code, _, stderr) = with_secrets(&real);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(code, 0, "real PEM files refused:\n{stderr}");
+}

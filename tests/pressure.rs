@@ -687,3 +687,36 @@ fn dispatch_routes(frame: &[u8]) -> Option<Vec<String>> {
         .collect();
     Some(routes)
 }
+
+/// The reserve kept from long queues (a read's worth for each reader and the claimer) is kept
+/// for other routes' events; a worker whose one route is all it serves keeps nothing from it:
+/// that route's backlog has every place asleep (20 of 20), and parks nothing.
+#[test]
+fn a_lone_route_takes_every_place_and_parks_nothing() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("lone-route");
+    let port = free_port();
+    let body =
+        "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 5/s, burst: 1, max_wait: 60s}\n";
+    let worker = "  batch: 5\n  max_inflight: 20\n  claim_idle: 70s";
+    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
+    let events: Vec<_> = (0..60)
+        .map(|i| event(&[("route", "a"), ("n", &i.to_string())]))
+        .collect();
+    push(&redis, "in", &events);
+    let pacer = start(&cfg, port);
+    let (mut most_asleep, mut most_parked) = (0.0_f64, 0.0_f64);
+    let full = wait_until(Duration::from_secs(10), || {
+        most_asleep = most_asleep.max(pacer::testkit::metric_at(port, "pacer_sleeping_events"));
+        most_parked = most_parked.max(pacer::testkit::metric_at(port, "pacer_parked_events"));
+        most_asleep >= 20.0
+    });
+    assert!(full, "at most {most_asleep} asleep:\n{}", pacer.log_text());
+    // A few more looks while the backlog is long.
+    for _ in 0..10 {
+        most_asleep = most_asleep.max(pacer::testkit::metric_at(port, "pacer_sleeping_events"));
+        most_parked = most_parked.max(pacer::testkit::metric_at(port, "pacer_parked_events"));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!((most_asleep, most_parked), (20.0, 0.0));
+}
