@@ -929,15 +929,19 @@ fn trim_lua_keeps_every_entry_a_group_holds_pending_or_has_not_been_given() {
     let e = [
         "1-1", "1-2", "1-3", "2-0", "2-1", "3-0", "3-1", "3-2", "4-0", "5-0",
     ];
-    for id in e {
-        let _: String = redis::cmd("XADD")
-            .arg(s)
-            .arg(id)
-            .arg("n")
-            .arg(id)
-            .query(&mut con)
-            .unwrap();
-    }
+    // Entries under the ids given (field `n` = the id).
+    let add = |con: &mut redis::Connection, ids: &[&str]| {
+        for id in ids {
+            let _: String = redis::cmd("XADD")
+                .arg(s)
+                .arg(*id)
+                .arg("n")
+                .arg(*id)
+                .query(con)
+                .unwrap();
+        }
+    };
+    add(&mut con, &e);
     let left = |want: &[&str]| {
         assert_eq!(ids(&redis, s), want, "what is left");
     };
@@ -1010,15 +1014,7 @@ fn trim_lua_keeps_every_entry_a_group_holds_pending_or_has_not_been_given() {
     assert!(held().is_empty());
 
     // Two more entries: audit takes one and holds it; senders takes everything and acks it.
-    for id in ["6-0", "6-1"] {
-        let _: String = redis::cmd("XADD")
-            .arg(s)
-            .arg(id)
-            .arg("n")
-            .arg(id)
-            .query(&mut con)
-            .unwrap();
-    }
+    add(&mut con, &["6-0", "6-1"]);
     read(&mut con, "audit", 1);
     read(&mut con, "senders", 10);
     ack(&mut con, "senders", &[e[6], e[7], e[8], e[9], "6-0", "6-1"]);

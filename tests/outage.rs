@@ -338,31 +338,11 @@ fn a_group_rewound_or_deleted_by_hand_places_nothing_twice() {
     );
 }
 
-/// Each consumer of group `pacer` on `stream` by name, with its idle time in ms (`XINFO
-/// CONSUMERS`).
+/// Each consumer of group `pacer` on `stream` by name, with its idle time in ms.
 fn consumer_idles(con: &mut redis::Connection, stream: &str) -> BTreeMap<String, i64> {
-    let rows: Vec<Vec<redis::Value>> = redis::cmd("XINFO")
-        .arg("CONSUMERS")
-        .arg(stream)
-        .arg("pacer")
-        .query(con)
-        .unwrap();
-    rows.iter()
-        .map(|row| {
-            let field = |name: &str| {
-                let at = row
-                    .iter()
-                    .position(|v| matches!(v, redis::Value::BulkString(b) if b == name.as_bytes()))
-                    .unwrap_or_else(|| panic!("no {name} in {row:?}"));
-                row[at + 1].clone()
-            };
-            let (redis::Value::BulkString(name), redis::Value::Int(idle)) =
-                (field("name"), field("idle"))
-            else {
-                panic!("a consumer: {row:?}");
-            };
-            (String::from_utf8(name).unwrap(), idle)
-        })
+    consumer_table(con, stream, "pacer")
+        .into_iter()
+        .map(|(name, (_, idle))| (name, idle))
         .collect()
 }
 

@@ -5,6 +5,9 @@
 //!
 //! Over 400 lines: one subject's script-level tests sharing one rig.
 
+mod common;
+
+use common::consumer_table;
 use pacer::config::{Config, Overrides};
 use pacer::event::Fields;
 use pacer::keys::OutputKeys;
@@ -1276,41 +1279,6 @@ fn sizes_counts_the_entries_that_fit_in_a_budget_from_the_first() {
         7,
         "no such group: the read will say so"
     );
-}
-
-/// Each consumer of `group` on `stream` by name: (entries pending, idle ms), from `XINFO
-/// CONSUMERS`.
-fn consumer_table(
-    con: &mut redis::Connection,
-    stream: &str,
-    group: &str,
-) -> std::collections::BTreeMap<String, (i64, i64)> {
-    let rows: Vec<Vec<redis::Value>> = redis::cmd("XINFO")
-        .arg("CONSUMERS")
-        .arg(stream)
-        .arg(group)
-        .query(con)
-        .unwrap();
-    rows.iter()
-        .map(|row| {
-            let field = |name: &str| {
-                let at = row
-                    .iter()
-                    .position(|v| matches!(v, redis::Value::BulkString(b) if b == name.as_bytes()))
-                    .unwrap_or_else(|| panic!("no {name} in {row:?}"));
-                row[at + 1].clone()
-            };
-            let redis::Value::BulkString(name) = field("name") else {
-                panic!("a name: {row:?}");
-            };
-            let (redis::Value::Int(pending), redis::Value::Int(idle)) =
-                (field("pending"), field("idle"))
-            else {
-                panic!("counts: {row:?}");
-            };
-            (String::from_utf8(name).unwrap(), (pending, idle))
-        })
-        .collect()
 }
 
 /// `reap.lua` deletes exactly the consumers that hold no pending entry and have been idle at

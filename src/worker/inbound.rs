@@ -58,11 +58,17 @@ struct Gathered {
 /// Input entries to acknowledge: (stream, id).
 type Acks = Vec<(Arc<str>, String)>;
 
+impl Gathered {
+    fn append(&mut self, other: Gathered) {
+        self.over.extend(other.over);
+        self.fresh.extend(other.fresh);
+        self.holds.extend(other.holds);
+    }
+}
+
 /// One batch's entries of one partition, with their places.
 struct Part {
-    over: Vec<InboundEvent>,
-    fresh: Vec<InboundEvent>,
-    holds: Vec<Hold>,
+    events: Gathered,
     batch: Arc<Batch>,
 }
 
@@ -130,15 +136,13 @@ async fn lane(
                 None => return,
             },
         };
-        let (mut over, mut fresh, mut holds, mut batches) =
-            (first.over, first.fresh, first.holds, vec![first.batch]);
+        let (mut events, mut batches) = (first.events, vec![first.batch]);
         while batches.len() < MERGE_PARTS {
             let Ok(part) = parts.try_recv() else { break };
-            over.extend(part.over);
-            fresh.extend(part.fresh);
-            holds.extend(part.holds);
+            events.append(part.events);
             batches.push(part.batch);
         }
+        let Gathered { over, fresh, holds } = events;
         let mut dead = Vec::new();
         let keys = &cfg.keys[k];
         let Some(decided) = decide(&ctx, cfg, keys, over, fresh, &mut dead, &stop).await else {
@@ -212,11 +216,9 @@ pub(super) fn admit(
     let batch = Arc::new(Batch {
         left: std::sync::Mutex::new((n, Vec::new())),
     });
-    for (k, Gathered { over, fresh, holds }) in parts {
+    for (k, events) in parts {
         let part = Part {
-            over,
-            fresh,
-            holds,
+            events,
             batch: batch.clone(),
         };
         // A lane gone has seen shutdown: the part is dropped, its entries left pending.

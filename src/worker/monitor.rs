@@ -114,6 +114,20 @@ async fn read_queues(mut con: RedisConn, routes: &[&Route]) {
     }
 }
 
+/// `INFO <section>` as text, one per node: on a cluster INFO goes to every master and comes
+/// back per node.
+async fn info_per_node<C: ConnectionLike>(con: &mut C, section: &str) -> Result<Vec<String>> {
+    let reply: redis::Value = redis::cmd("INFO").arg(section).query_async(con).await?;
+    Ok(match reply {
+        redis::Value::Map(nodes) => nodes
+            .into_iter()
+            .filter_map(|(_, v)| redis::from_redis_value::<String>(v).ok())
+            .collect(),
+        other => vec![redis::from_redis_value::<String>(other)
+            .map_err(|e| crate::error::Error::reply("info", e.to_string()))?],
+    })
+}
+
 /// With `redis.wait_replicas: 0`, says once per process (as DESIGN asks of a Redis that may
 /// lose acknowledged writes on failover: named, never trusted silently) when the Redis pacer
 /// writes to replicates to replicas: replication is asynchronous, and a replica promoted
@@ -126,18 +140,8 @@ pub(super) async fn check_replication<C: ConnectionLike>(ctx: &Context, con: &mu
     if ctx.cfg.redis.wait_replicas > 0 || SAID.load(std::sync::atomic::Ordering::Relaxed) {
         return;
     }
-    // On a cluster, INFO goes to every master and comes back per node.
-    let reply: redis::RedisResult<redis::Value> =
-        redis::cmd("INFO").arg("replication").query_async(con).await;
-    let texts: Vec<String> = match reply {
-        Ok(redis::Value::Map(nodes)) => nodes
-            .into_iter()
-            .filter_map(|(_, v)| redis::from_redis_value::<String>(v).ok())
-            .collect(),
-        Ok(other) => redis::from_redis_value::<String>(other)
-            .into_iter()
-            .collect(),
-        Err(_) => return,
+    let Ok(texts) = info_per_node(con, "replication").await else {
+        return;
     };
     let replicas: u64 = texts
         .iter()
@@ -163,16 +167,8 @@ pub(super) async fn check_replication<C: ConnectionLike>(ctx: &Context, con: &mu
 /// readiness. Only `noeviction` keeps them; any other policy is accepted only with
 /// `redis.accept_eviction_risk`.
 pub(super) async fn check_eviction<C: ConnectionLike>(ctx: &Context, con: &mut C) -> Result<()> {
-    // On a cluster, INFO goes to every master and comes back per node: every one must keep keys.
-    let reply: redis::Value = redis::cmd("INFO").arg("memory").query_async(con).await?;
-    let texts: Vec<String> = match reply {
-        redis::Value::Map(nodes) => nodes
-            .into_iter()
-            .filter_map(|(_, v)| redis::from_redis_value::<String>(v).ok())
-            .collect(),
-        other => vec![redis::from_redis_value::<String>(other)
-            .map_err(|e| crate::error::Error::reply("info", e.to_string()))?],
-    };
+    // Every master must keep keys.
+    let texts = info_per_node(con, "memory").await?;
     let policies: Vec<&str> = texts
         .iter()
         .map(|t| {

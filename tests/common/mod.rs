@@ -303,3 +303,38 @@ pub fn assert_each_once_by_stream(
         "outputs hold entries that were never pushed"
     );
 }
+
+/// Each consumer of `group` on `stream` by name: (entries pending, idle ms), from `XINFO
+/// CONSUMERS`.
+pub fn consumer_table(
+    con: &mut redis::Connection,
+    stream: &str,
+    group: &str,
+) -> std::collections::BTreeMap<String, (i64, i64)> {
+    let rows: Vec<Vec<redis::Value>> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(stream)
+        .arg(group)
+        .query(con)
+        .unwrap();
+    rows.iter()
+        .map(|row| {
+            let field = |name: &str| {
+                let at = row
+                    .iter()
+                    .position(|v| matches!(v, redis::Value::BulkString(b) if b == name.as_bytes()))
+                    .unwrap_or_else(|| panic!("no {name} in {row:?}"));
+                row[at + 1].clone()
+            };
+            let redis::Value::BulkString(name) = field("name") else {
+                panic!("a name: {row:?}");
+            };
+            let (redis::Value::Int(pending), redis::Value::Int(idle)) =
+                (field("pending"), field("idle"))
+            else {
+                panic!("counts: {row:?}");
+            };
+            (String::from_utf8(name).unwrap(), (pending, idle))
+        })
+        .collect()
+}
