@@ -1211,19 +1211,23 @@ fn large_parked_events_are_weighed_again_when_taken_back() {
         .collect();
     ids.extend(push(&redis, "in", &others));
     let pacer = start(&cfg, port);
-    // The asleep bound is read once b's events are out, as it was before 2026-11-29 (that wait
-    // had a 5 s bound, now the dispatch count below): read from the start, one run in three
-    // saw 71 against the 70 allowed (left open in the README).
-    assert!(wait_until(Duration::from_secs(40), || {
-        lengths(&redis, &["pacer:{b}:ready"]) == [20]
-    }));
+    // The gauge counts b's events asleep too (burst 10 at 1000/s: ten of them sleep a few ms
+    // each, once the reader gets to them), and those hold a place each, not 144: 69 of a's and
+    // up to 10 of b's may sleep together within the 10,000 places. So what the gauge says of a
+    // is taken as it, less b's events not yet in b's ready stream (read before the gauge: an
+    // event the gauge counts is not fired yet, so not written). From the worker's start, one
+    // run in three saw 71-76 asleep against 69 of a's, each time with 3-8 of b's not out.
     let mut most_asleep = 0.0_f64;
+    let mut most_a_asleep = 0.0_f64;
     let mut most_parked = 0.0_f64;
-    let ended = wait_until(Duration::from_secs(40), || {
+    let ended = wait_until(Duration::from_secs(60), || {
+        let b_out = lengths(&redis, &["pacer:{b}:ready"])[0] as f64;
         let text = http_get(port, "/metrics")
             .map(|(_, t)| t)
             .unwrap_or_default();
-        most_asleep = most_asleep.max(metric(&text, "pacer_sleeping_events"));
+        let asleep = metric(&text, "pacer_sleeping_events");
+        most_asleep = most_asleep.max(asleep);
+        most_a_asleep = most_a_asleep.max(asleep - (20.0 - b_out));
         most_parked = most_parked.max(metric(&text, "pacer_parked_events{route=\"a\"}"));
         lengths(&redis, &["pacer:{a}:ready"]) == [400]
     });
@@ -1263,8 +1267,8 @@ fn large_parked_events_are_weighed_again_when_taken_back() {
     let weight = 60_020_f64.div_euclid(419.0) + 1.0;
     assert!(most_parked > 20.0, "a parked {most_parked} at most");
     assert!(
-        most_asleep >= 10.0 && most_asleep <= (10_000.0 / weight).floor() + 1.0,
-        "at most {most_asleep} asleep at once"
+        most_asleep >= 10.0 && most_a_asleep <= (10_000.0 / weight).floor(),
+        "at most {most_a_asleep} of a's asleep at once ({most_asleep} in all)"
     );
 }
 
