@@ -52,6 +52,7 @@ pub const SCHEDULE_BODY: &str = lua!("schedule.lua");
 pub const DISPATCH_BODY: &str = lua!("dispatch.lua");
 pub const EMIT: &str = lua!("lib.lua", "emit.lua");
 pub const VOID: &str = lua!("lib.lua", "void.lua");
+pub const RECORD: &str = lua!("lib.lua", "record.lua");
 pub const REAP: &str = lua!("reap.lua");
 pub const SIZES: &str = lua!("sizes.lua");
 /// The helpers and the inbound algorithms, as the admission scripts start.
@@ -165,6 +166,7 @@ pub struct Scripts {
     dispatch: Function,
     emit: Script,
     void: Script,
+    record: Script,
     reap: Script,
     sizes: Script,
     admit: Function,
@@ -178,6 +180,7 @@ impl Default for Scripts {
             dispatch: Function::new("dispatch", PACING_LIB, DISPATCH_BODY),
             emit: Script::new(EMIT),
             void: Script::new(VOID),
+            record: Script::new(RECORD),
             reap: Script::new(REAP),
             sizes: Script::new(SIZES),
             admit: Function::new("admit", ADMISSION_LIB, ADMIT_BODY),
@@ -189,7 +192,13 @@ impl Default for Scripts {
 impl Scripts {
     /// Loads every script into Redis's script cache (readiness means this has happened).
     pub async fn load<C: ConnectionLike>(&self, con: &mut C) -> Result<()> {
-        for script in [&self.emit, &self.void, &self.reap, &self.sizes] {
+        for script in [
+            &self.emit,
+            &self.void,
+            &self.record,
+            &self.reap,
+            &self.sizes,
+        ] {
             script.prepare_invoke().load_async(con).await?;
         }
         for function in [&self.schedule, &self.dispatch, &self.admit, &self.decide] {

@@ -1385,3 +1385,62 @@ fn reaping_deletes_only_consumers_idle_past_the_threshold_that_hold_nothing() {
         "last delivered: {group:?}"
     );
 }
+
+/// `record.lua` (the inbound fail policy's step): a decision goes where none is recorded, one
+/// already there stands and is returned, each hash written lives `ttl` from the call, and a
+/// call whose owners do not match its keys writes nothing. As a script the README's ACL user
+/// may run it; the MULTI it replaced was refused to that user for good.
+#[test]
+fn recording_a_decision_keeps_one_already_there_and_renews_each_hash() {
+    let server = RedisServer::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut con = rt
+        .block_on(server.client().get_multiplexed_async_connection())
+        .unwrap();
+    let mut sync = server.con();
+    let scripts = Scripts::default();
+    let (a, b) = ("{p}decided:1", "{p}decided:2");
+    let _: () = redis::cmd("HSET")
+        .arg(a)
+        .arg("1-1@in")
+        .arg("A")
+        .query(&mut sync)
+        .unwrap();
+    let targets: Vec<(String, String)> = [(a, "1-1@in"), (a, "1-2@in"), (b, "2-1@in")]
+        .iter()
+        .map(|(h, o)| (h.to_string(), o.to_string()))
+        .collect();
+    let stands = rt
+        .block_on(scripts.record(&mut con, &targets, "c", 60_000))
+        .unwrap();
+    assert_eq!(stands, ["A", "c", "c"]);
+    for (hash, owner, want) in [(a, "1-1@in", "A"), (a, "1-2@in", "c"), (b, "2-1@in", "c")] {
+        let got: String = redis::cmd("HGET")
+            .arg(hash)
+            .arg(owner)
+            .query(&mut sync)
+            .unwrap();
+        assert_eq!(got, want, "{hash} {owner}");
+        let ttl: i64 = redis::cmd("PTTL").arg(hash).query(&mut sync).unwrap();
+        assert!(ttl > 50_000 && ttl <= 60_000, "{hash}: {ttl} ms");
+    }
+    // Again, another decision: what stands is returned, nothing overwritten.
+    let again = rt
+        .block_on(scripts.record(&mut con, &targets, "o", 60_000))
+        .unwrap();
+    assert_eq!(again, ["A", "c", "c"]);
+
+    // An owner short: refused before anything is written.
+    let script = redis::Script::new(pacer::scripts::RECORD);
+    let mut call = script.prepare_invoke();
+    call.key("{p}decided:3").arg(60_000).arg("c");
+    let e = rt
+        .block_on(call.invoke_async::<redis::Value>(&mut con))
+        .unwrap_err();
+    assert!(e.to_string().contains("one owner per key"), "{e}");
+    let exists: i64 = redis::cmd("EXISTS")
+        .arg("{p}decided:3")
+        .query(&mut sync)
+        .unwrap();
+    assert_eq!(exists, 0);
+}

@@ -1,6 +1,7 @@
 //! Writing to shared output streams once (`emit.lua`), settling a poison event's decision
-//! (`void.lua`), deleting departed consumers (`reap.lua`) and sizing pending entries before
-//! they are taken again (`sizes.lua`).
+//! (`void.lua`), recording the inbound fail policy's decisions (`record.lua`), deleting
+//! departed consumers (`reap.lua`) and sizing pending entries before they are taken again
+//! (`sizes.lua`).
 
 use super::{push_fields, KeyIndex, Reply, Scripts, Writing};
 use crate::error::Result;
@@ -92,6 +93,23 @@ impl Scripts {
             owner,
             overwritten: overwritten == 1,
         })
+    }
+
+    /// Records `decision` for each inbound entry of `targets` (its decision hash and owner)
+    /// that has none yet; returns the decision that stands for each (see `lua/record.lua`).
+    pub async fn record<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        targets: &[(String, String)],
+        decision: &str,
+        ttl_ms: u64,
+    ) -> Result<Vec<String>> {
+        let mut call = self.record.prepare_invoke();
+        call.arg(ttl_ms).arg(decision);
+        for (hash, owner) in targets {
+            call.key(hash).arg(owner);
+        }
+        Ok(call.invoke_async(con).await?)
     }
 
     /// Deletes the group's consumers that hold nothing and have been idle `min_idle` or more,

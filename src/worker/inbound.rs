@@ -435,35 +435,19 @@ async fn record(
         .collect();
     let ttl_ms = cfg.flow.dedupe_ttl.as_millis() as u64;
     let value = decision.marker();
-    // In one MULTI (the hashes share the partition's slot): set where unset, read what
+    // In one script (the hashes share the partition's slot): set where unset, read what
     // stands, renew each hash's time to live.
-    let now: Vec<Option<String>> = ctx
+    let now: Vec<String> = ctx
         .retry("record", stop, || {
             let mut con = ctx.con.clone();
             let targets = &targets;
-            async move {
-                let mut pipe = redis::pipe();
-                pipe.atomic();
-                for (hash, owner) in targets {
-                    pipe.cmd("HSETNX").arg(hash).arg(owner).arg(value).ignore();
-                    pipe.cmd("HGET").arg(hash).arg(owner);
-                }
-                let mut renewed: Vec<&String> = targets.iter().map(|(h, _)| h).collect();
-                renewed.dedup();
-                for hash in renewed {
-                    pipe.cmd("PEXPIRE").arg(hash).arg(ttl_ms).ignore();
-                }
-                Ok(pipe.query_async(&mut con).await?)
-            }
+            async move { ctx.scripts.record(&mut con, targets, value, ttl_ms).await }
         })
         .await?;
     // The same decision standing already (an earlier delivery recorded it too) is this one.
     Some(
         now.into_iter()
-            .map(|v| match v {
-                Some(v) if v != value => Some(Decision::parse(&v).unwrap_or(Decision::Voided)),
-                _ => None,
-            })
+            .map(|v| (v != value).then(|| Decision::parse(&v).unwrap_or(Decision::Voided)))
             .collect(),
     )
 }
