@@ -313,20 +313,25 @@ impl RedisConn {
         Err(ConnectError::classify(&self.target, e))
     }
 
-    /// In cluster mode, an error if a configured node answers that it is no cluster node:
-    /// `redis.mode` is wrong, and retrying cannot help.
+    /// In cluster mode, an error if a configured node answers that it is no cluster node
+    /// (`redis.mode` is wrong) or refuses pacer's connection for a reason no retry mends (TLS,
+    /// credentials), naming the node: retrying cannot help.
     pub async fn check_cluster_seeds(&self) -> Result<(), ConnectError> {
         let Inner::Cluster(con) = &self.inner else {
             return Ok(());
         };
-        match con.seed_without_cluster().await {
-            Some(node) => Err(ConnectError::Setup {
+        match con.seed_trouble().await {
+            None => Ok(()),
+            Some(cluster::SeedTrouble::NoCluster(node)) => Err(ConnectError::Setup {
                 target: self.target.to_string(),
                 detail: format!(
                     "{node} runs without cluster support: set redis.mode: standalone (or sentinel), or point redis.url at the cluster's nodes"
                 ),
             }),
-            None => Ok(()),
+            Some(cluster::SeedTrouble::Refused(node, e)) => Err(ConnectError::classify(
+                &format!("{} (node {node})", self.target),
+                e,
+            )),
         }
     }
 

@@ -13,26 +13,6 @@ use std::time::Duration;
 
 const PASSWORD: &str = "acl-test-pw";
 
-/// The arguments of the README's `ACL SETUSER` line (after `ACL`), with the password filled in.
-fn readme_acl_line() -> Vec<String> {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let block = readme
-        .split("<!-- acl-setuser")
-        .nth(1)
-        .and_then(|rest| rest.split("```").nth(1))
-        .expect("the ACL SETUSER block in the README");
-    let words: Vec<String> = block
-        .lines()
-        .skip(1) // the fence's language tag
-        .flat_map(|l| l.split_whitespace())
-        .filter(|w| *w != "\\")
-        .map(|w| w.replace("<password>", PASSWORD))
-        .collect();
-    assert_eq!(words[..2], ["ACL", "SETUSER"], "{words:?}");
-    words[1..].to_vec()
-}
-
 fn consumers(redis: &RedisServer, stream: &str) -> Vec<String> {
     let reply: redis::Value = redis::cmd("XINFO")
         .arg("CONSUMERS")
@@ -58,7 +38,7 @@ fn consumers(redis: &RedisServer, stream: &str) -> Vec<String> {
 fn the_readme_acl_user_runs_every_flow() {
     let redis = RedisServer::start();
     let mut setuser = redis::cmd("ACL");
-    for w in readme_acl_line() {
+    for w in readme_acl_user("acl-setuser", "pacer", PASSWORD) {
         setuser.arg(w);
     }
     let _: () = setuser
@@ -251,7 +231,7 @@ fn a_user_without_a_command_or_key_pacer_needs_is_refused_at_start() {
         ("nokey", None, "rej", "XTRIM rej"),
     ] {
         let mut setuser = redis::cmd("ACL");
-        for w in readme_acl_line() {
+        for w in readme_acl_user("acl-setuser", "pacer", PASSWORD) {
             if Some(w.as_str()) == drop_word {
                 continue;
             }

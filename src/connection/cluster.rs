@@ -16,7 +16,7 @@ use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
 use redis::{
-    Arg, AsyncConnectionConfig, Cmd, ErrorKind, Pipeline, RedisFuture, RedisResult,
+    Arg, AsyncConnectionConfig, Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult,
     ServerErrorKind, Value,
 };
 use std::collections::HashMap;
@@ -30,6 +30,14 @@ const STUCK_AFTER: u32 = 2;
 const STUCK_WITHIN: Duration = Duration::from_secs(5);
 /// The least time between two askings of the cluster whether slots moved.
 const RENEW_EVERY: Duration = Duration::from_secs(1);
+
+/// What `ClusterConn::seed_trouble` found wrong with a configured node (`host:port`).
+pub(super) enum SeedTrouble {
+    /// It runs without cluster support.
+    NoCluster(String),
+    /// It refused the connection: TLS failed, or it refused the credentials.
+    Refused(String, RedisError),
+}
 
 #[derive(Clone)]
 pub(super) struct ClusterConn {
@@ -125,34 +133,44 @@ impl Renewal {
             Some(failed_master_without_slots(&text))
         })
         .await
+        .0
         .unwrap_or(false)
     }
 }
 
 /// Asks each of `seeds` in turn `cmd`, on a connection of its own bounded by `timeout`, until
-/// `take` makes something of a node's answer; a node that does not answer is skipped.
+/// `take` makes something of a node's answer; a node that does not answer, or refuses the
+/// connection, is skipped. Returns that, and the first refusal met for a reason no retry mends
+/// (TLS, credentials: see `super::fatal`) with the node's address.
 async fn ask_each_seed<R>(
     seeds: &[redis::Client],
     timeout: Duration,
     cmd: &Cmd,
     mut take: impl FnMut(&redis::Client, String) -> Option<R>,
-) -> Option<R> {
+) -> (Option<R>, Option<(String, RedisError)>) {
     let config = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(timeout))
         .set_response_timeout(Some(timeout));
+    let mut refused = None;
     for seed in seeds {
-        let Ok(mut con) = seed
+        let mut con = match seed
             .get_multiplexed_async_connection_with_config(&config)
             .await
-        else {
-            continue;
+        {
+            Ok(con) => con,
+            Err(e) => {
+                if refused.is_none() && super::is_fatal(&e) {
+                    refused = Some((seed.get_connection_info().addr().to_string(), e));
+                }
+                continue;
+            }
         };
         let answer: RedisResult<String> = cmd.query_async(&mut con).await;
         if let Some(r) = answer.ok().and_then(|a| take(seed, a)) {
-            return Some(r);
+            return (Some(r), refused);
         }
     }
-    None
+    (None, refused)
 }
 
 /// Whether `CLUSTER NODES` text names a master flagged `fail` (agreed, not `fail?`) that holds
@@ -196,18 +214,26 @@ impl ClusterConn {
         }
     }
 
-    /// The first configured node (`host:port`) that says it runs without cluster support, if
-    /// one does. redis-rs then only reports that it found no nodes, and pacer retried for ever
-    /// (left for a while as a known gap). Each node is asked on a connection of its own; one
-    /// that does not answer is skipped, as a cluster still starting may not.
-    pub(super) async fn seed_without_cluster(&self) -> Option<String> {
+    /// What is wrong with the configured nodes, each asked on a connection of its own: the
+    /// first that runs without cluster support, else the first that refuses pacer for a reason
+    /// no retry mends (TLS, credentials). redis-rs's cluster connection reports neither (it
+    /// finds no nodes, or its calls time out while it reconnects in the background), so pacer
+    /// retried for ever where the same config on one server exits at once (the refusals found
+    /// by tests/cluster_tls.rs). A node that does not answer is skipped, as a cluster still
+    /// starting may not.
+    pub(super) async fn seed_trouble(&self) -> Option<SeedTrouble> {
         let mut info = redis::cmd("INFO");
         info.arg("cluster");
-        ask_each_seed(&self.seeds, self.timeout, &info, |seed, text| {
+        let found = ask_each_seed(&self.seeds, self.timeout, &info, |seed, text| {
             text.contains("cluster_enabled:0")
                 .then(|| seed.get_connection_info().addr().to_string())
         })
-        .await
+        .await;
+        match found {
+            (Some(node), _) => Some(SeedTrouble::NoCluster(node)),
+            (None, Some((node, e))) => Some(SeedTrouble::Refused(node, e)),
+            (None, None) => None,
+        }
     }
 
     pub(super) async fn req_command(&mut self, cmd: &Cmd) -> RedisResult<Value> {

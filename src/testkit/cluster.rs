@@ -4,11 +4,16 @@
 //! over (graceful or TAKEOVER), move a slot the way `redis-cli --cluster reshard` does (slowly
 //! if asked, so traffic can run during it) and freeze a node to make a replica lag.
 //!
+//! `start_tls` makes the cluster production-shaped: TLS only (client certificates required, the
+//! bus and replication over TLS too) and the default user locked by a password; every helper
+//! then speaks TLS and logs in.
+//!
 //! Over 400 lines: starting, resharding and failing over a real cluster is one sequence of steps.
 
-use super::{wait_until, RedisServer};
+use super::{free_port, wait_until, RedisServer, TlsFiles};
 use crate::connection::key_slot;
 use std::collections::BTreeMap;
+use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -39,9 +44,15 @@ pub struct NodeInfo {
 
 pub struct Cluster {
     pub nodes: Vec<ClusterNode>,
+    /// How the helpers reach a TLS cluster's nodes; None for plain text.
+    tls: Option<redis::TlsCertificates>,
 }
 
 impl Cluster {
+    /// The password of a TLS cluster's default user (`requirepass`, and `masterauth` for its
+    /// replicas): only the helpers use it, so a client must log in as a user of its own.
+    pub const TLS_ADMIN_PASSWORD: &'static str = "cluster-admin-pw";
+
     /// `masters` masters (at least 3: a cluster needs a majority of masters to fail one over)
     /// with `replicas` replicas each; returns once every node says `cluster_state:ok`, agrees on
     /// who serves every slot, and every replica is in sync with its master.
@@ -52,34 +63,87 @@ impl Cluster {
     /// The same, with extra `redis-server` arguments for every node (like
     /// `--cluster-require-full-coverage no`).
     pub fn start_with(masters: usize, replicas: usize, extra: &[&str]) -> Cluster {
-        let timeout = NODE_TIMEOUT_MS.to_string();
-        let mut args = vec![
-            "--cluster-enabled",
-            "yes",
-            "--cluster-config-file",
-            "nodes.conf",
-            "--cluster-node-timeout",
-            &timeout,
-            // A replica may be promoted however stale its data looks: tests fail over right
-            // after start, before the replica has a long history with its master.
-            "--cluster-replica-validity-factor",
-            "0",
-            // Replicas stay with their masters, so tests know who replicates whom.
-            "--cluster-allow-replica-migration",
-            "no",
-        ];
-        args.extend_from_slice(extra);
+        let args = node_args(extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let nodes: Vec<ClusterNode> = (0..masters * (1 + replicas))
             .map(|_| ClusterNode {
                 server: RedisServer::start_with(&args),
                 down: false,
             })
             .collect();
+        Self::create(nodes, replicas, &[], None)
+    }
+
+    /// The same cluster speaking only TLS with `tls`'s server certificate: plain-text port 0,
+    /// client certificates required (`--tls-auth-clients yes`), the cluster bus and replication
+    /// over TLS, each node presenting the client certificate on its own outgoing links (the
+    /// server certificate is for serverAuth only, and peers verify it as a client's). The
+    /// default user needs `TLS_ADMIN_PASSWORD`. Every helper of this type speaks TLS to it.
+    pub fn start_tls(masters: usize, replicas: usize, tls: &TlsFiles, extra: &[&str]) -> Cluster {
+        let s = |p: &std::path::Path| p.display().to_string();
+        let read = |p: &std::path::Path| std::fs::read(p).expect("reading a test certificate");
+        let certs = redis::TlsCertificates {
+            client_tls: Some(redis::ClientTlsConfig {
+                client_cert: read(&tls.client_cert),
+                client_key: read(&tls.client_key),
+            }),
+            root_cert: Some(read(&tls.ca)),
+        };
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let mut base = node_args(extra);
+        base.extend(
+            [
+                "--tls-cluster",
+                "yes",
+                "--tls-replication",
+                "yes",
+                "--tls-client-cert-file",
+                &s(&tls.client_cert),
+                "--tls-client-key-file",
+                &s(&tls.client_key),
+                "--requirepass",
+                Self::TLS_ADMIN_PASSWORD,
+                "--masterauth",
+                Self::TLS_ADMIN_PASSWORD,
+            ]
+            .map(String::from),
+        );
+        let nodes: Vec<ClusterNode> = (0..masters * (1 + replicas))
+            .map(|_| ClusterNode {
+                server: start_tls_node(tls, &base, &certs),
+                down: false,
+            })
+            .collect();
+        let cli: Vec<String> = [
+            "--tls".into(),
+            "--cacert".into(),
+            s(&tls.ca),
+            "--cert".into(),
+            s(&tls.client_cert),
+            "--key".into(),
+            s(&tls.client_key),
+            "-a".into(),
+            Self::TLS_ADMIN_PASSWORD.into(),
+            "--no-auth-warning".into(),
+        ]
+        .into();
+        Self::create(nodes, replicas, &cli, Some(certs))
+    }
+
+    /// `redis-cli --cluster create` over `nodes` (`cli` before it: TLS and the password), then
+    /// waits until the cluster is stable.
+    fn create(
+        nodes: Vec<ClusterNode>,
+        replicas: usize,
+        cli: &[String],
+        tls: Option<redis::TlsCertificates>,
+    ) -> Cluster {
         let addrs: Vec<String> = nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.server.port))
             .collect();
         let out = Command::new("redis-cli")
+            .args(cli)
             .args(["--cluster", "create"])
             .args(&addrs)
             .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
@@ -92,7 +156,7 @@ impl Cluster {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        let cluster = Cluster { nodes };
+        let cluster = Cluster { nodes, tls };
         cluster.wait_stable(Duration::from_secs(20));
         cluster
     }
@@ -102,18 +166,34 @@ impl Cluster {
         self.nodes.iter().map(|n| n.server.port).collect()
     }
 
-    /// Seed URLs for pacer: every node, comma-separated.
+    /// Seed URLs for pacer: every node, comma-separated (`rediss://` on a TLS cluster, without
+    /// credentials).
     pub fn urls(&self) -> String {
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
         self.ports()
             .iter()
-            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .map(|p| format!("{scheme}://127.0.0.1:{p}"))
             .collect::<Vec<_>>()
             .join(",")
     }
 
-    /// A blocking connection straight to the node on `port` (no redirections followed).
+    /// A blocking connection straight to the node on `port` (no redirections followed); on a
+    /// TLS cluster, over TLS as the default user.
     pub fn con(&self, port: u16) -> redis::Connection {
-        self.node(port).server.con()
+        self.try_con(port)
+            .unwrap_or_else(|e| panic!("connecting to cluster node {port}: {e}"))
+    }
+
+    /// `con`, or why not. A TLS connection gives up after 2 s (the handshake waits on the node).
+    fn try_con(&self, port: u16) -> redis::RedisResult<redis::Connection> {
+        match &self.tls {
+            None => self.node(port).server.client().get_connection(),
+            Some(certs) => tls_con(port, certs),
+        }
     }
 
     fn node(&self, port: u16) -> &ClusterNode {
@@ -140,7 +220,7 @@ impl Cluster {
 
     /// `CLUSTER NODES` as the node on `port` sees it.
     pub fn topology_from(&self, port: u16) -> redis::RedisResult<Vec<NodeInfo>> {
-        let mut con = self.node(port).server.client().get_connection()?;
+        let mut con = self.try_con(port)?;
         let text: String = redis::cmd("CLUSTER").arg("NODES").query(&mut con)?;
         Ok(parse_nodes(&text))
     }
@@ -207,7 +287,8 @@ impl Cluster {
         counts
     }
 
-    /// The server of the master serving `key` now, to read or write `key` on it directly.
+    /// The server of the master serving `key` now, to read or write `key` on it directly (on a
+    /// plain cluster: its `con()` speaks plain text; use `con(owner_of(key))` on a TLS one).
     pub fn server_of(&self, key: &str) -> &RedisServer {
         &self.node(self.owner_of(key)).server
     }
@@ -310,7 +391,8 @@ impl Cluster {
     /// reshard` does: `SETSLOT IMPORTING` on the target, `MIGRATING` on the source, then
     /// `GETKEYSINSLOT` + `MIGRATE` in batches of `batch` keys with `pause` between batches (so a
     /// test can run traffic while the slot is split), then `SETSLOT NODE` on the target, the
-    /// source and every other master. Returns the number of keys moved.
+    /// source and every other master. Returns the number of keys moved. Plain clusters only
+    /// (its MIGRATE sends no password).
     pub fn move_slot(&self, slot: u16, to: u16, batch: usize, pause: Duration) -> usize {
         let from = self.slot_owner(slot);
         assert_ne!(from, to, "slot {slot} is already on {to}");
@@ -375,7 +457,7 @@ impl Cluster {
     }
 
     fn cluster_info(&self, port: u16) -> Option<String> {
-        let mut con = self.node(port).server.client().get_connection().ok()?;
+        let mut con = self.try_con(port).ok()?;
         redis::cmd("CLUSTER").arg("INFO").query(&mut con).ok()
     }
 
@@ -409,7 +491,7 @@ impl Cluster {
         let ok = wait_until(limit, || {
             self.agreed()
                 && self.live_ports().into_iter().all(|p| {
-                    let Ok(mut con) = self.node(p).server.client().get_connection() else {
+                    let Ok(mut con) = self.try_con(p) else {
                         return false;
                     };
                     let info: String = redis::cmd("INFO")
@@ -421,6 +503,65 @@ impl Cluster {
         });
         assert!(ok, "the cluster did not settle within {limit:?}");
     }
+}
+
+/// Every node's arguments: cluster mode, `extra` last.
+fn node_args(extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-node-timeout",
+        &NODE_TIMEOUT_MS.to_string(),
+        // A replica may be promoted however stale its data looks: tests fail over right
+        // after start, before the replica has a long history with its master.
+        "--cluster-replica-validity-factor",
+        "0",
+        // Replicas stay with their masters, so tests know who replicates whom.
+        "--cluster-allow-replica-migration",
+        "no",
+    ]
+    .map(String::from)
+    .into();
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args
+}
+
+/// A blocking TLS connection to 127.0.0.1:`port` with `certs`, as the default user with
+/// `Cluster::TLS_ADMIN_PASSWORD`.
+fn tls_con(port: u16, certs: &redis::TlsCertificates) -> redis::RedisResult<redis::Connection> {
+    let url = format!("rediss://:{}@127.0.0.1:{port}", Cluster::TLS_ADMIN_PASSWORD);
+    redis::Client::build_with_tls(url, certs.clone())?
+        .get_connection_with_timeout(Duration::from_secs(2))
+}
+
+/// A TLS-only cluster node on a free port whose bus port (+10000) is free and valid too
+/// (Redis refuses a port above 55535 without `--cluster-port`); returns once it answers a TLS
+/// PING, on another port if it exits first (the port was taken meanwhile), three tries in all.
+fn start_tls_node(tls: &TlsFiles, base: &[String], certs: &redis::TlsCertificates) -> RedisServer {
+    let mut why = String::new();
+    for _ in 0..3 {
+        let port = (0..100)
+            .map(|_| free_port())
+            .find(|&p| p <= 55535 && TcpListener::bind(("127.0.0.1", p + 10000)).is_ok())
+            .expect("a free port whose bus port is free");
+        let mut args = tls.server_args(port, true);
+        args.extend_from_slice(base);
+        let mut server = RedisServer::spawn_on(port, &args);
+        let answered = wait_until(Duration::from_secs(10), || {
+            !server.is_running()
+                || tls_con(port, certs)
+                    .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+                    .is_ok()
+        });
+        if answered && server.is_running() {
+            return server;
+        }
+        let log = std::fs::read_to_string(server.dir().join("redis.log")).unwrap_or_default();
+        why = format!("TLS cluster node on port {port} did not start:\n{log}");
+    }
+    panic!("{why}");
 }
 
 /// Parses `CLUSTER NODES`: `<id> <ip:port@cport[,host]> <flags> <master> <ping> <pong> <epoch>

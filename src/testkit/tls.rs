@@ -56,8 +56,20 @@ impl TlsFiles {
     /// TLS PING (with the client certificate).
     pub fn start_server(&self, require_client_cert: bool) -> RedisServer {
         let port = free_port();
+        let server = RedisServer::spawn_on(port, &self.server_args(port, require_client_cert));
+        let ok = wait_until(Duration::from_secs(10), || self.ping(port));
+        assert!(ok, "the TLS redis-server did not start on port {port}");
+        server
+    }
+
+    /// The `redis-server` arguments (or sentinel config directives, one pair per line) that
+    /// make a node speak only TLS on `port` with this server certificate, trusting `ca` for
+    /// client certificates and requiring one when `require_client_cert`. A node that talks to
+    /// others (replication, the cluster bus, sentinels) needs `--tls-replication yes` /
+    /// `--tls-cluster yes` besides: its outgoing links present the same certificate.
+    pub fn server_args(&self, port: u16, require_client_cert: bool) -> Vec<String> {
         let s = |p: &Path| p.display().to_string();
-        let extra: Vec<String> = [
+        [
             "--port",
             "0",
             "--tls-port",
@@ -73,15 +85,11 @@ impl TlsFiles {
         ]
         .iter()
         .map(|a| a.to_string())
-        .collect();
-        let server = RedisServer::spawn_on(port, &extra);
-        let ok = wait_until(Duration::from_secs(10), || self.ping(port));
-        assert!(ok, "the TLS redis-server did not start on port {port}");
-        server
+        .collect()
     }
 
     /// A blocking TLS PING to 127.0.0.1:`port` with this CA and the client certificate.
-    fn ping(&self, port: u16) -> bool {
+    pub fn ping(&self, port: u16) -> bool {
         let read = |p: &Path| std::fs::read(p).expect("reading a test certificate");
         let certs = redis::TlsCertificates {
             client_tls: Some(redis::ClientTlsConfig {

@@ -338,3 +338,25 @@ pub fn consumer_table(
         })
         .collect()
 }
+
+/// A README `ACL SETUSER <user> ...` line, from the block after `<!-- <marker>`, as the
+/// arguments after `ACL` (`SETUSER`, the user, its rules), `<password>` filled in: the tests
+/// create the users the README gives from the README itself, so the two cannot drift apart.
+pub fn readme_acl_user(marker: &str, user: &str, password: &str) -> Vec<String> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let block = readme
+        .split(&format!("<!-- {marker}"))
+        .nth(1)
+        .and_then(|rest| rest.split("```").nth(1))
+        .unwrap_or_else(|| panic!("the {marker} block in the README"));
+    let words: Vec<String> = block
+        .lines()
+        .skip(1) // the fence's language tag
+        .flat_map(|l| l.split_whitespace())
+        .filter(|w| *w != "\\")
+        .map(|w| w.replace("<password>", password))
+        .collect();
+    assert_eq!(words[..3], ["ACL", "SETUSER", user], "{words:?}");
+    words[1..].to_vec()
+}
