@@ -39,6 +39,10 @@ const RESOLVE_EVERY: Duration = Duration::from_millis(200);
 /// short connection to the master for `ROLE`), to notice a failover that raised no error.
 const RECHECK_EVERY: Duration = Duration::from_secs(1);
 
+/// What `blame` says, naming the settings to fix.
+const SENTINELS_REFUSED: &str = "the sentinels refused their credentials: redis.sentinel.username and redis.sentinel.password_file (or PACER_REDIS_SENTINEL_PASSWORD)";
+const MASTER_REFUSED: &str = "the sentinels took their credentials, the master they name refused its own: redis.username and redis.password_file (or the URLs' user and password, or PACER_REDIS_PASSWORD)";
+
 #[derive(Clone)]
 pub(super) struct SentinelConn {
     shared: Arc<Shared>,
@@ -48,6 +52,9 @@ struct Shared {
     /// Lookups are serialised: one at a time asks the sentinels, the others wait and use its
     /// answer.
     client: tokio::sync::Mutex<SentinelClient>,
+    /// Each sentinel alone, with the sentinels' own credentials: to tell whose credentials a
+    /// lookup's authentication error is about (`blame`).
+    sentinels: Vec<redis::Client>,
     /// What the process's watcher last heard from the sentinels.
     watch: Arc<Watch>,
     state: Mutex<State>,
@@ -131,6 +138,13 @@ impl SentinelConn {
             ))?
             .master_name;
         let client = sentinel_client(cfg, sentinels, db, certs.clone())?;
+        let probes = sentinels
+            .iter()
+            .map(|info| match &certs {
+                Some(certs) => redis::Client::build_with_tls(info.clone(), certs.clone()),
+                None => redis::Client::open(info.clone()),
+            })
+            .collect::<RedisResult<Vec<_>>>()?;
         let key = format!(
             "{master_name} {:?} {db} {:?}",
             sentinels
@@ -159,6 +173,7 @@ impl SentinelConn {
         };
         let shared = Arc::new(Shared {
             client: tokio::sync::Mutex::new(client),
+            sentinels: probes,
             watch,
             state: Mutex::new(State::default()),
             connect_timeout: cfg.timeout,
@@ -266,14 +281,18 @@ impl SentinelConn {
         // Asking the sentinels and checking the master's role: a few round trips, each bounded
         // by the connection timeout, so a black-holed sentinel cannot stall the caller.
         let found =
-            tokio::time::timeout(self.shared.connect_timeout * 2, client.async_get_client())
+            match tokio::time::timeout(self.shared.connect_timeout * 2, client.async_get_client())
                 .await
-                .map_err(|_| {
-                    RedisError::from((
+            {
+                Ok(Ok(found)) => found,
+                Ok(Err(e)) => return Err(self.blame(e).await),
+                Err(_) => {
+                    return Err(RedisError::from((
                         ErrorKind::Io,
                         "asking the sentinels for the master timed out",
-                    ))
-                })??;
+                    )))
+                }
+            };
         let addr = found.get_connection_info().addr().to_string();
         let mut state = self.shared.state.lock().expect("not poisoned");
         state.stale = false;
@@ -286,6 +305,45 @@ impl SentinelConn {
             }
         }
         self.adopt(&mut state, addr, found)
+    }
+
+    /// An authentication error of a lookup, saying whose credentials were refused. redis-rs's
+    /// error does not: "Password authentication failed" came the same from a sentinel refusing
+    /// `redis.sentinel`'s password as from the master refusing `redis.password_file`'s, and a
+    /// user could not tell which to fix. So each sentinel is logged in to alone: one that takes
+    /// the sentinels' credentials means the master refused its own.
+    async fn blame(&self, err: RedisError) -> RedisError {
+        if super::fatal(&err) != Some(super::Fatal::Auth) {
+            return err;
+        }
+        let mut refused = false;
+        for sentinel in &self.shared.sentinels {
+            let probe = async {
+                let mut con = sentinel.get_multiplexed_async_connection().await?;
+                redis::cmd("ROLE").query_async::<Value>(&mut con).await
+            };
+            match tokio::time::timeout(self.shared.connect_timeout, probe).await {
+                Ok(Ok(_)) => {
+                    return RedisError::from((
+                        ErrorKind::AuthenticationFailed,
+                        MASTER_REFUSED,
+                        err.to_string(),
+                    ))
+                }
+                Ok(Err(e)) if super::fatal(&e) == Some(super::Fatal::Auth) => refused = true,
+                // Unreachable: says nothing about the credentials.
+                _ => {}
+            }
+        }
+        if refused {
+            RedisError::from((
+                ErrorKind::AuthenticationFailed,
+                SENTINELS_REFUSED,
+                err.to_string(),
+            ))
+        } else {
+            err
+        }
     }
 
     /// Switches this connection to the master at `addr` (`found` reaches it).

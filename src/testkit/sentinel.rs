@@ -2,8 +2,15 @@
 //! (`redis-server --sentinel`) on free loopback ports, with a short `down-after-milliseconds` and
 //! `failover-timeout` so that a killed master is replaced in a few seconds. Everything is killed
 //! on drop.
+//!
+//! `start_tls` makes the same set-up secured: every node (data nodes and sentinels) speaks only
+//! TLS and requires a client certificate, their links to each other included, and none has a
+//! usable `default` user. The data nodes know `admin` (the test's own, every permission),
+//! `replicator` (replication), `sentinel` (what Redis's docs give sentinels on the nodes they
+//! monitor) and the caller's users; the sentinels know `admin`, `peer` (for each other) and the
+//! caller's. The helpers below reach either set-up (`Access`).
 
-use super::{free_port, wait_until, RedisServer, TempDir};
+use super::{free_port, wait_until, RedisServer, TempDir, TlsFiles};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -14,6 +21,12 @@ pub const MASTER_NAME: &str = "pacer-master";
 /// promotion and failed over again, to the old master just restarted, which the failover test
 /// then read as its promoted node turned replica.
 const DOWN_AFTER_MS: u64 = 2000;
+
+/// The secured set-up's own users (name, password): fixed, these are throwaway test nodes.
+const ADMIN: (&str, &str) = ("admin", "admin-pw");
+const REPLICATOR: (&str, &str) = ("replicator", "replicator-pw");
+const SENTINEL_ON_DATA: (&str, &str) = ("sentinel", "sentinel-pw");
+const PEER: (&str, &str) = ("peer", "peer-pw");
 
 /// A sentinel process, killed on drop.
 struct SentinelProc {
@@ -29,11 +42,192 @@ impl Drop for SentinelProc {
     }
 }
 
+/// How the helpers reach a node: plain and open, or TLS with the client certificate as `admin`.
+#[derive(Clone, Default)]
+struct Access {
+    tls: Option<redis::TlsCertificates>,
+}
+
+impl Access {
+    fn for_tls(files: &TlsFiles) -> Access {
+        let read = |p: &std::path::Path| std::fs::read(p).expect("reading a test certificate");
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        Access {
+            tls: Some(redis::TlsCertificates {
+                client_tls: Some(redis::ClientTlsConfig {
+                    client_cert: read(&files.client_cert),
+                    client_key: read(&files.client_key),
+                }),
+                root_cert: Some(read(&files.ca)),
+            }),
+        }
+    }
+
+    fn con(&self, port: u16) -> redis::RedisResult<redis::Connection> {
+        match &self.tls {
+            None => redis::Client::open(format!("redis://127.0.0.1:{port}"))?.get_connection(),
+            // Bounded: a node killed or frozen must not hang a helper's wait loop.
+            Some(certs) => redis::Client::build_with_tls(
+                format!("rediss://{}:{}@127.0.0.1:{port}", ADMIN.0, ADMIN.1),
+                certs.clone(),
+            )?
+            .get_connection_with_timeout(Duration::from_secs(2)),
+        }
+    }
+
+    fn info(&self, port: u16, section: &str) -> String {
+        self.con(port)
+            .and_then(|mut con| redis::cmd("INFO").arg(section).query(&mut con))
+            .unwrap_or_default()
+    }
+
+    /// `SENTINEL MASTER <name>` as a map (empty when the sentinel does not answer yet).
+    fn sentinel_master(&self, port: u16) -> std::collections::HashMap<String, String> {
+        self.con(port)
+            .and_then(|mut con| {
+                redis::cmd("SENTINEL")
+                    .arg("MASTER")
+                    .arg(MASTER_NAME)
+                    .query(&mut con)
+            })
+            .unwrap_or_default()
+    }
+
+    fn master_port_of(&self, sentinel_ports: &[u16]) -> Option<u16> {
+        sentinel_ports.iter().find_map(|&p| {
+            let (_host, port): (String, u16) = redis::cmd("SENTINEL")
+                .arg("GET-MASTER-ADDR-BY-NAME")
+                .arg(MASTER_NAME)
+                .query(&mut self.con(p).ok()?)
+                .ok()?;
+            Some(port)
+        })
+    }
+}
+
+/// What `start_tls` adds to a node's and a sentinel's configuration.
+struct Secured<'a> {
+    tls: &'a TlsFiles,
+    data_users: &'a [&'a str],
+    sentinel_users: &'a [&'a str],
+}
+
+impl Secured<'_> {
+    /// TLS on `port` only, client certificates required; outgoing links (replication) in TLS
+    /// with the client certificate, since the server's is for serverAuth only.
+    fn tls_lines(&self, port: u16) -> Vec<(String, String)> {
+        let mut lines: Vec<(String, String)> = self
+            .tls
+            .server_args(port, true)
+            .chunks(2)
+            .map(|kv| (kv[0].trim_start_matches("--").to_string(), kv[1].clone()))
+            .collect();
+        let s = |p: &std::path::Path| p.display().to_string();
+        lines.extend([
+            ("tls-replication".into(), "yes".into()),
+            ("tls-client-cert-file".into(), s(&self.tls.client_cert)),
+            ("tls-client-key-file".into(), s(&self.tls.client_key)),
+        ]);
+        lines
+    }
+
+    /// `redis-server` arguments of a data node on `port`, replicating `replicaof` if any.
+    fn data_args(&self, port: u16, replicaof: Option<u16>) -> Vec<String> {
+        let mut args: Vec<String> = Vec::new();
+        for (k, v) in self.tls_lines(port) {
+            args.extend([format!("--{k}"), v]);
+        }
+        let mut users = vec![
+            "default off".to_string(),
+            format!("{} on >{} allkeys allchannels +@all", ADMIN.0, ADMIN.1),
+            format!(
+                "{} on >{} -@all +psync +replconf +ping",
+                REPLICATOR.0, REPLICATOR.1
+            ),
+            format!(
+                "{} on >{} allchannels -@all +multi +slaveof +ping +exec +subscribe \
+                 +config|rewrite +role +publish +info +client|setname +client|kill +script|kill",
+                SENTINEL_ON_DATA.0, SENTINEL_ON_DATA.1
+            ),
+        ];
+        users.extend(self.data_users.iter().map(|u| u.to_string()));
+        for user in users {
+            args.push("--user".into());
+            args.extend(user.split_whitespace().map(str::to_string));
+        }
+        args.extend(
+            [
+                "--masteruser",
+                REPLICATOR.0,
+                "--masterauth",
+                REPLICATOR.1,
+                // Redis 7 waits 5 s by default for more replicas before a full sync.
+                "--repl-diskless-sync-delay",
+                "0",
+            ]
+            .map(String::from),
+        );
+        if let Some(master) = replicaof {
+            args.extend(["--replicaof".into(), format!("127.0.0.1 {master}")]);
+        }
+        args
+    }
+
+    /// Starts a data node on a free port, again on another if it does not come up (the port
+    /// may be taken between finding it free and binding it).
+    fn start_data_node(&self, access: &Access, replicaof: Option<u16>) -> RedisServer {
+        for _ in 0..3 {
+            let port = free_port();
+            let mut server = RedisServer::spawn_on(port, &self.data_args(port, replicaof));
+            let up = wait_until(Duration::from_secs(10), || {
+                access
+                    .con(port)
+                    .and_then(|mut con| redis::cmd("PING").query::<String>(&mut con))
+                    .is_ok()
+                    || !server.is_running()
+            });
+            if up && server.is_running() {
+                return server;
+            }
+        }
+        panic!("a TLS data node did not start");
+    }
+
+    /// sentinel.conf lines for a sentinel on `port`.
+    fn sentinel_lines(&self, port: u16) -> String {
+        let mut text: String = self
+            .tls_lines(port)
+            .into_iter()
+            .map(|(k, v)| format!("{k} {v}\n"))
+            .collect();
+        text += &format!(
+            "user default off\n\
+             user {} on >{} allchannels +@all\n\
+             user {} on >{} allchannels +@all\n\
+             sentinel auth-user {MASTER_NAME} {}\nsentinel auth-pass {MASTER_NAME} {}\n\
+             sentinel sentinel-user {}\nsentinel sentinel-pass {}\n",
+            ADMIN.0,
+            ADMIN.1,
+            PEER.0,
+            PEER.1,
+            SENTINEL_ON_DATA.0,
+            SENTINEL_ON_DATA.1,
+            PEER.0,
+            PEER.1
+        );
+        for user in self.sentinel_users {
+            text += &format!("user {user}\n");
+        }
+        text
+    }
+}
+
 pub struct Sentinels {
     /// The data nodes, master first at start; `kill_master` kills whichever is master then.
     pub servers: Vec<RedisServer>,
     sentinels: Vec<SentinelProc>,
     pub master_name: String,
+    access: Access,
 }
 
 impl Sentinels {
@@ -46,13 +240,47 @@ impl Sentinels {
     /// them at once), then three sentinels (quorum 2), and waits until every sentinel knows the
     /// replicas and the two other sentinels: a failover needs both.
     pub fn start_with(replicas: usize) -> Sentinels {
-        let master = RedisServer::start();
-        let master_port = master.port.to_string();
+        Self::start_inner(replicas, None)
+    }
+
+    /// Like `start_with`, every node secured (see the module's notes) with `tls`'s
+    /// certificates. `data_users` are further ACL users on every data node (ACL is not
+    /// replicated: a promoted replica must have them too), `sentinel_users` on every sentinel,
+    /// each as an `ACL SETUSER` line's arguments (`pacer on >pw ~pacer* +ping ...`).
+    pub fn start_tls(
+        replicas: usize,
+        tls: &TlsFiles,
+        data_users: &[&str],
+        sentinel_users: &[&str],
+    ) -> Sentinels {
+        Self::start_inner(
+            replicas,
+            Some(&Secured {
+                tls,
+                data_users,
+                sentinel_users,
+            }),
+        )
+    }
+
+    fn start_inner(replicas: usize, secured: Option<&Secured>) -> Sentinels {
+        let access = secured.map_or_else(Access::default, |s| Access::for_tls(s.tls));
+        let start_node = |replicaof: Option<u16>| match (secured, replicaof) {
+            (Some(s), _) => s.start_data_node(&access, replicaof),
+            (None, None) => RedisServer::start(),
+            (None, Some(master)) => {
+                RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.to_string()])
+            }
+        };
+        let master = start_node(None);
+        let master_port = master.port;
         let mut servers = vec![master];
         for _ in 0..replicas {
-            let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &master_port]);
+            let replica = start_node(Some(master_port));
             let synced = wait_until(Duration::from_secs(10), || {
-                info(&replica, "replication").contains("master_link_status:up")
+                access
+                    .info(replica.port, "replication")
+                    .contains("master_link_status:up")
             });
             assert!(synced, "a replica did not sync with the master");
             servers.push(replica);
@@ -61,15 +289,22 @@ impl Sentinels {
             .map(|_| {
                 let dir = TempDir::new("sentinel");
                 let port = free_port();
+                let (listen, secured_lines) = match secured {
+                    None => (format!("port {port}\n"), String::new()),
+                    Some(s) => (
+                        format!("logfile {}\n", dir.path().join("sentinel.log").display()),
+                        s.sentinel_lines(port),
+                    ),
+                };
                 // Sentinel rewrites its config file, so it must be a writable file of its own.
                 let conf = dir.write(
                     "sentinel.conf",
                     &format!(
-                        "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                        "{listen}bind 127.0.0.1\ndir {dir}\n\
                          sentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} 2\n\
                          sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}\n\
                          sentinel failover-timeout {MASTER_NAME} 3000\n\
-                         sentinel parallel-syncs {MASTER_NAME} 1\n",
+                         sentinel parallel-syncs {MASTER_NAME} 1\n{secured_lines}",
                         dir = dir.path().display()
                     ),
                 );
@@ -91,10 +326,11 @@ impl Sentinels {
             servers,
             sentinels,
             master_name: MASTER_NAME.into(),
+            access,
         };
         let ready = wait_until(Duration::from_secs(20), || {
             s.sentinels.iter().all(|p| {
-                let fields = sentinel_master(p.port);
+                let fields = s.access.sentinel_master(p.port);
                 fields.get("num-other-sentinels").map(String::as_str) == Some("2")
                     && fields.get("num-slaves") == Some(&replicas.to_string())
             })
@@ -106,11 +342,17 @@ impl Sentinels {
         s
     }
 
-    /// The sentinels' URLs, comma-separated: pacer's `redis.url` in sentinel mode.
+    /// The sentinels' URLs, comma-separated: pacer's `redis.url` in sentinel mode (`rediss://`
+    /// for a `start_tls` set-up).
     pub fn urls(&self) -> String {
+        let scheme = if self.access.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
         self.sentinel_ports()
             .iter()
-            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .map(|p| format!("{scheme}://127.0.0.1:{p}"))
             .collect::<Vec<_>>()
             .join(",")
     }
@@ -119,9 +361,17 @@ impl Sentinels {
         self.sentinels.iter().map(|s| s.port).collect()
     }
 
+    /// A connection to the node (data node or sentinel) on `port`: plain, or for a `start_tls`
+    /// set-up TLS with the client certificate as the set-up's admin user.
+    pub fn con(&self, port: u16) -> redis::Connection {
+        self.access
+            .con(port)
+            .unwrap_or_else(|e| panic!("connecting to the node on port {port}: {e}"))
+    }
+
     /// The master's port as the first sentinel that answers names it.
     pub fn master_port(&self) -> Option<u16> {
-        master_port_of(&self.sentinel_ports())
+        self.access.master_port_of(&self.sentinel_ports())
     }
 
     /// The data node on `port`.
@@ -150,8 +400,9 @@ impl Sentinels {
     pub fn failover(&self) -> u16 {
         let old = self.master_port().expect("a master");
         let port = self.sentinels[0].port;
-        let _: () = redis::Client::open(format!("redis://127.0.0.1:{port}"))
-            .and_then(|c| c.get_connection())
+        let _: () = self
+            .access
+            .con(port)
             .and_then(|mut con| {
                 redis::cmd("SENTINEL")
                     .arg("FAILOVER")
@@ -167,7 +418,7 @@ impl Sentinels {
     pub fn wait_replica_of(&self, master: u16, limit: Duration) -> bool {
         wait_until(limit, || {
             self.servers.iter().any(|s| {
-                let info = info(s, "replication");
+                let info = self.access.info(s.port, "replication");
                 info.contains(&format!("master_port:{master}\r\n"))
                     && info.contains("master_link_status:up")
             })
@@ -180,7 +431,11 @@ impl Sentinels {
         let mut found = None;
         wait_until(limit, || {
             found = self.master_port().filter(|&p| {
-                p != old && info(self.server(p), "replication").contains("role:master")
+                p != old
+                    && self
+                        .access
+                        .info(self.server(p).port, "replication")
+                        .contains("role:master")
             });
             found.is_some()
         })
@@ -198,7 +453,7 @@ impl Sentinels {
     pub fn wait_agreed(&self, master: u16, limit: Duration) -> bool {
         wait_until(limit, || {
             self.sentinel_ports().into_iter().all(|p| {
-                let view = sentinel_master(p);
+                let view = self.access.sentinel_master(p);
                 view.get("port") == Some(&master.to_string())
                     && view
                         .get("flags")
@@ -209,39 +464,8 @@ impl Sentinels {
 }
 
 /// The master's port as the first of the sentinels on `sentinel_ports` that answers names it:
-/// for a thread that cannot borrow the `Sentinels` (a producer following failovers).
+/// for a thread that cannot borrow the `Sentinels` (a producer following failovers). Plain
+/// sentinels only.
 pub fn master_port_of(sentinel_ports: &[u16]) -> Option<u16> {
-    sentinel_ports.iter().find_map(|p| {
-        let mut con = redis::Client::open(format!("redis://127.0.0.1:{p}"))
-            .ok()?
-            .get_connection()
-            .ok()?;
-        let (_host, port): (String, u16) = redis::cmd("SENTINEL")
-            .arg("GET-MASTER-ADDR-BY-NAME")
-            .arg(MASTER_NAME)
-            .query(&mut con)
-            .ok()?;
-        Some(port)
-    })
-}
-
-fn info(server: &RedisServer, section: &str) -> String {
-    server
-        .client()
-        .get_connection()
-        .and_then(|mut con| redis::cmd("INFO").arg(section).query(&mut con))
-        .unwrap_or_default()
-}
-
-/// `SENTINEL MASTER <name>` as a map (empty when the sentinel does not answer yet).
-fn sentinel_master(port: u16) -> std::collections::HashMap<String, String> {
-    redis::Client::open(format!("redis://127.0.0.1:{port}"))
-        .and_then(|c| c.get_connection())
-        .and_then(|mut con| {
-            redis::cmd("SENTINEL")
-                .arg("MASTER")
-                .arg(MASTER_NAME)
-                .query(&mut con)
-        })
-        .unwrap_or_default()
+    Access::default().master_port_of(sentinel_ports)
 }
