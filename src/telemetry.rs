@@ -231,6 +231,13 @@ pub fn parked(route: &str, n: usize) {
     gauge!(PARKED_EVENTS, "route" => route.to_string()).set(n as f64);
 }
 
+/// Entries an inbound partition has parked: read while its calls were stuck and it held its
+/// part of the worker's places (`worker::inbound`). The same series name as the routes',
+/// labelled by partition.
+pub fn inbound_parked(partition: usize, n: usize) {
+    gauge!(PARKED_EVENTS, "partition" => partition.to_string()).set(n as f64);
+}
+
 pub fn stream_state(stream: &str, group: &str, pending: i64, lag: Option<i64>) {
     let labels = [("stream", stream.to_string()), ("group", group.to_string())];
     gauge!(STREAM_PENDING, &labels).set(pending as f64);

@@ -1094,6 +1094,23 @@ fn a_long_frozen_master_takes_no_places_from_the_other_routes() {
 /// after the thaw every entry ends exactly once, each in its own partition's outputs.
 #[test]
 fn a_frozen_master_holds_up_no_inbound_partition_on_the_others() {
+    frozen_master_partitions(WORKER, false);
+}
+
+/// The same with fewer places than the frozen master's partitions are sent while it is frozen
+/// (120 per worker, of which a read asks 64, against about 100 events each worker reads for
+/// those partitions): past their part of the places, the stuck partitions park what is read
+/// for them (it stays pending, and is read again once they answer), so the reading and the
+/// partitions on the healthy masters go on. Before, once the stuck partitions held the places
+/// a read needs, every partition waited for the thaw.
+#[test]
+fn a_frozen_masters_partitions_park_what_they_have_no_places_for() {
+    frozen_master_partitions(&format!("{WORKER}\n  max_inflight: 120"), true);
+}
+
+/// With `parks`, the workers must have parked entries of the frozen master's partitions
+/// (`pacer_parked_events{partition}`) while it was frozen.
+fn frozen_master_partitions(worker: &str, parks: bool) {
     const PARTITIONS: usize = 6;
     const SOURCES: usize = 60;
     const PER_TICK: usize = 20;
@@ -1143,7 +1160,12 @@ fn a_frozen_master_holds_up_no_inbound_partition_on_the_others() {
     let body = format!(
         "inbound:\n  streams: [\"{input}\"]\n  forward_stream: \"{accepted}\"\n  rejected_stream: \"{rejected}\"\n  dead_letter_stream: \"{dead}\"\n  partitions: {PARTITIONS}\n  partition_by: source\n  partitioned_outputs: true\n  rules:\n    - {{name: per-source, key: [source], algorithm: sliding_log, limits: [1000/s]}}\n"
     );
-    let pacers = workers(&dir, &cluster, "", WORKER, &body, 2);
+    let (pacers, ports): (Vec<Pacer>, Vec<u16>) = (0..2)
+        .map(|i| {
+            let (config, port) = worker_config(&dir, &cluster, "", worker, &body, i);
+            (start(&config, port), port)
+        })
+        .unzip();
     // Healthy partitions' forwards, read on their masters directly (never on the frozen one).
     let forwarded_healthy = || -> usize {
         (0..PARTITIONS)
@@ -1210,7 +1232,13 @@ fn a_frozen_master_holds_up_no_inbound_partition_on_the_others() {
     let stalled_expected = routed.len() - healthy_expected;
     pushed.extend(fed);
     // Bounded: 10 s after the last push, however slowly this machine runs.
+    let mut most_parked = 0.0_f64;
     let all_healthy = wait_until(Duration::from_secs(10), || {
+        let parked: f64 = ports
+            .iter()
+            .map(|&p| metric_at(p, "pacer_parked_events{partition="))
+            .sum();
+        most_parked = most_parked.max(parked);
         forwarded_healthy() - healthy_before >= healthy_expected
     });
     let decided_in = fed_at.elapsed();
@@ -1231,6 +1259,13 @@ fn a_frozen_master_holds_up_no_inbound_partition_on_the_others() {
         tail(&logs)
     );
     assert_eq!(healthy_rejected, 0, "a healthy partition rejected");
+    if parks {
+        assert!(
+            most_parked > 0.0,
+            "nothing parked for the frozen master's partitions"
+        );
+    }
+    eprintln!("frozen partitions: at most {most_parked} entries parked at once");
     assert!(
         still_pending >= stalled_expected as i64,
         "{still_pending} unfinished, but {stalled_expected} events of the frozen master's partitions cannot have ended"

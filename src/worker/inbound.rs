@@ -13,6 +13,10 @@
 //! its marker: the recorded decision is carried out again, idempotently, and nothing is charged
 //! twice.
 //!
+//! A partition whose calls are stuck (its master frozen or failing over) holds at most its part
+//! of the worker's places: what is read for it beyond that is parked, as a route parks
+//! (`parked`), and read again, in order, once its calls go through.
+//!
 //! When admission itself fails `limiter_attempts` times in a row, `fail_policy` decides; that
 //! decision is recorded in the same marker (set only if none exists), so a late-running or
 //! repeated admission can never decide the entry a second way. Writing outputs and acks still
@@ -20,6 +24,8 @@
 
 use super::context::Context;
 use super::outputs;
+use super::parked::{read_again, Parked};
+use super::placers::TAKE_BACK_EVERY;
 use crate::backoff::Backoff;
 use crate::config::{FailPolicy, InboundConfig};
 use crate::error::Result;
@@ -29,8 +35,10 @@ use crate::keys::{InboundKeys, OutputKeys};
 use crate::scripts::{call_len, AdmitItem, AdmitReply, AdmitTargets, Admitted};
 use crate::telemetry::{self, InboundOutcome};
 use crate::worker::held::Hold;
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -44,6 +52,64 @@ use tracing::{debug, warn};
 /// its place until it is decided and its outputs are written.
 pub(crate) struct Lanes {
     lanes: Vec<mpsc::UnboundedSender<Part>>,
+    /// What the reader knows of each lane, by partition.
+    state: Arc<[Lane]>,
+    /// Entries parked by every lane together: past `Shares::max_parked` a lane keeps what it
+    /// is sent (the reader then waits for places, as before parking).
+    parked_total: Arc<AtomicUsize>,
+}
+
+/// A lane whose entries have seen no progress (no call answered, no outputs written) for this
+/// long while it holds places is stuck, and holds no more than its part of them: a call
+/// answers in milliseconds, and in a second of traffic the other partitions' reading would
+/// wait behind it. (Until 2026-11-29 a stuck lane held all it was sent: one frozen master's
+/// partitions took every place, and every partition waited for the thaw,
+/// `a_frozen_masters_partitions_park_what_they_have_no_places_for`.)
+const STUCK_AFTER: Duration = Duration::from_millis(250);
+
+/// One partition's lane as the reader sees it.
+struct Lane {
+    /// Places held by the entries sent to it and not finished.
+    held: AtomicUsize,
+    /// When its entries last made progress (ms after `born`).
+    progress_ms: AtomicU64,
+    /// Entries parked, oldest first.
+    parked: Mutex<VecDeque<Parked>>,
+    /// While it takes entries back (out of `parked`, not yet decided), what it is sent is
+    /// parked too, after them: those it cannot take now go back in front.
+    taking: AtomicBool,
+    born: Instant,
+}
+
+impl Lane {
+    fn now_ms(&self) -> u64 {
+        self.born.elapsed().as_millis() as u64
+    }
+
+    fn progressed(&self) {
+        self.progress_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// Counts `places` held by entries sent to it; the first after none starts its clock.
+    fn handed(&self, places: usize) {
+        if self.held.fetch_add(places, Ordering::Relaxed) == 0 {
+            self.progressed();
+        }
+    }
+
+    /// Counts `places` let go (their entries finished).
+    fn done(&self, places: usize) {
+        self.held.fetch_sub(places, Ordering::Relaxed);
+        self.progressed();
+    }
+
+    fn stuck(&self) -> bool {
+        self.held.load(Ordering::Relaxed) > 0
+            && self
+                .now_ms()
+                .saturating_sub(self.progress_ms.load(Ordering::Relaxed))
+                > STUCK_AFTER.as_millis() as u64
+    }
 }
 
 /// One partition's entries of a batch as they are gathered: those delivered too often, the
@@ -72,6 +138,23 @@ struct Part {
     batch: Arc<Batch>,
 }
 
+impl Gathered {
+    fn places(&self) -> usize {
+        self.holds.iter().map(|h| h.places() as usize).sum()
+    }
+}
+
+/// Whether `k`'s entries are parked, as a batch's are gathered: decided at the partition's
+/// first entry of the batch (entries parked already, or stuck), then per entry by the places
+/// it may still take.
+struct Parking {
+    parking: bool,
+    stuck: bool,
+    /// Places it may still take while stuck.
+    room: usize,
+    parked: Vec<Parked>,
+}
+
 /// A batch read together is acknowledged together (one XACK per input stream, not one per
 /// partition: the entries of every partition share the input streams), once each of its parts
 /// is finished. Shutdown first: left pending, to be claimed and found decided.
@@ -98,15 +181,63 @@ impl Lanes {
     /// Starts a task per partition of the inbound flow (none without one); they end on `stop`.
     pub(crate) fn start(ctx: &Arc<Context>, stop: &CancellationToken) -> Self {
         let n = ctx.cfg.inbound.as_ref().map_or(0, |cfg| cfg.keys.len());
+        let born = Instant::now();
+        let state: Arc<[Lane]> = (0..n)
+            .map(|_| Lane {
+                held: AtomicUsize::new(0),
+                progress_ms: AtomicU64::new(0),
+                parked: Mutex::default(),
+                taking: AtomicBool::new(false),
+                born,
+            })
+            .collect();
+        let parked_total = Arc::new(AtomicUsize::new(0));
         let lanes = (0..n)
             .map(|k| {
                 let (tx, rx) = mpsc::unbounded_channel();
-                tokio::spawn(lane(ctx.clone(), k, rx, stop.clone()));
+                let own = Own {
+                    state: state.clone(),
+                    parked_total: parked_total.clone(),
+                };
+                tokio::spawn(lane(ctx.clone(), k, rx, own, stop.clone()));
                 tx
             })
             .collect();
-        Lanes { lanes }
+        Lanes {
+            lanes,
+            state,
+            parked_total,
+        }
     }
+
+    /// How `k`'s entries of a batch are gathered (`Parking`).
+    fn parking(&self, ctx: &Context, k: usize) -> Parking {
+        let lane = &self.state[k];
+        let stuck = lane.stuck();
+        let full = self.parked_total.load(Ordering::Relaxed) >= ctx.shares.max_parked();
+        Parking {
+            parking: !full
+                && (lane.taking.load(Ordering::Relaxed)
+                    || !lane.parked.lock().expect("never poisoned").is_empty()),
+            stuck: stuck && !full,
+            room: stuck_part(ctx, self.lanes.len())
+                .saturating_sub(lane.held.load(Ordering::Relaxed)),
+            parked: Vec::new(),
+        }
+    }
+}
+
+/// The places a stuck lane may hold, of `partitions`: its part of those beyond the reserve, as
+/// if each partition and the rest of the worker had one (so all of them stuck leave the rest a
+/// part, and the readers the reserve).
+fn stuck_part(ctx: &Context, partitions: usize) -> usize {
+    (ctx.shares.beyond_reserve() / (partitions + 1)).max(1)
+}
+
+/// A lane's view of the lanes' state.
+struct Own {
+    state: Arc<[Lane]>,
+    parked_total: Arc<AtomicUsize>,
 }
 
 /// Parts a lane decides together at most: under load the parts queued behind a call go in the
@@ -121,6 +252,7 @@ async fn lane(
     ctx: Arc<Context>,
     k: usize,
     mut parts: mpsc::UnboundedReceiver<Part>,
+    own: Own,
     stop: CancellationToken,
 ) {
     let cfg = ctx
@@ -128,31 +260,70 @@ async fn lane(
         .inbound
         .as_ref()
         .expect("lanes run for an inbound flow");
+    let state = &own.state[k];
+    let part_places = stuck_part(&ctx, own.state.len());
     loop {
+        let has_parked = !state.parked.lock().expect("never poisoned").is_empty();
         let first = tokio::select! {
             _ = stop.cancelled() => return,
             part = parts.recv() => match part {
-                Some(part) => part,
+                Some(part) => Some(part),
                 None => return,
             },
+            // Parked entries are taken back while nothing else comes.
+            _ = tokio::time::sleep(TAKE_BACK_EVERY), if has_parked => None,
         };
-        let (mut events, mut batches) = (first.events, vec![first.batch]);
+        let (mut events, mut batches) = match first {
+            Some(first) => (first.events, vec![first.batch]),
+            None => (Gathered::default(), Vec::new()),
+        };
         while batches.len() < MERGE_PARTS {
             let Ok(part) = parts.try_recv() else { break };
             events.append(part.events);
             batches.push(part.batch);
         }
-        let Gathered { over, fresh, holds } = events;
         let mut dead = Vec::new();
+        // Only with nothing more sent: an entry is parked only once the lane has entries
+        // parked or is stuck, so those sent came before every parked one.
+        if has_parked && parts.is_empty() {
+            let room = part_places.saturating_sub(state.held.load(Ordering::Relaxed));
+            let Some(back) = take_back(&ctx, &own, k, room, &stop).await else {
+                return;
+            };
+            let mut taken = Gathered::default();
+            for (entry, hold) in back {
+                match ev::parse_inbound(entry, cfg) {
+                    Ok(e) => taken.fresh.push(e),
+                    Err(refused) => dead.push(refused),
+                }
+                taken.holds.push(hold);
+            }
+            if !taken.holds.is_empty() {
+                state.handed(taken.places());
+                events.append(taken);
+                // Acknowledged by a batch of their own (their reads' batches are done).
+                batches.push(Arc::new(Batch {
+                    left: std::sync::Mutex::new((1, Vec::new())),
+                }));
+            }
+        }
+        if batches.is_empty() {
+            continue;
+        }
+        let Gathered { over, fresh, holds } = events;
         let keys = &cfg.keys[k];
         let Some(decided) = decide(&ctx, cfg, keys, over, fresh, &mut dead, &stop).await else {
             return;
         };
-        let (ctx, stop) = (ctx.clone(), stop.clone());
+        // Progress is entries finished (`Lane::done`), not decided: a partition decided in a
+        // healthy slot whose outputs wait on a frozen one is stuck too.
+        let (ctx, stop, state) = (ctx.clone(), stop.clone(), own.state.clone());
         tokio::spawn(async move {
             let cfg = ctx.cfg.inbound.as_ref().expect("an inbound flow");
             let acks = finish(&ctx, cfg, &cfg.keys[k], decided, dead, &stop).await;
+            let places = holds.iter().map(|h| h.places() as usize).sum();
             drop(holds);
+            state[k].done(places);
             let Some(acks) = acks else { return };
             // The round's entries are finished whichever batch they came in: the last batch
             // acknowledges them all with its own, the others count this part done.
@@ -186,6 +357,7 @@ pub(super) fn admit(
     let mut undecidable: (Vec<(Entry, Refused)>, Vec<Hold>) = (Vec::new(), Vec::new());
     // Per partition: the entries delivered too often, the others, their places.
     let mut parts: BTreeMap<usize, Gathered> = BTreeMap::new();
+    let mut parking: BTreeMap<usize, Parking> = BTreeMap::new();
     for (entry, hold) in entries.into_iter().zip(permits) {
         if !cfg.flow.streams.iter().any(|s| *s == *entry.stream) {
             rest.0.push(entry);
@@ -194,7 +366,27 @@ pub(super) fn admit(
         }
         match ev::parse_inbound(entry, cfg) {
             Ok(e) => {
-                let part = parts.entry(e.partition).or_default();
+                let k = e.partition;
+                let park = parking.entry(k).or_insert_with(|| lanes.parking(ctx, k));
+                // Only entries on their first delivery: nothing is recorded for them yet.
+                let places = hold.places() as usize;
+                let hold = if e.entry.deliveries <= 1
+                    && (park.parking || (park.stuck && places > park.room))
+                {
+                    match Parked::new(ctx, &e.entry.stream, &e.entry.id, hold) {
+                        Ok(p) => {
+                            // In order: nothing after a parked entry goes before it.
+                            park.parking = true;
+                            park.parked.push(p);
+                            continue;
+                        }
+                        Err(hold) => hold,
+                    }
+                } else {
+                    hold
+                };
+                park.room = park.room.saturating_sub(places);
+                let part = parts.entry(k).or_default();
                 part.holds.push(hold);
                 if e.entry.deliveries > max {
                     part.over.push(e);
@@ -209,6 +401,15 @@ pub(super) fn admit(
             }
         }
     }
+    for (k, park) in parking {
+        if !park.parked.is_empty() {
+            let n = park.parked.len();
+            let mut lot = lanes.state[k].parked.lock().expect("never poisoned");
+            lot.extend(park.parked);
+            lanes.parked_total.fetch_add(n, Ordering::Relaxed);
+            telemetry::inbound_parked(k, lot.len());
+        }
+    }
     let n = parts.len() + usize::from(!undecidable.0.is_empty());
     if n == 0 {
         return rest;
@@ -217,6 +418,7 @@ pub(super) fn admit(
         left: std::sync::Mutex::new((n, Vec::new())),
     });
     for (k, events) in parts {
+        lanes.state[k].handed(events.places());
         let part = Part {
             events,
             batch: batch.clone(),
@@ -237,6 +439,49 @@ pub(super) fn admit(
         });
     }
     rest
+}
+
+/// Takes back the oldest entries lane `k` parked whose places fit in `room` (one at least), at
+/// most a read's worth: read again and weighed again (`parked::read_again`); those past the
+/// places free now go back in front. None on `stop`.
+async fn take_back(
+    ctx: &Arc<Context>,
+    own: &Own,
+    k: usize,
+    room: usize,
+    stop: &CancellationToken,
+) -> Option<Vec<(Entry, Hold)>> {
+    let lane = &own.state[k];
+    let lot = &lane.parked;
+    lane.taking.store(true, Ordering::Relaxed);
+    let taken: Vec<Parked> = {
+        let mut lot = lot.lock().expect("never poisoned");
+        let (mut places, mut n) = (0, 0);
+        for p in lot.iter().take(ctx.cfg.worker.batch) {
+            if n > 0 && places + p.places() > room {
+                break;
+            }
+            places += p.places();
+            n += 1;
+        }
+        lot.drain(..n).collect()
+    };
+    if taken.is_empty() {
+        lane.taking.store(false, Ordering::Relaxed);
+        return Some(Vec::new());
+    }
+    let n = taken.len();
+    let (found, back) = read_again(ctx, taken, room, stop).await?;
+    let mut lot = lot.lock().expect("never poisoned");
+    let returned = back.len();
+    for p in back.into_iter().rev() {
+        lot.push_front(p);
+    }
+    // Under the lot's lock: what the reader parks from now goes after what came back.
+    lane.taking.store(false, Ordering::Relaxed);
+    own.parked_total.fetch_sub(n - returned, Ordering::Relaxed);
+    telemetry::inbound_parked(k, lot.len());
+    Some(found)
 }
 
 /// Decides one partition's entries: those delivered too often (`over`) are voided unless a

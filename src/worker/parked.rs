@@ -13,7 +13,7 @@
 
 use super::budget;
 use super::context::Context;
-use super::held::{self, Registered};
+use super::held::{self, Hold, Registered};
 use super::outputs::{self, Finished};
 use super::placement::Placing;
 use crate::event::{self, Entry};
@@ -23,8 +23,9 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use tokio_util::sync::CancellationToken;
 
-/// One parked entry (delivered once: only events on their first try are parked).
-struct Parked {
+/// One parked entry (delivered once: only events on their first try are parked). Inbound
+/// partitions park theirs the same way (`inbound`).
+pub(crate) struct Parked {
     /// Its input stream, by index in `Context::streams`.
     stream: u32,
     /// The places it held when read (`budget`), so that no more are read back than have room.
@@ -72,15 +73,16 @@ impl Lot {
             }
             // Nothing fits after one that did not: the route takes its events in order.
             room = 0;
-            match origin(ctx, &p) {
-                Some((stream, ms, seq)) => self.queue.push_back(Parked {
+            if let Some((stream, ms, seq)) = origin(ctx, &p.event.stream, p.event.id()) {
+                self.queue.push_back(Parked {
                     stream,
                     places: p.permit.places(),
                     ms,
                     seq,
                     registered: p.permit.into_registered(),
-                }),
-                None => kept.push(p),
+                });
+            } else {
+                kept.push(p);
             }
         }
         let added = self.queue.len() - before;
@@ -150,6 +152,44 @@ pub(crate) async fn take_back(
     if taken.is_empty() {
         return Some(Vec::new());
     }
+    let (found, back) = read_again(ctx, taken, room, stop).await?;
+    if !back.is_empty() {
+        lot.lock()
+            .expect("never poisoned")
+            .put_back(ctx, route, back);
+    }
+    let mut placing = Vec::with_capacity(found.len());
+    let (mut done, mut held) = (Finished::default(), Vec::new());
+    for (entry, hold) in found {
+        match event::parse_outbound(entry, &ctx.cfg.outbound) {
+            Ok(event) => placing.push(Placing::new(event, hold)),
+            Err((entry, refused)) => {
+                done.dead.push((entry, refused));
+                held.push(hold);
+            }
+        }
+    }
+    if !done.is_empty() {
+        let (ctx, stop) = (ctx.clone(), stop.clone());
+        tokio::spawn(async move {
+            outputs::finish(&ctx, done, &stop).await;
+            drop(held);
+        });
+    }
+    Some(placing)
+}
+
+/// Reads `taken` again, by id, and weighs them again as a read's are (`budget`), within
+/// `room` places (at least what they held when parked): the entries found, with their places,
+/// in order, and those past the room (all of them if the places were taken meanwhile, by a
+/// read), for the caller to put back in front. Entries trimmed meanwhile are acknowledged and
+/// counted lost. None on `stop` (what was taken stays pending).
+pub(crate) async fn read_again(
+    ctx: &Arc<Context>,
+    taken: Vec<Parked>,
+    room: usize,
+    stop: &CancellationToken,
+) -> Option<(Vec<(Entry, Hold)>, Vec<Parked>)> {
     let places: usize = taken.iter().map(|p| p.places as usize).sum();
     let mut by_stream: BTreeMap<u32, Vec<Parked>> = BTreeMap::new();
     for p in taken {
@@ -185,45 +225,47 @@ pub(crate) async fn take_back(
         .await?;
     }
     let sizes: Vec<usize> = found.iter().map(|(_, e)| e.size()).collect();
-    // Weighed again as a read's are (`budget`): those past the room go back in front, in
-    // order, and all of them if the places were taken meanwhile (by a read).
     let permits = budget::try_hold(ctx, &sizes, room.max(places)).unwrap_or_default();
     let back = found.split_off(permits.len());
-    if !back.is_empty() {
-        let back = back.into_iter().map(|(p, _)| p).collect();
-        lot.lock()
-            .expect("never poisoned")
-            .put_back(ctx, route, back);
-    }
-    let mut placing = Vec::with_capacity(found.len());
-    let (mut done, mut held) = (Finished::default(), Vec::new());
+    let back = back.into_iter().map(|(p, _)| p).collect();
     let (parked, entries): (Vec<Parked>, Vec<Entry>) = found.into_iter().unzip();
     let registered = parked.into_iter().map(|p| p.registered).collect();
-    for (entry, hold) in entries.into_iter().zip(held::holds(permits, registered)) {
-        match event::parse_outbound(entry, &ctx.cfg.outbound) {
-            Ok(event) => placing.push(Placing::new(event, hold)),
-            Err((entry, refused)) => {
-                done.dead.push((entry, refused));
-                held.push(hold);
-            }
-        }
-    }
-    if !done.is_empty() {
-        let (ctx, stop) = (ctx.clone(), stop.clone());
-        tokio::spawn(async move {
-            outputs::finish(&ctx, done, &stop).await;
-            drop(held);
-        });
-    }
-    Some(placing)
+    let found = entries
+        .into_iter()
+        .zip(held::holds(permits, registered))
+        .collect();
+    Some((found, back))
 }
 
-/// Where `p` is parked from: its stream's index and its id's two numbers; None if its stream
-/// or id is not one a read gives (it is then placed as it is).
-fn origin(ctx: &Context, p: &Placing) -> Option<(u32, u64, u64)> {
-    let stream = ctx.streams.iter().position(|s| **s == *p.event.stream)?;
-    let (ms, seq) = p.event.id().split_once('-')?;
+impl Parked {
+    /// The entry `id` of `stream`, holding `hold`, let go of all but its place in the group
+    /// (its registration, and the places it held, to be weighed again); `hold` back if its
+    /// stream or id is not one a read gives (it is then kept as it is).
+    pub(crate) fn new(ctx: &Context, stream: &str, id: &str, hold: Hold) -> Result<Parked, Hold> {
+        match origin(ctx, stream, id) {
+            Some((stream, ms, seq)) => Ok(Parked {
+                stream,
+                places: hold.places(),
+                ms,
+                seq,
+                registered: hold.into_registered(),
+            }),
+            None => Err(hold),
+        }
+    }
+
+    /// The places it held when read.
+    pub(crate) fn places(&self) -> usize {
+        self.places as usize
+    }
+}
+
+/// Where the entry `id` of `stream` is parked from: its stream's index and its id's two
+/// numbers; None if its stream or id is not one a read gives (it is then placed as it is).
+fn origin(ctx: &Context, stream: &str, id: &str) -> Option<(u32, u64, u64)> {
+    let index = ctx.streams.iter().position(|s| **s == *stream)?;
+    let (ms, seq) = id.split_once('-')?;
     let (ms, seq): (u64, u64) = (ms.parse().ok()?, seq.parse().ok()?);
     // Written back as it was read: no leading zeros or signs to lose.
-    (format!("{ms}-{seq}") == p.event.id()).then_some((stream as u32, ms, seq))
+    (format!("{ms}-{seq}") == id).then_some((index as u32, ms, seq))
 }

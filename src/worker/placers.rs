@@ -32,7 +32,7 @@ const MAX_CALL: usize = 128;
 /// events a second they sent. (Waking a route also as soon as its own events gave places back
 /// lets it win them from a reader waiting for a read's worth, which then reads at its pace:
 /// once, another route's events behind 400 large ones were not out within 5 s.)
-const TAKE_BACK_EVERY: Duration = Duration::from_millis(10);
+pub(crate) const TAKE_BACK_EVERY: Duration = Duration::from_millis(10);
 
 /// The placement tasks' inboxes, one per route (by `Route::index`), and what each route parked.
 pub(crate) struct Placers {

@@ -274,6 +274,16 @@ impl Shares {
         self.parked[route].load(Ordering::Relaxed)
     }
 
+    /// The places beyond the reserve kept for the readers.
+    pub(crate) fn beyond_reserve(&self) -> usize {
+        self.total - self.reserve
+    }
+
+    /// The most entries a worker keeps parked.
+    pub(crate) fn max_parked(&self) -> usize {
+        self.max_parked
+    }
+
     /// Whether as many entries are parked as a worker keeps: then the readers wait.
     pub(crate) fn parked_full(&self) -> bool {
         self.parked_total.load(Ordering::Relaxed) >= self.max_parked
