@@ -497,6 +497,11 @@ fn a_wrong_or_missing_credential_stops_the_worker_naming_the_setting() {
             !last.contains(other),
             "{case}: the message also names {other}: {last}"
         );
+        // Said once, as final: not first as something retried.
+        assert!(
+            !log.contains("no reachable master yet; retrying"),
+            "{case}: a refusal logged as retried before the worker gave up:\n{log}"
+        );
         eprintln!("{case}: {last}");
     }
 }

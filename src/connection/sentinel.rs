@@ -251,7 +251,9 @@ impl SentinelConn {
                     &mut self.shared.state.lock().expect("not poisoned").warned,
                     true,
                 );
-                if first {
+                // A refused certificate or credentials is said once, by whoever gives up on it
+                // ("retrying cannot help"), not as something retried.
+                if first && !super::is_fatal(&e) {
                     warn!(error = %e, master_name = %self.shared.master_name, "the sentinels name no reachable master yet; retrying");
                 }
                 match current {
