@@ -749,11 +749,12 @@ fn sigint_drains_exits_0_and_leaves_the_sleeping_events_pending() {
         .map(|i| event(&[("route", "slow"), ("i", &i.to_string())]))
         .collect();
     push(&redis, "in", &events);
-    assert!(wait_until(Duration::from_secs(10), || !read(
-        &redis,
-        "pacer:{slow}:ready"
-    )
-    .is_empty()));
+    // Every entry read (asleep, pending) and one out: a signal before the reader's second read
+    // left 5 never read, neither out nor pending (one fresh-clone run).
+    assert!(wait_until(Duration::from_secs(10), || unread(
+        &redis, "in", "pacer"
+    ) == 0
+        && !read(&redis, "pacer:{slow}:ready").is_empty()));
     pacer.signal("INT");
     assert_eq!(
         pacer.wait_for(Duration::from_secs(10)),
