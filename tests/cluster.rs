@@ -1102,14 +1102,19 @@ fn a_frozen_master_holds_up_no_inbound_partition_on_the_others() {
 /// those partitions): past their part of the places, the stuck partitions park what is read
 /// for them (it stays pending, and is read again once they answer), so the reading and the
 /// partitions on the healthy masters go on. Before, once the stuck partitions held the places
-/// a read needs, every partition waited for the thaw.
+/// a read needs, every partition waited for the thaw. One worker is then killed (-9) with
+/// entries parked: the other claims them, and every entry still ends once.
 #[test]
 fn a_frozen_masters_partitions_park_what_they_have_no_places_for() {
-    frozen_master_partitions(&format!("{WORKER}\n  max_inflight: 120"), true);
+    frozen_master_partitions(
+        "  batch: 64\n  drain: 1s\n  claim_idle: 2s\n  max_inflight: 120",
+        true,
+    );
 }
 
 /// With `parks`, the workers must have parked entries of the frozen master's partitions
-/// (`pacer_parked_events{partition}`) while it was frozen.
+/// (`pacer_parked_events{partition}`) while it was frozen, and the second is killed (-9)
+/// holding some before the thaw.
 fn frozen_master_partitions(worker: &str, parks: bool) {
     const PARTITIONS: usize = 6;
     const SOURCES: usize = 60;
@@ -1245,6 +1250,13 @@ fn frozen_master_partitions(worker: &str, parks: bool) {
     let healthy_seen = forwarded_healthy() - healthy_before;
     let healthy_rejected = rejected_healthy();
     let still_pending = unfinished(input_server, &input, "pacer");
+    let mut pacers = pacers;
+    if parks {
+        let parked = metric_at(ports[1], "pacer_parked_events{partition=");
+        assert!(parked > 0.0, "the second worker parked nothing");
+        pacers[1].kill();
+        eprintln!("frozen partitions: the second worker killed with {parked} entries parked");
+    }
     let thawed_at = now_ms(&mut clock);
     cluster.resume(frozen);
     let logs: String = pacers.iter().map(|p| p.log_text()).collect();
