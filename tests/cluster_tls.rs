@@ -7,8 +7,8 @@
 
 mod common;
 
-use common::{bin, event, readme_acl_user, start};
-use pacer::testkit::{free_port, http_get, wait_until, Cluster, Pacer, TempDir, TlsFiles};
+use common::{event, readme_acl_user, run_until_exit, start};
+use pacer::testkit::{free_port, wait_until, Cluster, Pacer, TempDir, TlsFiles};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -235,24 +235,6 @@ fn config(
     )
 }
 
-/// Runs `pacer run` on `config` until it exits (20 s at most): its exit code (None if it ran
-/// on), whether `/readyz` ever said 200, and its log.
-fn run_until_exit(config: &Path, metrics: u16) -> (Option<i32>, bool, String) {
-    let mut worker = Pacer::run(bin(), config, &[]);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut was_ready = false;
-    let code = loop {
-        if let Some(code) = worker.wait_for(Duration::from_millis(100)) {
-            break Some(code);
-        }
-        was_ready |= matches!(http_get(metrics, "/readyz"), Some((200, _)));
-        if Instant::now() >= deadline {
-            break None;
-        }
-    };
-    (code, was_ready, worker.log_text())
-}
-
 /// Whether the master on `port` says its replica has everything it wrote.
 fn replica_caught_up(cluster: &Cluster, port: u16) -> bool {
     let info: String = redis::cmd("INFO")
@@ -384,7 +366,7 @@ fn a_worker_runs_on_a_tls_only_cluster_as_the_readme_acl_user_through_a_failover
             (
                 name,
                 says,
-                std::thread::spawn(move || run_until_exit(&cfg, metrics)),
+                std::thread::spawn(move || run_until_exit(&cfg, metrics, &[])),
             )
         })
         .collect();

@@ -7,10 +7,10 @@
 
 mod common;
 
-use common::{bin, inbound_body, readme_acl_user, start};
+use common::{inbound_body, read_on, readme_acl_user, run_until_exit, start};
 use pacer::report::max_in_window;
-use pacer::testkit::{free_port, http_get, wait_until, Pacer, Sentinels, TempDir, TlsFiles};
-use std::collections::{BTreeMap, HashMap};
+use pacer::testkit::{free_port, wait_until, Sentinels, TempDir, TlsFiles};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 const PACER_PASSWORD: &str = "pacer-acl-pw";
@@ -102,37 +102,13 @@ fn push(con: &mut redis::Connection, stream: &str, events: &[Vec<(&str, String)>
     pipe.query(con).expect("pushing events")
 }
 
-/// Every entry of `stream`: (entry ms, fields).
-fn entries(con: &mut redis::Connection, stream: &str) -> Vec<(i64, HashMap<String, String>)> {
-    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-        .arg(stream)
-        .arg("-")
-        .arg("+")
-        .query(con)
-        .expect("XRANGE");
-    reply
-        .ids
-        .into_iter()
-        .map(|e| {
-            let fields = e
-                .map
-                .iter()
-                .map(|(k, v)| (k.clone(), redis::from_redis_value_ref(v).unwrap()))
-                .collect();
-            (e.id.split('-').next().unwrap().parse().unwrap(), fields)
-        })
-        .collect()
-}
-
 /// (source stream, source id) -> the outputs holding it.
 fn placements(con: &mut redis::Connection) -> BTreeMap<(String, String), Vec<&'static str>> {
     let mut at: BTreeMap<(String, String), Vec<&'static str>> = BTreeMap::new();
     for stream in OUTPUTS {
-        for (_, f) in entries(con, stream) {
-            let key = (
-                f["pacer_source_stream"].clone(),
-                f["pacer_source_id"].clone(),
-            );
+        for e in read_on(con, stream) {
+            let field = |name: &str| e.field(name).unwrap_or_default().to_string();
+            let key = (field("pacer_source_stream"), field("pacer_source_id"));
             at.entry(key).or_default().push(stream);
         }
     }
@@ -221,8 +197,9 @@ fn push_batch(
 /// No source had more than its 5/s accepted in any second.
 fn assert_inbound_limit(con: &mut redis::Connection) {
     let mut by_source: BTreeMap<String, Vec<i64>> = BTreeMap::new();
-    for (ms, f) in entries(con, "pacer:accepted") {
-        by_source.entry(f["source"].clone()).or_default().push(ms);
+    for e in read_on(con, "pacer:accepted") {
+        let source = e.field("source").unwrap_or_default().to_string();
+        by_source.entry(source).or_default().push(e.ms);
     }
     for (source, times) in by_source {
         let seen = max_in_window(&times, 1000);
@@ -400,28 +377,6 @@ fn a_worker_behind_tls_sentinels_with_acl_users_runs_both_flows_through_a_kill_9
         "sentinel tls: set-up {set_up:?}, promotion {promoted_in:?} after the kill, the promoted master's events ended {followed_in:?} after their push, {:?} in all",
         began.elapsed()
     );
-}
-
-/// Runs a worker on `config` with `env` until it exits (at most 20 s): its exit code (None if it
-/// did not), whether `/readyz` ever said 200, and its log.
-fn run_until_exit(
-    config: &std::path::Path,
-    metrics: u16,
-    env: &[(&str, &str)],
-) -> (Option<i32>, bool, String) {
-    let mut worker = Pacer::run(bin(), config, env);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut was_ready = false;
-    let code = loop {
-        if let Some(code) = worker.wait_for(Duration::from_millis(100)) {
-            break Some(code);
-        }
-        was_ready |= matches!(http_get(metrics, "/readyz"), Some((200, _)));
-        if Instant::now() >= deadline {
-            break None;
-        }
-    };
-    (code, was_ready, worker.log_text())
 }
 
 /// 3 of the brief: the same worker config, save one credential, does not silently work. The

@@ -360,3 +360,46 @@ pub fn readme_acl_user(marker: &str, user: &str, password: &str) -> Vec<String> 
     assert_eq!(words[..3], ["ACL", "SETUSER", user], "{words:?}");
     words[1..].to_vec()
 }
+
+/// Runs a worker on `config` with `env` until it exits (at most 20 s): its exit code (None if it
+/// did not), whether `/readyz` on `metrics` ever said 200, and its log.
+pub fn run_until_exit(
+    config: &Path,
+    metrics: u16,
+    env: &[(&str, &str)],
+) -> (Option<i32>, bool, String) {
+    let mut worker = Pacer::run(bin(), config, env);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut was_ready = false;
+    let code = loop {
+        if let Some(code) = worker.wait_for(Duration::from_millis(100)) {
+            break Some(code);
+        }
+        was_ready |= matches!(http_get(metrics, "/readyz"), Some((200, _)));
+        if std::time::Instant::now() >= deadline {
+            break None;
+        }
+    };
+    (code, was_ready, worker.log_text())
+}
+
+/// Every entry of `stream`, read over `con` (any connection: a TLS one, a cluster node's).
+pub fn read_on(con: &mut redis::Connection, stream: &str) -> Vec<OutputEntry> {
+    let reply: redis::Value = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg("-")
+        .arg("+")
+        .query(con)
+        .expect("XRANGE");
+    let mut entries = Vec::new();
+    pacer::streams::parse_entries(reply, &std::sync::Arc::from(stream), 0, &mut entries)
+        .expect("stream entries");
+    entries
+        .into_iter()
+        .map(|e| OutputEntry {
+            ms: e.ms(),
+            id: e.id,
+            fields: e.fields,
+        })
+        .collect()
+}
