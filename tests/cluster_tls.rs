@@ -7,7 +7,9 @@
 
 mod common;
 
-use common::{event, readme_acl_user, run_until_exit, start};
+use common::{
+    assert_one_shot_commands_read_everything, event, readme_acl_user, run_until_exit, start,
+};
 use pacer::testkit::{free_port, wait_until, Cluster, Pacer, TempDir, TlsFiles};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -578,6 +580,8 @@ fn a_worker_runs_on_a_tls_only_cluster_as_the_readme_acl_user_through_a_failover
     }
     let warnings: Vec<&str> = log.lines().filter(|l| l.contains(" WARN ")).collect();
     eprintln!("the worker's warnings:\n{}", warnings.join("\n"));
+    // The one-shot commands, as the same user over TLS, on every master: each reads all.
+    assert_one_shot_commands_read_everything(&cfg);
     worker.signal("TERM");
     assert_eq!(
         worker.wait_for(Duration::from_secs(15)),

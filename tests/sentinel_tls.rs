@@ -7,7 +7,10 @@
 
 mod common;
 
-use common::{inbound_body, read_on, readme_acl_user, run_until_exit, start};
+use common::{
+    assert_one_shot_commands_read_everything, inbound_body, read_on, readme_acl_user,
+    run_until_exit, start,
+};
 use pacer::report::max_in_window;
 use pacer::testkit::{free_port, wait_until, Sentinels, TempDir, TlsFiles};
 use std::collections::BTreeMap;
@@ -373,6 +376,8 @@ fn a_worker_behind_tls_sentinels_with_acl_users_runs_both_flows_through_a_kill_9
         "the worker's log has errors:\n{}\nthe whole log:\n{log}",
         bad.join("\n")
     );
+    // The one-shot commands, as the same users over TLS, on the promoted master.
+    assert_one_shot_commands_read_everything(&config);
     eprintln!(
         "sentinel tls: set-up {set_up:?}, promotion {promoted_in:?} after the kill, the promoted master's events ended {followed_in:?} after their push, {:?} in all",
         began.elapsed()

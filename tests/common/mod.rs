@@ -403,3 +403,23 @@ pub fn read_on(con: &mut redis::Connection, stream: &str) -> Vec<OutputEntry> {
         })
         .collect()
 }
+
+/// `pacer inspect` and `pacer report` on `config` (its Redis and credentials, not the
+/// environment's) exit 0 having read everything: no "cannot read" line.
+pub fn assert_one_shot_commands_read_everything(config: &Path) {
+    for args in [&["inspect"][..], &["report"][..]] {
+        let run = std::process::Command::new(bin())
+            .args(args)
+            .arg("--config")
+            .arg(config)
+            .env_remove("PACER_REDIS_URL")
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&run.stdout);
+        assert_eq!(run.status.code(), Some(0), "{args:?}: {run:?}");
+        assert!(
+            !out.contains("cannot read"),
+            "{args:?} could not read everything:\n{out}"
+        );
+    }
+}
