@@ -7,6 +7,9 @@
 //!
 //! Over 400 lines: one subject's process-level tests (Cluster, Sentinel, TLS, ACL) sharing one rig.
 
+mod common;
+
+use common::pending_on;
 use pacer::config::{Config, Overrides, RedisConfig, Secret};
 use pacer::connection::{fatal, key_slot, ConnectError, Fatal, RedisConn};
 use pacer::testkit::{free_port, Cluster, RedisServer, Sentinels, TempDir, TlsFiles};
@@ -782,16 +785,6 @@ fn xadd_all(
     pipe.query(con).expect("pushing events over TLS")
 }
 
-/// Entries of `stream` group `pacer` has pending (XPENDING's count).
-fn pending_of(con: &mut redis::Connection, stream: &str) -> i64 {
-    let (count, ..): (i64, redis::Value, redis::Value, redis::Value) = redis::cmd("XPENDING")
-        .arg(stream)
-        .arg("pacer")
-        .query(con)
-        .expect("XPENDING");
-    count
-}
-
 /// A `pacer run` config for the TLS server on `port` with these `redis.tls` settings, metrics
 /// on `metrics`: two outbound routes and one inbound rule.
 fn tls_run_config(
@@ -914,8 +907,8 @@ fn a_worker_runs_both_flows_over_tls_with_a_client_certificate() {
             + entries(&mut con, "pacer:in-rejected").len();
         ended >= pushed.len()
             && decided >= in_ids.len()
-            && pending_of(&mut con, "pacer:out") == 0
-            && pending_of(&mut con, "pacer:in") == 0
+            && pending_on(&mut con, "pacer:out") == 0
+            && pending_on(&mut con, "pacer:in") == 0
     });
     assert!(done, "not every event ended:\n{}", worker.log_text());
 

@@ -8,7 +8,7 @@
 mod common;
 
 use common::{
-    assert_one_shot_commands_read_everything, inbound_body, read_on, readme_acl_user,
+    assert_one_shot_commands_read_everything, inbound_body, pending_on, read_on, readme_acl_user,
     run_until_exit, start,
 };
 use pacer::report::max_in_window;
@@ -118,16 +118,6 @@ fn placements(con: &mut redis::Connection) -> BTreeMap<(String, String), Vec<&'s
     at
 }
 
-/// Entries of `stream` the group `pacer` has pending.
-fn pending(con: &mut redis::Connection, stream: &str) -> i64 {
-    let (count, ..): (i64, redis::Value, redis::Value, redis::Value) = redis::cmd("XPENDING")
-        .arg(stream)
-        .arg("pacer")
-        .query(con)
-        .expect("XPENDING");
-    count
-}
-
 /// Waits (bounded) until every pushed entry ended somewhere and nothing is pending.
 fn settled(sentinels: &Sentinels, port: u16, pushed: &[(&str, String)], limit: Duration) -> bool {
     wait_until(limit, || {
@@ -136,8 +126,8 @@ fn settled(sentinels: &Sentinels, port: u16, pushed: &[(&str, String)], limit: D
         pushed
             .iter()
             .all(|(s, id)| at.contains_key(&(s.to_string(), id.clone())))
-            && pending(&mut con, "pacer:out") == 0
-            && pending(&mut con, "pacer:in") == 0
+            && pending_on(&mut con, "pacer:out") == 0
+            && pending_on(&mut con, "pacer:in") == 0
     })
 }
 

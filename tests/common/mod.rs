@@ -423,3 +423,14 @@ pub fn assert_one_shot_commands_read_everything(config: &Path) {
         );
     }
 }
+
+/// Entries of `stream` the group `pacer` has pending (XPENDING's count), over `con` (any
+/// connection: a TLS one, a node's).
+pub fn pending_on(con: &mut redis::Connection, stream: &str) -> i64 {
+    let (count, ..): (i64, redis::Value, redis::Value, redis::Value) = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg("pacer")
+        .query(con)
+        .expect("XPENDING");
+    count
+}
