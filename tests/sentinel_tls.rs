@@ -273,7 +273,7 @@ fn assert_locked(sentinels: &Sentinels, files: &TlsFiles, ports: &[u16]) {
     }
 }
 
-/// 1 and 2 of the brief: both flows exactly once over TLS + ACL behind TLS + auth sentinels,
+/// Both flows exactly once over TLS + ACL behind TLS + auth sentinels,
 /// then through a kill -9 of the master: events pushed to the promoted replica are each ended
 /// once within a bounded time, and the worker names the new master from the sentinels.
 #[test]
@@ -374,7 +374,7 @@ fn a_worker_behind_tls_sentinels_with_acl_users_runs_both_flows_through_a_kill_9
     );
 }
 
-/// 3 of the brief: the same worker config, save one credential, does not silently work. The
+/// The same worker config, save one credential, does not silently work. The
 /// right config first (it does work, so the refusals below are the credential's doing); then a
 /// wrong sentinel password (`PACER_REDIS_SENTINEL_PASSWORD` over the right file), no sentinel
 /// credentials, and a wrong password for the README's user on the master. Each exits at start,
