@@ -24,7 +24,7 @@
 
 use super::context::Context;
 use super::outputs;
-use super::parked::{read_again, Parked};
+use super::parked::{read_again, Lot, Parked};
 use super::placers::TAKE_BACK_EVERY;
 use crate::backoff::Backoff;
 use crate::config::{FailPolicy, InboundConfig};
@@ -35,7 +35,7 @@ use crate::keys::{InboundKeys, OutputKeys};
 use crate::scripts::{call_len, AdmitItem, AdmitReply, AdmitTargets, Admitted};
 use crate::telemetry::{self, InboundOutcome};
 use crate::worker::held::Hold;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -52,63 +52,79 @@ use tracing::{debug, warn};
 /// its place until it is decided and its outputs are written.
 pub(crate) struct Lanes {
     lanes: Vec<mpsc::UnboundedSender<Part>>,
-    /// What the reader knows of each lane, by partition.
-    state: Arc<[Lane]>,
-    /// Entries parked by every lane together: past `Shares::max_parked` a lane keeps what it
-    /// is sent (the reader then waits for places, as before parking).
-    parked_total: Arc<AtomicUsize>,
+    /// What the reader and the lanes' tasks share of each lane.
+    states: Arc<LaneStates>,
 }
 
-/// A lane whose entries have seen no progress (no call answered, no outputs written) for this
-/// long while it holds places is stuck, and holds no more than its part of them: a call
-/// answers in milliseconds, and in a second of traffic the other partitions' reading would
-/// wait behind it. (Until 2026-11-29 a stuck lane held all it was sent: one frozen master's
-/// partitions took every place, and every partition waited for the thaw,
+/// A lane whose entries have seen no progress (none finished) for this long while it holds
+/// places is stuck, and holds no more than its part of them: a call answers in milliseconds,
+/// and in a second of traffic the other partitions' reading would wait behind it. (Until
+/// 2026-11-29 a stuck lane held all it was sent: one frozen master's partitions took every
+/// place, and every partition waited for the thaw,
 /// `a_frozen_masters_partitions_park_what_they_have_no_places_for`.)
 const STUCK_AFTER: Duration = Duration::from_millis(250);
 
-/// One partition's lane as the reader sees it.
-struct Lane {
-    /// Places held by the entries sent to it and not finished.
-    held: AtomicUsize,
-    /// When its entries last made progress (ms after `born`).
-    progress_ms: AtomicU64,
-    /// Entries parked, oldest first.
-    parked: Mutex<VecDeque<Parked>>,
-    /// While it takes entries back (out of `parked`, not yet decided), what it is sent is
-    /// parked too, after them: those it cannot take now go back in front.
-    taking: AtomicBool,
+/// Each lane's state, by partition.
+struct LaneStates {
+    lanes: Box<[Lane]>,
+    /// The places a stuck lane may hold: its part of those beyond the readers' reserve, as if
+    /// each partition and the rest of the worker had one (so all of them stuck leave the rest
+    /// a part, and the readers the reserve).
+    part: usize,
     born: Instant,
 }
 
-impl Lane {
+/// One partition's lane as the reader sees it.
+#[derive(Default)]
+struct Lane {
+    /// Places held by the entries sent to it and not finished.
+    held: AtomicUsize,
+    /// When its entries last made progress (ms after `LaneStates::born`).
+    progress_ms: AtomicU64,
+    /// Entries parked, oldest first (`parked`, as a route's).
+    lot: Mutex<Lot>,
+    /// While it takes entries back (out of the lot, not yet decided), what it is sent is
+    /// parked too, after them: those it cannot take now go back in front.
+    taking: AtomicBool,
+}
+
+impl LaneStates {
     fn now_ms(&self) -> u64 {
         self.born.elapsed().as_millis() as u64
     }
 
-    fn progressed(&self) {
-        self.progress_ms.store(self.now_ms(), Ordering::Relaxed);
-    }
-
-    /// Counts `places` held by entries sent to it; the first after none starts its clock.
-    fn handed(&self, places: usize) {
-        if self.held.fetch_add(places, Ordering::Relaxed) == 0 {
-            self.progressed();
+    /// Counts `places` held by entries sent to lane `k`; the first after none starts its clock.
+    fn handed(&self, k: usize, places: usize) {
+        let lane = &self.lanes[k];
+        if lane.held.fetch_add(places, Ordering::Relaxed) == 0 {
+            lane.progress_ms.store(self.now_ms(), Ordering::Relaxed);
         }
     }
 
-    /// Counts `places` let go (their entries finished).
-    fn done(&self, places: usize) {
-        self.held.fetch_sub(places, Ordering::Relaxed);
-        self.progressed();
+    /// Counts `places` of lane `k` let go: their entries finished, which is its progress.
+    fn done(&self, k: usize, places: usize) {
+        let lane = &self.lanes[k];
+        lane.held.fetch_sub(places, Ordering::Relaxed);
+        lane.progress_ms.store(self.now_ms(), Ordering::Relaxed);
     }
 
-    fn stuck(&self) -> bool {
-        self.held.load(Ordering::Relaxed) > 0
-            && self
-                .now_ms()
-                .saturating_sub(self.progress_ms.load(Ordering::Relaxed))
-                > STUCK_AFTER.as_millis() as u64
+    fn stuck(&self, k: usize) -> bool {
+        let lane = &self.lanes[k];
+        let since = lane.progress_ms.load(Ordering::Relaxed);
+        lane.held.load(Ordering::Relaxed) > 0
+            && self.now_ms().saturating_sub(since) > STUCK_AFTER.as_millis() as u64
+    }
+
+    /// How lane `k`'s entries of a batch are gathered (`Parking`).
+    fn parking(&self, k: usize) -> Parking {
+        let lane = &self.lanes[k];
+        Parking {
+            parking: lane.taking.load(Ordering::Relaxed)
+                || !lane.lot.lock().expect("never poisoned").is_empty(),
+            stuck: self.stuck(k),
+            room: self.part.saturating_sub(lane.held.load(Ordering::Relaxed)),
+            parked: Vec::new(),
+        }
     }
 }
 
@@ -132,16 +148,15 @@ impl Gathered {
     }
 }
 
+/// The places `holds` hold.
+fn places(holds: &[Hold]) -> usize {
+    holds.iter().map(|h| h.places() as usize).sum()
+}
+
 /// One batch's entries of one partition, with their places.
 struct Part {
     events: Gathered,
     batch: Arc<Batch>,
-}
-
-impl Gathered {
-    fn places(&self) -> usize {
-        self.holds.iter().map(|h| h.places() as usize).sum()
-    }
 }
 
 /// Whether `k`'s entries are parked, as a batch's are gathered: decided at the partition's
@@ -181,63 +196,20 @@ impl Lanes {
     /// Starts a task per partition of the inbound flow (none without one); they end on `stop`.
     pub(crate) fn start(ctx: &Arc<Context>, stop: &CancellationToken) -> Self {
         let n = ctx.cfg.inbound.as_ref().map_or(0, |cfg| cfg.keys.len());
-        let born = Instant::now();
-        let state: Arc<[Lane]> = (0..n)
-            .map(|_| Lane {
-                held: AtomicUsize::new(0),
-                progress_ms: AtomicU64::new(0),
-                parked: Mutex::default(),
-                taking: AtomicBool::new(false),
-                born,
-            })
-            .collect();
-        let parked_total = Arc::new(AtomicUsize::new(0));
+        let states = Arc::new(LaneStates {
+            lanes: (0..n).map(|_| Lane::default()).collect(),
+            part: (ctx.shares.beyond_reserve() / (n + 1)).max(1),
+            born: Instant::now(),
+        });
         let lanes = (0..n)
             .map(|k| {
                 let (tx, rx) = mpsc::unbounded_channel();
-                let own = Own {
-                    state: state.clone(),
-                    parked_total: parked_total.clone(),
-                };
-                tokio::spawn(lane(ctx.clone(), k, rx, own, stop.clone()));
+                tokio::spawn(lane(ctx.clone(), k, rx, states.clone(), stop.clone()));
                 tx
             })
             .collect();
-        Lanes {
-            lanes,
-            state,
-            parked_total,
-        }
+        Lanes { lanes, states }
     }
-
-    /// How `k`'s entries of a batch are gathered (`Parking`).
-    fn parking(&self, ctx: &Context, k: usize) -> Parking {
-        let lane = &self.state[k];
-        let stuck = lane.stuck();
-        let full = self.parked_total.load(Ordering::Relaxed) >= ctx.shares.max_parked();
-        Parking {
-            parking: !full
-                && (lane.taking.load(Ordering::Relaxed)
-                    || !lane.parked.lock().expect("never poisoned").is_empty()),
-            stuck: stuck && !full,
-            room: stuck_part(ctx, self.lanes.len())
-                .saturating_sub(lane.held.load(Ordering::Relaxed)),
-            parked: Vec::new(),
-        }
-    }
-}
-
-/// The places a stuck lane may hold, of `partitions`: its part of those beyond the reserve, as
-/// if each partition and the rest of the worker had one (so all of them stuck leave the rest a
-/// part, and the readers the reserve).
-fn stuck_part(ctx: &Context, partitions: usize) -> usize {
-    (ctx.shares.beyond_reserve() / (partitions + 1)).max(1)
-}
-
-/// A lane's view of the lanes' state.
-struct Own {
-    state: Arc<[Lane]>,
-    parked_total: Arc<AtomicUsize>,
 }
 
 /// Parts a lane decides together at most: under load the parts queued behind a call go in the
@@ -252,7 +224,7 @@ async fn lane(
     ctx: Arc<Context>,
     k: usize,
     mut parts: mpsc::UnboundedReceiver<Part>,
-    own: Own,
+    states: Arc<LaneStates>,
     stop: CancellationToken,
 ) {
     let cfg = ctx
@@ -260,10 +232,9 @@ async fn lane(
         .inbound
         .as_ref()
         .expect("lanes run for an inbound flow");
-    let state = &own.state[k];
-    let part_places = stuck_part(&ctx, own.state.len());
+    let state = &states.lanes[k];
     loop {
-        let has_parked = !state.parked.lock().expect("never poisoned").is_empty();
+        let has_parked = !state.lot.lock().expect("never poisoned").is_empty();
         let first = tokio::select! {
             _ = stop.cancelled() => return,
             part = parts.recv() => match part {
@@ -286,8 +257,10 @@ async fn lane(
         // Only with nothing more sent: an entry is parked only once the lane has entries
         // parked or is stuck, so those sent came before every parked one.
         if has_parked && parts.is_empty() {
-            let room = part_places.saturating_sub(state.held.load(Ordering::Relaxed));
-            let Some(back) = take_back(&ctx, &own, k, room, &stop).await else {
+            let room = states
+                .part
+                .saturating_sub(state.held.load(Ordering::Relaxed));
+            let Some(back) = take_back(&ctx, &states, k, room, &stop).await else {
                 return;
             };
             let mut taken = Gathered::default();
@@ -299,7 +272,7 @@ async fn lane(
                 taken.holds.push(hold);
             }
             if !taken.holds.is_empty() {
-                state.handed(taken.places());
+                states.handed(k, places(&taken.holds));
                 events.append(taken);
                 // Acknowledged by a batch of their own (their reads' batches are done).
                 batches.push(Arc::new(Batch {
@@ -317,13 +290,13 @@ async fn lane(
         };
         // Progress is entries finished (`Lane::done`), not decided: a partition decided in a
         // healthy slot whose outputs wait on a frozen one is stuck too.
-        let (ctx, stop, state) = (ctx.clone(), stop.clone(), own.state.clone());
+        let (ctx, stop, states) = (ctx.clone(), stop.clone(), states.clone());
         tokio::spawn(async move {
             let cfg = ctx.cfg.inbound.as_ref().expect("an inbound flow");
             let acks = finish(&ctx, cfg, &cfg.keys[k], decided, dead, &stop).await;
-            let places = holds.iter().map(|h| h.places() as usize).sum();
+            let held = places(&holds);
             drop(holds);
-            state[k].done(places);
+            states.done(k, held);
             let Some(acks) = acks else { return };
             // The round's entries are finished whichever batch they came in: the last batch
             // acknowledges them all with its own, the others count this part done.
@@ -367,7 +340,7 @@ pub(super) fn admit(
         match ev::parse_inbound(entry, cfg) {
             Ok(e) => {
                 let k = e.partition;
-                let park = parking.entry(k).or_insert_with(|| lanes.parking(ctx, k));
+                let park = parking.entry(k).or_insert_with(|| lanes.states.parking(k));
                 // Only entries on their first delivery: nothing is recorded for them yet.
                 let places = hold.places() as usize;
                 let hold = if e.entry.deliveries <= 1
@@ -404,9 +377,9 @@ pub(super) fn admit(
     for (k, park) in parking {
         if !park.parked.is_empty() {
             let n = park.parked.len();
-            let mut lot = lanes.state[k].parked.lock().expect("never poisoned");
+            let mut lot = lanes.states.lanes[k].lot.lock().expect("never poisoned");
             lot.extend(park.parked);
-            lanes.parked_total.fetch_add(n, Ordering::Relaxed);
+            ctx.shares.park_inbound(n, true);
             telemetry::inbound_parked(k, lot.len());
         }
     }
@@ -418,7 +391,7 @@ pub(super) fn admit(
         left: std::sync::Mutex::new((n, Vec::new())),
     });
     for (k, events) in parts {
-        lanes.state[k].handed(events.places());
+        lanes.states.handed(k, places(&events.holds));
         let part = Part {
             events,
             batch: batch.clone(),
@@ -446,40 +419,29 @@ pub(super) fn admit(
 /// places free now go back in front. None on `stop`.
 async fn take_back(
     ctx: &Arc<Context>,
-    own: &Own,
+    states: &LaneStates,
     k: usize,
     room: usize,
     stop: &CancellationToken,
 ) -> Option<Vec<(Entry, Hold)>> {
-    let lane = &own.state[k];
-    let lot = &lane.parked;
-    lane.taking.store(true, Ordering::Relaxed);
-    let taken: Vec<Parked> = {
-        let mut lot = lot.lock().expect("never poisoned");
-        let (mut places, mut n) = (0, 0);
-        for p in lot.iter().take(ctx.cfg.worker.batch) {
-            if n > 0 && places + p.places() > room {
-                break;
-            }
-            places += p.places();
-            n += 1;
-        }
-        lot.drain(..n).collect()
+    let lane = &states.lanes[k];
+    let taken = {
+        let mut lot = lane.lot.lock().expect("never poisoned");
+        lane.taking.store(true, Ordering::Relaxed);
+        lot.take_fitting(room.max(1), ctx.cfg.worker.batch)
     };
-    if taken.is_empty() {
-        lane.taking.store(false, Ordering::Relaxed);
-        return Some(Vec::new());
-    }
     let n = taken.len();
-    let (found, back) = read_again(ctx, taken, room, stop).await?;
-    let mut lot = lot.lock().expect("never poisoned");
+    let (found, back) = if n == 0 {
+        (Vec::new(), Vec::new())
+    } else {
+        read_again(ctx, taken, room, stop).await?
+    };
+    let mut lot = lane.lot.lock().expect("never poisoned");
     let returned = back.len();
-    for p in back.into_iter().rev() {
-        lot.push_front(p);
-    }
+    lot.put_front(back);
     // Under the lot's lock: what the reader parks from now goes after what came back.
     lane.taking.store(false, Ordering::Relaxed);
-    own.parked_total.fetch_sub(n - returned, Ordering::Relaxed);
+    ctx.shares.park_inbound(n - returned, false);
     telemetry::inbound_parked(k, lot.len());
     Some(found)
 }

@@ -73,16 +73,13 @@ impl Lot {
             }
             // Nothing fits after one that did not: the route takes its events in order.
             room = 0;
-            if let Some((stream, ms, seq)) = origin(ctx, &p.event.stream, p.event.id()) {
-                self.queue.push_back(Parked {
-                    stream,
-                    places: p.permit.places(),
-                    ms,
-                    seq,
-                    registered: p.permit.into_registered(),
-                });
-            } else {
-                kept.push(p);
+            let mut p = p;
+            match Parked::new(ctx, &p.event.stream, p.event.id(), p.permit) {
+                Ok(parked) => self.queue.push_back(parked),
+                Err(permit) => {
+                    p.permit = permit;
+                    kept.push(p);
+                }
             }
         }
         let added = self.queue.len() - before;
@@ -94,14 +91,8 @@ impl Lot {
     }
 
     /// The oldest entries whose places when read fit in `room` (one at least, so that one
-    /// heavier than a whole share still goes), at most `most`, taken out.
-    fn take(
-        &mut self,
-        ctx: &Context,
-        route: &crate::config::Route,
-        room: usize,
-        most: usize,
-    ) -> Vec<Parked> {
+    /// heavier than a whole share still goes), at most `most`, taken out (none for no room).
+    pub(crate) fn take_fitting(&mut self, room: usize, most: usize) -> Vec<Parked> {
         if room == 0 {
             return Vec::new();
         }
@@ -113,20 +104,49 @@ impl Lot {
             places += p.places as usize;
             n += 1;
         }
-        let taken: Vec<Parked> = self.queue.drain(..n).collect();
-        if n > 0 {
-            ctx.shares.unpark(route.index, n);
+        self.queue.drain(..n).collect()
+    }
+
+    /// Puts `back` in front, in order.
+    pub(crate) fn put_front(&mut self, back: Vec<Parked>) {
+        for p in back.into_iter().rev() {
+            self.queue.push_front(p);
+        }
+    }
+
+    /// Adds `parked` at the back, in order.
+    pub(crate) fn extend(&mut self, parked: Vec<Parked>) {
+        self.queue.extend(parked);
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// `take_fitting`, counted off `route`'s parked entries.
+    fn take(
+        &mut self,
+        ctx: &Context,
+        route: &crate::config::Route,
+        room: usize,
+        most: usize,
+    ) -> Vec<Parked> {
+        let taken = self.take_fitting(room, most);
+        if !taken.is_empty() {
+            ctx.shares.unpark(route.index, taken.len());
             telemetry::parked(&route.name, self.queue.len());
         }
         taken
     }
 
-    /// Puts `back` in front, in order.
+    /// `put_front`, counted in `route`'s parked entries again.
     fn put_back(&mut self, ctx: &Context, route: &crate::config::Route, back: Vec<Parked>) {
         ctx.shares.park(route.index, back.len());
-        for p in back.into_iter().rev() {
-            self.queue.push_front(p);
-        }
+        self.put_front(back);
         telemetry::parked(&route.name, self.queue.len());
     }
 }
@@ -252,11 +272,6 @@ impl Parked {
             }),
             None => Err(hold),
         }
-    }
-
-    /// The places it held when read.
-    pub(crate) fn places(&self) -> usize {
-        self.places as usize
     }
 }
 

@@ -74,6 +74,9 @@ pub(crate) struct Shares {
     active: AtomicUsize,
     /// Entries parked, all routes together.
     parked_total: AtomicUsize,
+    /// Entries the inbound partitions have parked (`worker::inbound`): they count toward
+    /// `max_parked` too, but no route takes them back.
+    parked_inbound: AtomicUsize,
     /// Places held by reads under way (a reader's XREADGROUP waiting for new entries holds its
     /// count): the reserve is for them, so those count toward it, not against the routes.
     reading: AtomicUsize,
@@ -107,6 +110,7 @@ impl Shares {
             counted: Mutex::new(vec![false; routes]),
             active: AtomicUsize::new(0),
             parked_total: AtomicUsize::new(0),
+            parked_inbound: AtomicUsize::new(0),
             reading: AtomicUsize::new(0),
             permits,
             total,
@@ -279,14 +283,20 @@ impl Shares {
         self.total - self.reserve
     }
 
-    /// The most entries a worker keeps parked.
-    pub(crate) fn max_parked(&self) -> usize {
-        self.max_parked
+    /// Counts `n` entries parked by the inbound partitions (`added`), or taken back.
+    pub(crate) fn park_inbound(&self, n: usize, added: bool) {
+        if added {
+            self.parked_inbound.fetch_add(n, Ordering::Relaxed);
+        } else {
+            self.parked_inbound.fetch_sub(n, Ordering::Relaxed);
+        }
     }
 
-    /// Whether as many entries are parked as a worker keeps: then the readers wait.
+    /// Whether as many entries are parked, by routes and inbound partitions together, as a
+    /// worker keeps: then the readers wait.
     pub(crate) fn parked_full(&self) -> bool {
-        self.parked_total.load(Ordering::Relaxed) >= self.max_parked
+        self.parked_total.load(Ordering::Relaxed) + self.parked_inbound.load(Ordering::Relaxed)
+            >= self.max_parked
     }
 }
 
