@@ -769,12 +769,25 @@ fn an_identity_under_its_limit_finds_its_next_lease_fetched_ahead() {
     );
     assert_eq!(ok.len(), sent, "all under the limit");
     let m = api.ports[0].0;
-    let ahead = metric_at(m, FETCHED_AHEAD);
-    let on_demand = metric_at(
-        m,
-        "pacer_lease_fetches_total{rule=\"per-key\",ahead=\"false\"}",
+    let counts = || {
+        [
+            FETCHED_AHEAD,
+            "pacer_lease_fetches_total{rule=\"per-key\",ahead=\"false\"}",
+            "pacer_api_redis_calls_total{api=\"http\"}",
+        ]
+        .map(|name| metric_at(m, name))
+    };
+    // A fetch ahead may still be on its way when the last answer comes: read the counters
+    // once two readings agree, so that a call is never counted without its fetch.
+    let mut last = counts();
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            let now = counts();
+            std::mem::replace(&mut last, now) == now
+        }),
+        "the lease counters never settled"
     );
-    let calls = metric_at(m, "pacer_api_redis_calls_total{api=\"http\"}");
+    let [ahead, on_demand, calls] = last;
     assert!(ahead >= 20.0, "{ahead} fetches ahead for {sent} requests");
     // (About 1 in 20 here on a quiet machine; a loaded one runs the worker late more often:
     // 99 against 186 with two busy loops beside it. Before, every fetch was on demand.)
