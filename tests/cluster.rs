@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{event, pending, read, start, unfinished};
+use common::{event, pending, read, start, tail, unfinished};
 use pacer::keys::InboundKeys;
 use pacer::report::{max_in_window, OutputEntry};
 use pacer::testkit::{free_port, metric_at, wait_until, Cluster, Pacer, RedisServer, TempDir};
@@ -111,11 +111,6 @@ fn assert_each_once(
         "a call spanned slots"
     );
     at
-}
-
-fn tail(text: &str) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(60)..].join("\n")
 }
 
 /// No rolling window W of `times` (ms) holds more than rate × W + burst.

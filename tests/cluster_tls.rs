@@ -8,7 +8,7 @@
 mod common;
 
 use common::{
-    assert_one_shot_commands_read_everything, event, readme_acl_user, run_until_exit, start,
+    assert_one_shot_commands_read_everything, event, readme_acl_user, run_until_exit, start, tail,
 };
 use pacer::testkit::{free_port, wait_until, Cluster, Pacer, TempDir, TlsFiles};
 use std::collections::{BTreeMap, HashMap};
@@ -198,16 +198,6 @@ impl Flow {
             tail(&worker.log_text())
         );
     }
-}
-
-/// The last 40 lines of a worker's log, leaving out redis-rs's own (a cluster it cannot reach
-/// logs several lines every 40 ms).
-fn tail(log: &str) -> String {
-    let lines: Vec<&str> = log
-        .lines()
-        .filter(|l| !l.contains("redis::cluster_handling") && !l.starts_with("  "))
-        .collect();
-    lines[lines.len().saturating_sub(40)..].join("\n")
 }
 
 /// A worker config on `cluster`: only its `rediss://` seeds, `tls` (a YAML flow mapping), user

@@ -434,3 +434,13 @@ pub fn pending_on(con: &mut redis::Connection, stream: &str) -> i64 {
         .expect("XPENDING");
     count
 }
+
+/// The last 40 lines of a worker's log, leaving out redis-rs's own (a cluster it cannot reach
+/// logs several lines every 40 ms).
+pub fn tail(log: &str) -> String {
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| !l.contains("redis::cluster_handling") && !l.starts_with("  "))
+        .collect();
+    lines[lines.len().saturating_sub(40)..].join("\n")
+}
