@@ -14,7 +14,8 @@ use common::{
 use pacer::report::max_in_window;
 
 use pacer::testkit::{
-    free_port, http_get, master_port_of, metric_at, wait_until, RedisServer, Sentinels, TempDir,
+    free_port, http_get, http_post, master_port_of, metric_at, wait_until, RedisServer, Sentinels,
+    TempDir,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -547,4 +548,78 @@ fn a_frozen_replica_stalls_the_route_counted_and_logged_once_per_stall_losing_no
             said.join("\n")
         );
     }
+}
+
+/// The synchronous API behind Sentinel, its master killed (-9): while no master is named,
+/// each request is answered 503 (`fail_closed`) within its call's timeout, never held; once
+/// the sentinels promote the replica, the worker decides there again, on the state replicated
+/// to it (the identity's room goes on from where it was, not from a fresh window).
+#[test]
+fn the_api_follows_the_sentinels_to_the_promoted_replica_keeping_each_identitys_room() {
+    let mut sentinels = Sentinels::start_with(1);
+    let dir = TempDir::new("sentinel-api");
+    let (m, h) = (free_port(), free_port());
+    let text = format!(
+        "redis:\n  mode: sentinel\n  url: \"{}\"\n  sentinel: {{master_name: {}}}\n  timeout: 500ms\nmetrics:\n  listen: 127.0.0.1:{m}\ninbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  api: {{listen: 127.0.0.1:{h}}}\n  rules:\n    - {{name: per-minute, key: [source], limits: [20/min]}}\n",
+        sentinels.urls(),
+        sentinels.master_name
+    );
+    let pacer = start(&dir.write("w.yaml", &text), m);
+    let ask = |source: &str| {
+        let t0 = Instant::now();
+        let body = format!(r#"{{"fields": {{"source": "{source}"}}}}"#);
+        let (status, _, text) = http_post(h, "/v1/admit", &body).expect("pacer answers");
+        let json: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        (status, json, t0.elapsed())
+    };
+    for source in ["a", "b"] {
+        for left in (15..20).rev() {
+            let (status, body, _) = ask(source);
+            assert_eq!((status, &body["remaining"]), (200, &left.into()), "{body}");
+        }
+    }
+    let old = sentinels.master_port().expect("a master");
+    // The replica holds every write the master acknowledged.
+    let _: i64 = redis::cmd("WAIT")
+        .arg(1)
+        .arg(5000)
+        .query(&mut sentinels.server(old).con())
+        .unwrap();
+    assert_eq!(sentinels.kill_master(), old);
+    let killed = Instant::now();
+    // Until the promotion (the sentinels wait out their down-after time first).
+    let (status, body, took) = ask("a");
+    let promoted = sentinels.master_port().filter(|&p| p != old);
+    if promoted.is_none() {
+        assert_eq!(status, 503, "{body}");
+        let says = body["error"].as_str().unwrap_or_default();
+        assert!(says.contains("limiter unavailable"), "{body}");
+    }
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    let new = sentinels
+        .wait_new_master(old, Duration::from_secs(20))
+        .expect("the sentinels promote the replica");
+    let mut first_decided = None;
+    let back = wait_until(Duration::from_secs(20), || {
+        let (status, body, took) = ask("b");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        assert!([200, 503].contains(&status), "{status} {body}");
+        first_decided = (status == 200).then_some(body);
+        first_decided.is_some()
+    });
+    assert!(back, "never decided again:\n{}", pacer.log_text());
+    let body = first_decided.unwrap();
+    let left = body["remaining"].as_i64().unwrap();
+    // 14, or one less should a call have run on the promoted master with its answer lost;
+    // from a fresh window it would be 19.
+    assert!((13..=14).contains(&left), "{body}");
+    let allowed = |source: &str| (0..20).filter(|_| ask(source).0 == 200).count() as i64;
+    // "a", refused while no master was named, was charged nothing then.
+    assert_eq!(allowed("a"), 15);
+    assert_eq!(allowed("b"), left, "after {body}");
+    eprintln!(
+        "sentinel api: 503 in {took:?} after the kill; {new} promoted, decided again {:?} after the kill",
+        killed.elapsed()
+    );
 }
