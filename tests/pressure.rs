@@ -11,7 +11,7 @@ use common::{
     assert_each_once, assert_rate, config, event, lengths, push, read, redis_time_ms, start,
 };
 use pacer::pacing::LATE_US;
-use pacer::testkit::{free_port, wait_until, Pacer, RedisServer, TempDir};
+use pacer::testkit::{free_port, metric_at, wait_until, Pacer, RedisServer, TempDir};
 use std::time::Duration;
 
 /// A backlog of 4 × R events on a route of R/s with burst 1 drains at the route's rate: every
@@ -228,6 +228,42 @@ fn many_routes_with_backlogs_each_keep_their_rate() {
             "{stream} took {span} ms for 75 events at 5/s (14.8 s at its rate)"
         );
     }
+}
+
+/// A backlog spread over 2,000 routes, with a Redis timeout of 50 ms: no call times out, and
+/// every entry ends once. Each route's task makes its own call, and every call's timeout runs
+/// from when it is handed to the one multiplexed connection: with 2,000 calls put on it at once,
+/// those at the back waited out their timeout behind the others (Redis answering each in about
+/// 40 µs), failed, and were retried together (a backlog over 10,000 routes took a worker 20–56 s,
+/// up to 40 s of it with no progress). Now a connection to one node has at most 64 calls out
+/// (the rest wait in the worker, against no timeout) and failed calls retry apart.
+#[test]
+fn a_backlog_over_thousands_of_routes_times_no_call_out() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("wide-backlog");
+    let port = free_port();
+    let (cfg, ready, ids) = many_routes(
+        &redis,
+        &dir,
+        port,
+        (2000, "1000/s", "2s"),
+        "  batch: 512",
+        10,
+    );
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    assert!(text.contains("timeout: 500ms"), "{text}");
+    std::fs::write(&cfg, text.replacen("timeout: 500ms", "timeout: 50ms", 1)).unwrap();
+    let pacer = start(&cfg, port);
+    let outputs = ends(&ready);
+    let mut con = redis.con();
+    let done = wait_until(Duration::from_secs(60), || {
+        entries(&mut con, &outputs) >= ids.len()
+    });
+    assert!(done, "not every entry ended:\n{}", pacer.log_text());
+    let at = assert_each_once(&redis, &ids, &outputs, "in");
+    assert!(at.values().all(|s| s[0].starts_with("pacer:{r")));
+    let failed = metric_at(port, "pacer_redis_errors_total");
+    assert_eq!(failed, 0.0, "calls failed:\n{}", pacer.log_text());
 }
 
 /// The outputs of the two-route parking tests.
