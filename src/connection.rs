@@ -18,6 +18,7 @@
 mod cluster;
 mod renewing;
 mod sentinel;
+mod turns;
 
 use crate::config::{RedisConfig, RedisMode, TlsConfig};
 use redis::aio::{ConnectionLike, ConnectionManagerConfig};
@@ -28,7 +29,6 @@ use redis::{
 };
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{Semaphore, SemaphorePermit};
 
 pub use crate::config::redact;
 
@@ -179,24 +179,14 @@ fn tls_hint(err: &RedisError) -> String {
     format!("{text} ({hint})")
 }
 
-/// Calls one `RedisConn` to a single node (standalone, or the master Sentinel names) may have
-/// out at once; the others wait their turn in pacer, where waiting counts against no timeout.
-/// A call's timeout runs from when it is handed to the multiplexed connection, so with no bound
-/// every call queued behind every other: a backlog spread over 10,000 routes put 10,000
-/// `schedule` calls on the one connection at once, those at the back timed out though Redis
-/// answered each in 40 µs, and their retries queued again (a worker took 20–56 s for 200,000
-/// events, 40 s of it with no progress at all). 64 calls keep Redis busy (each is a batch), and
-/// the last of them waits behind at most 63. On a cluster each master is its own node, and a
-/// frozen one must hold up only its own routes: no bound there.
-const IN_FLIGHT: usize = 64;
-
 /// A connection to pacer's Redis, whatever its deployment. Clones share the underlying
 /// connections (one multiplexed connection per node), like `ConnectionManager`'s.
 #[derive(Clone)]
 pub struct RedisConn {
     inner: Inner,
-    /// On one node: the calls that may be out at once (`IN_FLIGHT`), shared by the clones.
-    in_flight: Option<Arc<Semaphore>>,
+    /// On one node (standalone, Sentinel's master), its turns, shared by the clones (a
+    /// cluster connection takes each master's: `turns`).
+    turns: Option<turns::Turns>,
     target: Arc<str>,
     mode: RedisMode,
     db: i64,
@@ -299,11 +289,10 @@ impl RedisConn {
                     .map_err(|e| setup(e.to_string()))?,
             ),
         };
-        let in_flight =
-            (cfg.mode != RedisMode::Cluster).then(|| Arc::new(Semaphore::new(IN_FLIGHT)));
+        let turns = (cfg.mode != RedisMode::Cluster).then(turns::turns);
         Ok(RedisConn {
             inner,
-            in_flight,
+            turns,
             target: target.into(),
             mode: cfg.mode,
             db,
@@ -328,6 +317,14 @@ impl RedisConn {
         };
         self.check_cluster_seeds().await?;
         Err(ConnectError::classify(&self.target, e))
+    }
+
+    /// In cluster mode, reads which master serves each slot, for the masters' turns (see
+    /// `turns`): at a worker's start, so that its first calls take them too.
+    pub async fn read_slots(&self) {
+        if let Inner::Cluster(con) = &self.inner {
+            con.read_slots().await;
+        }
     }
 
     /// In cluster mode, an error if a configured node answers that it is no cluster node
@@ -445,7 +442,7 @@ fn slot_owner(reply: &Value, slot: u16) -> Option<String> {
 impl ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
-            let _turn = turn(&self.in_flight).await;
+            let _turn = turns::take(self.turns.as_ref()).await;
             match &mut self.inner {
                 Inner::Standalone(con) => con.req_command(cmd).await,
                 Inner::Cluster(con) => con.req_command(cmd).await,
@@ -461,7 +458,7 @@ impl ConnectionLike for RedisConn {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
-            let _turn = turn(&self.in_flight).await;
+            let _turn = turns::take(self.turns.as_ref()).await;
             match &mut self.inner {
                 Inner::Standalone(con) => con.req_pipeline(pipeline, offset, count).await,
                 Inner::Cluster(con) => con.req_packed_commands(pipeline, offset, count).await,
@@ -472,14 +469,6 @@ impl ConnectionLike for RedisConn {
 
     fn get_db(&self) -> i64 {
         self.db
-    }
-}
-
-/// Waits for a call's turn on a bounded connection (`IN_FLIGHT`); held until the call ends.
-async fn turn(in_flight: &Option<Arc<Semaphore>>) -> Option<SemaphorePermit<'_>> {
-    match in_flight {
-        Some(s) => s.acquire().await.ok(),
-        None => None,
     }
 }
 

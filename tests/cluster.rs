@@ -1305,3 +1305,56 @@ fn frozen_master_partitions(worker: &str, parks: bool) {
     assert_eq!(forwarded_healthy_after, healthy_before + healthy_expected);
     eprintln!("frozen partitions: {} entries ended once", at.len());
 }
+
+/// A backlog spread over 2,000 routes on a 3-master cluster, with a Redis timeout of 50 ms:
+/// every entry ends, and no call times out (the cluster counterpart of `tests/pressure.rs`'s
+/// `a_backlog_over_thousands_of_routes_times_no_call_out`).
+#[test]
+fn a_backlog_over_thousands_of_routes_on_a_cluster_times_no_call_out() {
+    const ROUTES: usize = 2000;
+    const EACH: usize = 10;
+    let cluster = Cluster::start(3, 0);
+    let dir = TempDir::new("cluster-wide-backlog");
+    let names: Vec<String> = (0..ROUTES).map(|i| format!("r{i}")).collect();
+    let mut body = String::from("outbound:\n  streams: [\"in\"]\n  routes:\n");
+    for r in &names {
+        body.push_str(&format!(
+            "    {r}: {{rate: 1000/s, burst: 1, max_wait: 2s}}\n"
+        ));
+    }
+    let input = cluster.server_of("in");
+    for n in 0..EACH {
+        let events: Vec<_> = names
+            .iter()
+            .map(|r| event(&[("route", r), ("n", &n.to_string())]))
+            .collect();
+        common::push(input, "in", &events);
+    }
+    let (cfg, port) = worker_config(&dir, &cluster, "", "  batch: 512", &body, 0);
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, text.replacen("timeout: 500ms", "timeout: 50ms", 1)).unwrap();
+    let pacer = start(&cfg, port);
+    let done = wait_until(Duration::from_secs(60), || {
+        unfinished(input, "in", "pacer") == 0
+    });
+    assert!(done, "entries left:\n{}", tail(&pacer.log_text()));
+    let ready: usize = names
+        .iter()
+        .map(|r| {
+            let stream = format!("pacer:{{{r}}}:ready");
+            common::lengths(cluster.server_of(&stream), &[&stream])[0]
+        })
+        .sum();
+    let failed = metric_at(port, "pacer_redis_errors_total");
+    let elsewhere: Vec<usize> = ["pacer:rejected", "pacer:dead"]
+        .iter()
+        .map(|s| common::lengths(cluster.server_of(s), &[s])[0])
+        .collect();
+    assert_eq!(
+        ready,
+        ROUTES * EACH,
+        "rejected and dead: {elsewhere:?}; {failed} calls failed:\n{}",
+        tail(&pacer.log_text())
+    );
+    assert_eq!(failed, 0.0, "calls failed:\n{}", tail(&pacer.log_text()));
+}

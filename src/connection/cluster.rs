@@ -1,6 +1,8 @@
 //! The Redis Cluster side of `RedisConn`: redis-rs's async cluster connection (it follows
-//! MOVED, ASK and TRYAGAIN and refreshes the topology after failovers and resharding), plus one
-//! thing it does not do well: getting a script back onto the node that lost it.
+//! MOVED, ASK and TRYAGAIN and refreshes the topology after failovers and resharding), plus
+//! each master's turns (`super::turns`: at most so many calls out per master, by a slot map of
+//! pacer's own) and one thing it does not do well: getting a script back onto the node that
+//! lost it.
 //!
 //! `Script::invoke_async` answers NOSCRIPT with `SCRIPT LOAD`, which redis-rs sends to every
 //! master and which fails if any one of them does not answer: a master that hangs (or is being
@@ -11,10 +13,11 @@
 //! the `EVALSHA` (redirections followed), it runs on exactly the node that answers, and leaves
 //! the script cached there.
 
+use super::turns::{self, SlotTurns, Turns};
 use redis::aio::ConnectionLike;
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{
     Arg, AsyncConnectionConfig, Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult,
     ServerErrorKind, Value,
@@ -42,6 +45,8 @@ pub(super) enum SeedTrouble {
 #[derive(Clone)]
 pub(super) struct ClusterConn {
     renewal: Arc<Renewal>,
+    /// Each master's turns, by the slot map pacer reads itself (`super::turns`).
+    turns: Arc<SlotTurns>,
     /// Script sources by SHA1, from every `SCRIPT LOAD` sent through any clone.
     scripts: Arc<Mutex<HashMap<String, Arc<[u8]>>>>,
     /// The configured nodes, each reachable on its own (`seed_without_cluster`).
@@ -173,6 +178,18 @@ async fn ask_each_seed<R>(
     (None, refused)
 }
 
+/// Reads the cluster's slots (`CLUSTER NODES`, from any master) into `slots`.
+async fn read_slots(slots: Arc<SlotTurns>, mut con: ClusterConnection) {
+    let mut nodes = redis::cmd("CLUSTER");
+    nodes.arg("NODES");
+    let any = RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary);
+    match con.route_command(nodes, any).await {
+        Ok(Value::BulkString(text)) => slots.read(&String::from_utf8_lossy(&text)),
+        Ok(Value::VerbatimString { text, .. }) => slots.read(&text),
+        _ => slots.unread(),
+    }
+}
+
 /// Whether `CLUSTER NODES` text names a master flagged `fail` (agreed, not `fail?`) that holds
 /// no slots: the cluster gave them to its promoted replica. (A failed master whose slots were
 /// not moved, having no replica, keeps them listed.)
@@ -208,10 +225,29 @@ impl ClusterConn {
                 seeds: seeds.clone(),
                 timeout,
             }),
+            turns: Arc::default(),
             scripts: Arc::default(),
             seeds,
             timeout,
         }
+    }
+
+    /// Reads the slot map for the masters' turns now (the worker's start, before its first
+    /// batch: until then its calls would take none).
+    pub(super) async fn read_slots(&self) {
+        read_slots(self.turns.clone(), self.renewal.con().0).await;
+    }
+
+    /// The turns of the master serving `key`'s slot, as last read (none for no key, or before
+    /// the first read); starts a read of the slots (in the background) when they are due one.
+    fn turns_of(&self, key: Option<&[u8]>) -> Option<Turns> {
+        let slot = crate::keys::slot(&String::from_utf8_lossy(key?));
+        let (turns, read) = self.turns.of(slot);
+        if read {
+            let (slots, (con, _)) = (self.turns.clone(), self.renewal.con());
+            tokio::spawn(read_slots(slots, con));
+        }
+        turns
     }
 
     /// What is wrong with the configured nodes, each asked on a connection of its own: the
@@ -251,6 +287,8 @@ impl ClusterConn {
                 self.remember(source);
             }
         }
+        let turns = self.turns_of(turns::routing_key(&args));
+        let _turn = turns::take(turns.as_ref()).await;
         let (mut con, generation) = self.renewal.con();
         let result = con.req_packed_command(cmd).await;
         self.renewal.note(generation, &result);
@@ -293,6 +331,8 @@ impl ClusterConn {
         count: usize,
     ) -> RedisResult<Vec<Value>> {
         let route = Route::with_key(key, SlotAddr::Master);
+        let turns = self.turns_of(Some(key.as_bytes()));
+        let _turn = turns::take(turns.as_ref()).await;
         let (mut con, generation) = self.renewal.con();
         let result = con
             .route_pipeline(

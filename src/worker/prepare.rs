@@ -210,6 +210,7 @@ async fn prepare_once(ctx: &Context) -> Result<()> {
     let cluster = match ctx.con.mode() {
         RedisMode::Cluster => {
             ctx.con.check_cluster_seeds().await?;
+            ctx.con.read_slots().await;
             true
         }
         RedisMode::Sentinel => false,
