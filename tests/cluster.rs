@@ -1306,7 +1306,7 @@ fn frozen_master_partitions(worker: &str, parks: bool) {
     eprintln!("frozen partitions: {} entries ended once", at.len());
 }
 
-/// A backlog spread over 2,000 routes on a 3-master cluster, with a Redis timeout of 50 ms:
+/// A backlog spread over 2,000 routes on a 3-master cluster, with a Redis timeout of 100 ms:
 /// every entry ends, and no call times out (the cluster counterpart of `tests/pressure.rs`'s
 /// `a_backlog_over_thousands_of_routes_times_no_call_out`).
 #[test]
@@ -1332,7 +1332,7 @@ fn a_backlog_over_thousands_of_routes_on_a_cluster_times_no_call_out() {
     }
     let (cfg, port) = worker_config(&dir, &cluster, "", "  batch: 512", &body, 0);
     let text = std::fs::read_to_string(&cfg).unwrap();
-    std::fs::write(&cfg, text.replacen("timeout: 500ms", "timeout: 50ms", 1)).unwrap();
+    std::fs::write(&cfg, text.replacen("timeout: 500ms", "timeout: 100ms", 1)).unwrap();
     let pacer = start(&cfg, port);
     let done = wait_until(Duration::from_secs(60), || {
         unfinished(input, "in", "pacer") == 0
