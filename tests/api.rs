@@ -1345,11 +1345,7 @@ fn on_a_cluster_a_killed_master_costs_only_its_identities_until_its_replica_take
         cluster.urls()
     );
     let pacer = start(&dir.write("w.yaml", &text), m);
-    let ask = |source: &str| {
-        let t0 = Instant::now();
-        let (status, _, body) = post(h, &format!(r#"{{"fields": {{"source": "{source}"}}}}"#));
-        (status, body, t0.elapsed())
-    };
+    let ask = |source: &str| admit_source(h, source);
     // Five of each source's twenty before the kill.
     for source in &sources {
         for left in (15..20).rev() {

@@ -9,13 +9,13 @@
 mod common;
 
 use common::{
-    inbound_body, placements, placements_by_stream, read, redis_time_ms, start, unfinished,
+    admit_source, inbound_body, placements, placements_by_stream, read, redis_time_ms, start,
+    unfinished,
 };
 use pacer::report::max_in_window;
 
 use pacer::testkit::{
-    free_port, http_get, http_post, master_port_of, metric_at, wait_until, RedisServer, Sentinels,
-    TempDir,
+    free_port, http_get, master_port_of, metric_at, wait_until, RedisServer, Sentinels, TempDir,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -565,14 +565,7 @@ fn the_api_follows_the_sentinels_to_the_promoted_replica_keeping_each_identitys_
         sentinels.master_name
     );
     let pacer = start(&dir.write("w.yaml", &text), m);
-    let ask = |source: &str| {
-        let t0 = Instant::now();
-        let body = format!(r#"{{"fields": {{"source": "{source}"}}}}"#);
-        let (status, _, text) = http_post(h, "/v1/admit", &body).expect("pacer answers");
-        let json: serde_json::Value =
-            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
-        (status, json, t0.elapsed())
-    };
+    let ask = |source: &str| admit_source(h, source);
     for source in ["a", "b"] {
         for left in (15..20).rev() {
             let (status, body, _) = ask(source);

@@ -241,7 +241,8 @@ impl ClusterConn {
     /// The turns of the master serving `key`'s slot, as last read (none for no key, or before
     /// the first read); starts a read of the slots (in the background) when they are due one.
     fn turns_of(&self, key: Option<&[u8]>) -> Option<Turns> {
-        let slot = crate::keys::slot(&String::from_utf8_lossy(key?));
+        // pacer's keys are text; one that is not takes no turn.
+        let slot = crate::keys::slot(std::str::from_utf8(key?).ok()?);
         let (turns, read) = self.turns.of(slot);
         if read {
             let (slots, (con, _)) = (self.turns.clone(), self.renewal.con());

@@ -444,3 +444,14 @@ pub fn tail(log: &str) -> String {
         .collect();
     lines[lines.len().saturating_sub(40)..].join("\n")
 }
+
+/// `POST /v1/admit` on the API at `port` for the identity `source`: the status, the JSON
+/// answer and how long it took.
+pub fn admit_source(port: u16, source: &str) -> (u16, serde_json::Value, Duration) {
+    let t0 = std::time::Instant::now();
+    let body = format!(r#"{{"fields": {{"source": "{source}"}}}}"#);
+    let (status, _, text) =
+        pacer::testkit::http_post(port, "/v1/admit", &body).expect("pacer answers");
+    let json = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    (status, json, t0.elapsed())
+}
