@@ -74,20 +74,14 @@ fn lateness(bin: &Path, workers: u64, seconds: u64, skew_seconds: u64) {
     let routes: String = (0..10)
         .map(|r| format!("    r{r}: {{rate: 100/s, burst: 1, max_wait: 5s}}\n"))
         .collect();
-    let skew = format!("+{skew_seconds}s");
-    let wrapper: Vec<&str> = if skew_seconds > 0 {
+    let wrapper = if skew_seconds > 0 {
         // Only the wall clock, as on a host whose clock is off: libfaketime's offset monotonic
         // clock stalls tokio's timers (seen here: one dispatch, then none).
-        vec![
-            "env",
-            "FAKETIME_DONT_FAKE_MONOTONIC=1",
-            "faketime",
-            "-f",
-            &skew,
-        ]
+        pacer::testkit::wall_clock_offset(&format!("+{skew_seconds}s"))
     } else {
-        vec![]
+        Vec::new()
     };
+    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
     let ports = std::cell::RefCell::new(Vec::new());
     let workers_run = start_workers_first_wrapped(
         bin,

@@ -110,6 +110,49 @@ pub fn ensure_openssl_installed() {
     INSTALL.call_once(|| ensure_tools(&[("openssl", "openssl")]));
 }
 
+/// A wrapper (for `Pacer::run_wrapped`) that runs pacer with its wall clock off by `offset`
+/// (libfaketime's syntax: `+5s`, `-45s`), its monotonic clock true: what is "off" on a host.
+/// A monotonic offset would put every absolute timed wait (a futex's deadline) that far late.
+///
+/// `env` with libfaketime preloaded, not the `faketime` wrapper: the wrapper names a semaphore
+/// and a shared-memory file in /dev/shm after its own pid, removed only when it exits cleanly.
+/// The tests kill -9 their pacers, so runs leaked pairs, and a later wrapper that drew a recycled
+/// pid failed `sem_open: File exists` and never started pacer (a CI failure). The preloaded
+/// library makes the same pair but goes on without it when the name is taken, and `env` execs
+/// pacer in its own place, so the pair carries pacer's pid and `Pacer::kill` removes it.
+pub fn wall_clock_offset(offset: &str) -> Vec<String> {
+    vec![
+        "env".into(),
+        format!("LD_PRELOAD={}", libfaketime().display()),
+        format!("FAKETIME={offset}"),
+        "FAKETIME_DONT_FAKE_MONOTONIC=1".into(),
+    ]
+}
+
+/// Where libfaketime is (Debian's multiarch directory), installing the `faketime` package, which
+/// brings it, when it is missing.
+fn libfaketime() -> PathBuf {
+    let find = || {
+        ["/usr/lib", "/usr/local/lib", "/usr/lib64"]
+            .iter()
+            .flat_map(|root| {
+                let nested = std::fs::read_dir(root)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .map(|e| e.path().join("faketime/libfaketime.so.1"));
+                std::iter::once(Path::new(root).join("faketime/libfaketime.so.1")).chain(nested)
+            })
+            .find(|p| p.exists())
+    };
+    if let Some(found) = find() {
+        return found;
+    }
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| apt_install(&["faketime"]));
+    find().expect("libfaketime.so.1 not found after installing the faketime package")
+}
+
 /// apt-get installs the package of each (command, package) whose command is not on the PATH.
 fn ensure_tools(tools: &[(&str, &str)]) {
     let missing: Vec<&str> = tools
@@ -498,6 +541,11 @@ impl Pacer {
         self.signal("KILL");
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // A preloaded libfaketime (`wall_clock_offset`) names a semaphore and a shared-memory
+        // file after its pid and removes them only on a clean exit; a kill -9 leaves them.
+        let pid = self.pid();
+        let _ = std::fs::remove_file(format!("/dev/shm/sem.faketime_sem_{pid}"));
+        let _ = std::fs::remove_file(format!("/dev/shm/faketime_shm_{pid}"));
     }
 
     pub fn log_text(&self) -> String {

@@ -53,13 +53,14 @@ struct Worker {
     cfg: std::path::PathBuf,
     /// Its metrics port.
     port: u16,
-    wrapper: Vec<&'static str>,
+    wrapper: Vec<String>,
     stopped_until: Option<Instant>,
 }
 
 impl Worker {
     fn launch(&mut self) {
-        self.pacer = Some(Pacer::run_wrapped(&self.wrapper, bin(), &self.cfg, &[]));
+        let wrapper: Vec<&str> = self.wrapper.iter().map(String::as_str).collect();
+        self.pacer = Some(Pacer::run_wrapped(&wrapper, bin(), &self.cfg, &[]));
     }
 }
 
@@ -92,13 +93,6 @@ fn tick_events(tick: u64, rng: &mut Rng) -> (Vec<RawEvent>, Vec<RawEvent>) {
 
 #[test]
 fn chaos_every_entry_ends_once_and_the_rate_holds() {
-    if std::process::Command::new("faketime")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        panic!("faketime is missing: apt-get install faketime (the test command installs it)");
-    }
     let seconds = env_u64("PACER_CHAOS_SECONDS").unwrap_or(60);
     let seed = env_u64("PACER_CHAOS_SEED").unwrap_or_else(|| {
         std::time::SystemTime::now()
@@ -147,17 +141,12 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
                 // monotonic clock puts every absolute timed wait (a futex's deadline) 5 s late,
                 // which made this worker a stalled one in disguise: its sleepers were claimed
                 // by the others, over and over, until dead-lettered as poison.
-                vec![
-                    "env",
-                    "FAKETIME_DONT_FAKE_MONOTONIC=1",
-                    "faketime",
-                    "-f",
-                    "+5s",
-                ]
+                pacer::testkit::wall_clock_offset("+5s")
             } else {
                 Vec::new()
             };
-            let pacer = start_wrapped(&wrapper, &[], &cfg, port);
+            let wrap: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+            let pacer = start_wrapped(&wrap, &[], &cfg, port);
             Worker {
                 pacer: Some(pacer),
                 cfg,

@@ -510,13 +510,6 @@ fn a_route_with_broken_keys_does_not_hold_back_the_routes_due_with_it() {
 
 #[test]
 fn a_worker_with_a_skewed_clock_paces_exactly_like_the_rest() {
-    if std::process::Command::new("faketime")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        panic!("faketime is missing: apt-get install faketime (the test command installs it)");
-    }
     let redis = RedisServer::start();
     let dir = TempDir::new("skew");
     let body = r#"outbound:
@@ -530,12 +523,9 @@ fn a_worker_with_a_skewed_clock_paces_exactly_like_the_rest() {
     // This worker's wall clock is 45 seconds behind; the other's is right. Only the wall clock
     // is faked: that is what is "off" on a host, while a monotonic clock has no meaningful
     // offset (pacer uses it only to measure durations).
-    let _b = start_wrapped(
-        &["faketime", "-f", "-45s"],
-        &[("FAKETIME_DONT_FAKE_MONOTONIC", "1")],
-        &skewed,
-        p2,
-    );
+    let skew = pacer::testkit::wall_clock_offset("-45s");
+    let skew: Vec<&str> = skew.iter().map(String::as_str).collect();
+    let _b = start_wrapped(&skew, &[], &skewed, p2);
     let _a = start(&honest, p1);
     let n = 120;
     let events: Vec<_> = (0..n)
