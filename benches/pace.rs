@@ -81,7 +81,6 @@ fn lateness(bin: &Path, workers: u64, seconds: u64, skew_seconds: u64) {
     } else {
         Vec::new()
     };
-    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
     let ports = std::cell::RefCell::new(Vec::new());
     let workers_run = start_workers_first_wrapped(
         bin,

@@ -481,8 +481,13 @@ impl Pacer {
         Self::run_wrapped(&[], bin, config, env)
     }
 
-    /// The same, under a wrapper command (like `faketime -f -30s`).
-    pub fn run_wrapped(wrapper: &[&str], bin: &Path, config: &Path, env: &[(&str, &str)]) -> Self {
+    /// The same, under a wrapper command (like `wall_clock_offset`'s).
+    pub fn run_wrapped(
+        wrapper: &[String],
+        bin: &Path,
+        config: &Path,
+        env: &[(&str, &str)],
+    ) -> Self {
         static N: AtomicUsize = AtomicUsize::new(0);
         let log = config.with_extension(format!("{}.log", N.fetch_add(1, Ordering::Relaxed)));
         let out = std::fs::File::create(&log).expect("creating a log file");
@@ -496,7 +501,7 @@ impl Pacer {
         };
         cmd.arg("run").arg("--config").arg(config);
         // Its own process group, so that signals and kills reach pacer itself even under a
-        // wrapper (faketime runs pacer as its child; killing the wrapper alone orphans it).
+        // wrapper that runs pacer as its child (killing the wrapper alone would orphan it).
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         cmd.env("RUST_LOG", "info");
         for (k, v) in env {

@@ -59,8 +59,7 @@ struct Worker {
 
 impl Worker {
     fn launch(&mut self) {
-        let wrapper: Vec<&str> = self.wrapper.iter().map(String::as_str).collect();
-        self.pacer = Some(Pacer::run_wrapped(&wrapper, bin(), &self.cfg, &[]));
+        self.pacer = Some(Pacer::run_wrapped(&self.wrapper, bin(), &self.cfg, &[]));
     }
 }
 
@@ -145,8 +144,7 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
             } else {
                 Vec::new()
             };
-            let wrap: Vec<&str> = wrapper.iter().map(String::as_str).collect();
-            let pacer = start_wrapped(&wrap, &[], &cfg, port);
+            let pacer = start_wrapped(&wrapper, &[], &cfg, port);
             Worker {
                 pacer: Some(pacer),
                 cfg,

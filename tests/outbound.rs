@@ -524,7 +524,6 @@ fn a_worker_with_a_skewed_clock_paces_exactly_like_the_rest() {
     // is faked: that is what is "off" on a host, while a monotonic clock has no meaningful
     // offset (pacer uses it only to measure durations).
     let skew = pacer::testkit::wall_clock_offset("-45s");
-    let skew: Vec<&str> = skew.iter().map(String::as_str).collect();
     let _b = start_wrapped(&skew, &[], &skewed, p2);
     let _a = start(&honest, p1);
     let n = 120;

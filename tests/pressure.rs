@@ -208,18 +208,7 @@ fn many_routes_with_backlogs_each_keep_their_rate() {
     let port = free_port();
     let worker = "  batch: 128\n  max_inflight: 350\n  claim_idle: 35s";
     let (cfg, ready, ids) = many_routes(&redis, &dir, port, (100, "5/s", "30s"), worker, 75);
-    let pacer = start(&cfg, port);
-    let outputs = ends(&ready);
-    let mut con = redis.con();
-    let done = wait_until(Duration::from_secs(90), || {
-        entries(&mut con, &outputs) >= ids.len()
-    });
-    assert!(done, "not every entry ended:\n{}", pacer.log_text());
-    let at = assert_each_once(&redis, &ids, &outputs, "in");
-    assert!(
-        at.values().all(|s| s[0].starts_with("pacer:{r")),
-        "every event fits its wait, so every one goes out"
-    );
+    let _pacer = drain_onto_routes(&redis, &cfg, port, &ready, &ids, Duration::from_secs(90));
     for stream in &ready {
         let times = assert_rate(&redis, stream, 5.0, 1.0);
         let span = times[times.len() - 1] - times[0];
@@ -253,15 +242,7 @@ fn a_backlog_over_thousands_of_routes_times_no_call_out() {
     let text = std::fs::read_to_string(&cfg).unwrap();
     assert!(text.contains("timeout: 500ms"), "{text}");
     std::fs::write(&cfg, text.replacen("timeout: 500ms", "timeout: 100ms", 1)).unwrap();
-    let pacer = start(&cfg, port);
-    let outputs = ends(&ready);
-    let mut con = redis.con();
-    let done = wait_until(Duration::from_secs(60), || {
-        entries(&mut con, &outputs) >= ids.len()
-    });
-    assert!(done, "not every entry ended:\n{}", pacer.log_text());
-    let at = assert_each_once(&redis, &ids, &outputs, "in");
-    assert!(at.values().all(|s| s[0].starts_with("pacer:{r")));
+    let pacer = drain_onto_routes(&redis, &cfg, port, &ready, &ids, Duration::from_secs(60));
     let failed = metric_at(port, "pacer_redis_errors_total");
     assert_eq!(failed, 0.0, "calls failed:\n{}", pacer.log_text());
 }

@@ -160,7 +160,7 @@ pub fn start_workers_first_wrapped(
     redis: &RedisServer,
     n: u64,
     yaml: &dyn Fn(&str, u16) -> String,
-    wrapper: &[&str],
+    wrapper: &[String],
 ) -> Vec<Pacer> {
     (0..n)
         .map(|i| {

@@ -43,7 +43,7 @@ pub fn start(config: &Path, metrics_port: u16) -> Pacer {
 }
 
 pub fn start_wrapped(
-    wrapper: &[&str],
+    wrapper: &[String],
     env: &[(&str, &str)],
     config: &Path,
     metrics_port: u16,

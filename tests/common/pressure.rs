@@ -67,6 +67,30 @@ pub fn ends(ready: &[String]) -> Vec<&str> {
     outputs
 }
 
+/// Starts a worker on `cfg` and waits up to `limit` until every entry of `ids` has ended once,
+/// each on a route (none rejected or dead-lettered), nothing left pending; the worker, for what
+/// a test checks next.
+pub fn drain_onto_routes(
+    redis: &RedisServer,
+    cfg: &std::path::Path,
+    port: u16,
+    ready: &[String],
+    ids: &[String],
+    limit: Duration,
+) -> pacer::testkit::Pacer {
+    let pacer = start(cfg, port);
+    let outputs = ends(ready);
+    let mut con = redis.con();
+    let done = pacer::testkit::wait_until(limit, || entries(&mut con, &outputs) >= ids.len());
+    assert!(done, "not every entry ended:\n{}", pacer.log_text());
+    let at = assert_each_once(redis, ids, &outputs, "in");
+    assert!(
+        at.values().all(|s| s[0].starts_with("pacer:{r")),
+        "every event fits its wait, so every one goes out"
+    );
+    pacer
+}
+
 /// Pushes `n` events for route `r` to `in`, pipelined.
 pub fn push_events(redis: &RedisServer, n: usize, tag: &str) -> Vec<String> {
     let mut ids = Vec::with_capacity(n);
