@@ -252,6 +252,17 @@ fn a_backlog_over_thousands_of_routes_times_no_call_out() {
         "{failed} calls failed:\n{}",
         pacer.log_text()
     );
+    // A batch over 512 routes puts more calls out at once than a node's 64 turns: their waits
+    // are counted apart from the calls' own time (`telemetry::timed`), not hidden in it.
+    let waited = metric_at(port, "pacer_redis_turn_wait_seconds_sum{op=\"schedule\"}");
+    let out = metric_at(
+        port,
+        "pacer_redis_command_duration_seconds_sum{op=\"schedule\"}",
+    );
+    assert!(
+        waited > 0.0 && out > 0.0,
+        "schedule calls waited {waited} s for turns and were out {out} s"
+    );
 }
 
 /// The outputs of the two-route parking tests.

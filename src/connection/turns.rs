@@ -35,12 +35,18 @@ pub(super) fn turns() -> Turns {
     Arc::new(Semaphore::new(IN_FLIGHT))
 }
 
-/// Waits for a call's turn on `turns`, if it has any; held until the call ends.
+/// Waits for a call's turn on `turns`, if it has any; held until the call ends. A wait is
+/// counted against the operation timing the call (`telemetry::timed`), so that its duration
+/// says what Redis took.
 pub(super) async fn take(turns: Option<&Turns>) -> Option<SemaphorePermit<'_>> {
-    match turns {
-        Some(t) => t.acquire().await.ok(),
-        None => None,
+    let turns = turns?;
+    if let Ok(turn) = turns.try_acquire() {
+        return Some(turn);
     }
+    let start = Instant::now();
+    let turn = turns.acquire().await.ok();
+    crate::telemetry::turn_waited(start.elapsed());
+    turn
 }
 
 /// Each slot's master's turns, as pacer last read the cluster's slots.
@@ -158,6 +164,36 @@ b2 127.0.0.1:7001@17001 master - 0 0 2 connected 5461-10922
 c3 127.0.0.1:7002@17002 master,fail - 0 0 3 connected
 d4 127.0.0.1:7003@17003 master - 0 0 4 connected 10923-16383
 ";
+
+    #[tokio::test]
+    async fn a_calls_wait_for_its_turn_is_told_apart_from_its_time_out() {
+        let turns: Turns = Arc::new(Semaphore::new(1));
+        let held = turns.clone().try_acquire_owned().unwrap();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            drop(held);
+        });
+        // A call that waits 150 ms for the one turn, then is out for 20 ms.
+        let ((), took, waited) = crate::telemetry::measure(async {
+            let _turn = take(Some(&turns)).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        })
+        .await;
+        assert!(waited >= Duration::from_millis(140), "waited {waited:?}");
+        let out = took - waited;
+        assert!(
+            out >= Duration::from_millis(20) && out < Duration::from_millis(120),
+            "out {out:?} of {took:?}"
+        );
+        // A turn free at once, and a call with no turns (a cluster's before its slots are
+        // read), wait for nothing.
+        let ((), _, waited) = crate::telemetry::measure(async {
+            let _turn = take(Some(&turns)).await;
+            let _none = take(None).await;
+        })
+        .await;
+        assert_eq!(waited, Duration::ZERO);
+    }
 
     #[test]
     fn each_slot_takes_its_masters_turns_and_a_read_keeps_the_turns_out() {
