@@ -139,6 +139,7 @@ fn round(
                 expect: None,
                 max_wait_us: 1_000_000,
                 deadline_us: 0,
+                since_us: 0,
             })
             .collect();
         let call = route_call(route);
@@ -206,6 +207,7 @@ fn paced(
             expect: None,
             max_wait_us,
             deadline_us: 0,
+            since_us: 0,
         })
         .collect();
     let reply = rt

@@ -32,12 +32,14 @@
 -- then per event, grouped by decision hash in that order:
 --   entry     its input entry id
 --   spec      its field count, alone for an event with the defaults, else "<nfields>,<cost>,
---             <max_wait_us>,<claim index>,<deadline_us>,<expect>" where cost defaults to 1,
---             max_wait_us to ARGV[9], claim (its id claim's index, if it carries an id) to 0,
---             deadline_us (Redis µs by which it must go: a late event passed on to its
---             fallback has only what is left of its first route's wait) to 0 for none, and
---             expect (a decision on record it may replace) to "" (one argument, not two: each
---             costs Redis its parsing and a Lua string, per event)
+--             <max_wait_us>,<claim index>,<deadline_us>,<since_us>,<expect>" where cost
+--             defaults to 1, max_wait_us to ARGV[9], claim (its id claim's index, if it carries
+--             an id) to 0, deadline_us (Redis µs by which it must go: a late event passed on to
+--             its fallback has only what is left of its first route's wait) to 0 for none,
+--             since_us (Redis µs its wait counts from: such an event's first decision, so that
+--             its ready entry's pacer_wait_ms holds its wait on the route that gave it up) to 0
+--             for now, and expect (a decision on record it may replace) to "" (one argument,
+--             not two: each costs Redis its parsing and a Lua string, per event)
 --   name1, value1, ...   its own fields, carried to the ready entry
 -- Returns { now_us, tat_us, then per event a code and a value, then end_us } (lib.lua's codes),
 -- events in the order given; now_us is the route's time the call decided at (Redis's clock, or
@@ -54,7 +56,7 @@
 --   STALE, age_us                older than stale_us with nothing on record: not decided
 -- end_us is Redis's clock as the script ends (what workers map their timers with). The ready
 -- entry holds pacer_route, pacer_source_stream, pacer_source_id, pacer_slot_us and
--- pacer_wait_ms, then the event's own fields.
+-- pacer_wait_ms (0, or the time since the event's since_us), then the event's own fields.
 
 -- Check everything first.
 local interval, tol = num(1, 'interval'), num(2, 'tolerance')
@@ -91,14 +93,14 @@ for k = 1, h do
     end
     local nf = tonumber(spec)
     if not nf then
-      local f, cost, wait, claim, deadline, expect =
-        string.match(spec, '^(%d+),(%d+),(%d+),(%d+),(%d+),(.*)$')
-      nf, cost, wait, claim, deadline =
-        tonumber(f), tonumber(cost), tonumber(wait), tonumber(claim), tonumber(deadline)
-      if not (nf and cost and wait and claim and deadline) or cost < 1 or claim > c then
+      local f, cost, wait, claim, deadline, since, expect =
+        string.match(spec, '^(%d+),(%d+),(%d+),(%d+),(%d+),(%d+),(.*)$')
+      nf, cost, wait, claim, deadline, since = tonumber(f), tonumber(cost), tonumber(wait),
+        tonumber(claim), tonumber(deadline), tonumber(since)
+      if not (nf and cost and wait and claim and deadline and since) or cost < 1 or claim > c then
         bad('spec ' .. spec)
       end
-      ev_extra[i] = { cost, wait, claim, expect, deadline }
+      ev_extra[i] = { cost, wait, claim, expect, deadline, since }
     end
     -- lib.lua fields_end, inlined: this loop runs once per event, and a call per event is
     -- a measurable part of what the script costs.
@@ -145,12 +147,12 @@ out[1] = t
 local xadd_id = int(tq / 1000) .. '-*'
 local dispatched = decision('d', tq / 1000)
 local t_text = int(t)
--- Writes event i's ready entry, dispatched now: its slot is now (a slot ahead sleeps).
--- Its fields end where the next event's begin (entry, spec), the last's at the arguments'
--- end: no second reading of the count.
-local function write_ready(i, name, entry)
+-- Writes event i's ready entry, dispatched now: its slot is now (a slot ahead sleeps), and
+-- it waited `waited` ms (text). Its fields end where the next event's begin (entry, spec), the
+-- last's at the arguments' end: no second reading of the count.
+local function write_ready(i, name, entry, waited)
   redis.call('XADD', KEYS[2], xadd_id, 'pacer_route', route, 'pacer_source_stream', name,
-    'pacer_source_id', entry, 'pacer_slot_us', t_text, 'pacer_wait_ms', '0',
+    'pacer_source_id', entry, 'pacer_slot_us', t_text, 'pacer_wait_ms', waited,
     unpack(ARGV, ev_fields[i] + 1, (ev_fields[i + 1] or args_end) - 2))
 end
 -- Whether any entry of the call could be too old (the worker passes the oldest).
@@ -169,7 +171,7 @@ for k = 1, h do
     -- these alike. The path most events take, so each step here costs Redis per event.
     local base = tat > dtat and tat or dtat
     if usual and not x and not seen[entry] and base - tol <= t and tq >= dtat - tol then
-      write_ready(i, name, entry)
+      write_ready(i, name, entry, '0')
       tat = (base > t and base or t) + interval
       dtat = (dtat > tq - 1000 and dtat or tq - 1000) + interval
       last_us, changed, wrote = t, true, true
@@ -227,7 +229,9 @@ for k = 1, h do
           local ok, g = gate(dtat, tq, cost, interval, tol)
           if ok then
             code = DISPATCHED
-            write_ready(i, name, entry)
+            local since = x and x[6] or 0
+            write_ready(i, name, entry,
+              since > 0 and int(math.floor(math.max(0, t - since) / 1000)) or '0')
             dtat, last_us, tat, changed, wrote = g, t, next_tat, true, true
             if stream > 0 then
               acked[stream] = acked[stream] + 1

@@ -59,6 +59,92 @@ fn a_stalled_worker_gets_back_to_the_rate() {
 /// from their entry id to their ready entry is their wait, give or take that.
 #[test]
 fn a_stall_never_stretches_a_wait_past_max_wait_through_a_fallback() {
+    let s = stall_with_a_fallback(Duration::from_millis(2500));
+    assert!(s.checked > 20, "{s:?}");
+    assert!(s.late.is_empty(), "went out past their max_wait: {s:?}");
+    assert!(s.miscounted.is_empty(), "{s:?}");
+    assert!(s.on_fallback > 0, "the fallback took some: {s:?}");
+    assert!(
+        s.rejected > 0,
+        "a 2.5 s stall on a 1 s wait must reject some: {s:?}"
+    );
+}
+
+/// An event that missed its slot in a stall and went on to its fallback with what was left of
+/// its wait says in its ready entry's `pacer_wait_ms` how long it waited since its first
+/// decision: until 2026-11-30 it said how long since its decision on the fallback (0 for one
+/// dispatched there at once). Fifteen events at once on r (10/s, max_wait 1 s): ten take its
+/// next second, each to go by 1 s from now, five go to f (100/s) at once. Its worker paused
+/// 500 ms misses r's slots in that time; once continued, r's plan is full past their deadlines,
+/// so they go to f with the half second left, and out there at once.
+#[test]
+fn a_fallbacks_ready_entry_counts_the_wait_from_the_first_decision() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("wait-fallback");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    r: {rate: 10/s, burst: 1, max_wait: 1s, fallbacks: [f]}\n    f: {rate: 100/s, burst: 1, max_wait: 1s}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, "  drain: 1s", body);
+    let pacer = start(&cfg, port);
+    let events: Vec<_> = (0..15)
+        .map(|i| event(&[("route", "r"), ("to", &i.to_string())]))
+        .collect();
+    let ids = push(&redis, "in", &events);
+    std::thread::sleep(Duration::from_millis(50));
+    pacer.signal("STOP");
+    std::thread::sleep(Duration::from_millis(500));
+    pacer.signal("CONT");
+    let outputs = [READY, "pacer:{f}:ready", "pacer:rejected", "pacer:dead"];
+    let mut con = redis.con();
+    let done = wait_until(Duration::from_secs(30), || {
+        entries(&mut con, &outputs) >= ids.len()
+    });
+    assert!(done, "not every entry ended:\n{}", pacer.log_text());
+    assert_each_once(&redis, &ids, &outputs, "in");
+    // (entry, ms from produced to ready, pacer_wait_ms) on f
+    let on_f: Vec<(String, i64, i64)> = read(&redis, "pacer:{f}:ready")
+        .iter()
+        .map(|e| {
+            let source = e.field("pacer_source_id").unwrap().to_string();
+            let took = e.ms - pacer::event::entry_ms(&source);
+            let waited = e.field("pacer_wait_ms").unwrap().parse().unwrap();
+            (source, took, waited)
+        })
+        .collect();
+    // Decided within 150 ms of being pushed: from its entry to its ready entry is its wait.
+    let miscounted: Vec<_> = on_f
+        .iter()
+        .filter(|(_, took, waited)| !(took - 150..=took + 1).contains(waited))
+        .collect();
+    let through_the_stall = on_f.iter().filter(|(_, took, _)| *took >= 300).count();
+    eprintln!("on f (entry, ms from produced to ready, pacer_wait_ms): {on_f:?}");
+    assert!(
+        miscounted.is_empty(),
+        "pacer_wait_ms is not the wait since the first decision: {miscounted:?} of {on_f:?}"
+    );
+    assert!(
+        through_the_stall > 0,
+        "some went on to f after the stall: {on_f:?}"
+    );
+}
+
+/// What `stall_with_a_fallback` saw of the entries produced before the pause (decided within
+/// milliseconds of being produced: from their entry id to their ready entry is their wait).
+#[derive(Debug)]
+struct FallbackStall {
+    checked: usize,
+    /// Went out past max_wait: (stream, entry, ms from produced to ready).
+    late: Vec<(&'static str, String, i64)>,
+    /// `pacer_wait_ms` not that time, give or take the 150 ms a read may take: (stream,
+    /// entry, ms from produced to ready, pacer_wait_ms).
+    miscounted: Vec<(&'static str, String, i64, i64)>,
+    /// Ready entries on the fallback.
+    on_fallback: usize,
+    rejected: usize,
+}
+
+/// Route r with fallback f (10/s each, max_wait 1 s), fed at 20/s for 6 s, its only worker
+/// paused for `pause` 2 s in; waits for every entry to end once.
+fn stall_with_a_fallback(pause: Duration) -> FallbackStall {
     let redis = RedisServer::start();
     let dir = TempDir::new("waits-fallback");
     let port = free_port();
@@ -74,7 +160,7 @@ fn a_stall_never_stretches_a_wait_past_max_wait_through_a_fallback() {
         .unwrap()
         .as_millis() as i64;
     pacer.signal("STOP");
-    std::thread::sleep(Duration::from_millis(2500));
+    std::thread::sleep(pause);
     pacer.signal("CONT");
     let ids = feeder.join().unwrap();
     let outputs = [READY, "pacer:{f}:ready", "pacer:rejected", "pacer:dead"];
@@ -84,8 +170,13 @@ fn a_stall_never_stretches_a_wait_past_max_wait_through_a_fallback() {
     });
     assert!(done, "not every entry ended:\n{}", pacer.log_text());
     assert_each_once(&redis, &ids, &outputs, "in");
-    let mut late = Vec::new();
-    let mut checked = 0;
+    let mut s = FallbackStall {
+        checked: 0,
+        late: Vec::new(),
+        miscounted: Vec::new(),
+        on_fallback: read(&redis, "pacer:{f}:ready").len(),
+        rejected: read(&redis, "pacer:rejected").len(),
+    };
     for stream in [READY, "pacer:{f}:ready"] {
         for e in read(&redis, stream) {
             let source: String = e.field("pacer_source_id").unwrap().to_string();
@@ -94,22 +185,18 @@ fn a_stall_never_stretches_a_wait_past_max_wait_through_a_fallback() {
             if produced >= paused_ms - 200 {
                 continue;
             }
-            checked += 1;
-            if e.ms - produced > 1000 + LATE_US / 1000 + 100 {
-                late.push((stream, source, e.ms - produced));
+            s.checked += 1;
+            let took = e.ms - produced;
+            if took > 1000 + LATE_US / 1000 + 100 {
+                s.late.push((stream, source.clone(), took));
+            }
+            let waited: i64 = e.field("pacer_wait_ms").unwrap().parse().unwrap();
+            if !(took - 150..=took + 1).contains(&waited) {
+                s.miscounted.push((stream, source, took, waited));
             }
         }
     }
-    assert!(checked > 20, "{checked} checked");
-    assert!(late.is_empty(), "went out past their max_wait: {late:?}");
-    assert!(
-        !read(&redis, "pacer:{f}:ready").is_empty(),
-        "the fallback took some"
-    );
-    assert!(
-        !read(&redis, "pacer:rejected").is_empty(),
-        "a 2.5 s stall on a 1 s wait must reject some"
-    );
+    s
 }
 
 /// A route of 10/s with max_wait 1 s, fed at its rate, its only worker paused 3 s: no ready

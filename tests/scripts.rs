@@ -63,11 +63,13 @@ fn pairs(f: &[(Vec<u8>, Vec<u8>)]) -> Vec<(&[u8], &[u8])> {
         .collect()
 }
 
-/// An event for the scripts: its input entry (of stream `in`), its id if it carries one, cost.
+/// An event for the scripts: its input entry (of stream `in`), its id if it carries one, cost,
+/// and the Redis µs its wait counts from (0: the call's time).
 struct Ev {
     entry: String,
     id: Option<&'static str>,
     cost: u64,
+    since_us: i64,
 }
 
 fn ev(entry: &str) -> Ev {
@@ -75,6 +77,7 @@ fn ev(entry: &str) -> Ev {
         entry: entry.to_string(),
         id: None,
         cost: 1,
+        since_us: 0,
     }
 }
 
@@ -165,6 +168,7 @@ impl Rig {
                 expect: None,
                 max_wait_us,
                 deadline_us: 0,
+                since_us: e.since_us,
             })
             .collect();
         let acks = self.acks;
@@ -751,6 +755,48 @@ fn each_ready_entry_carries_its_own_events_fields() {
             .collect();
         assert_eq!(own, ready_varied(n), "event {}", n + 1);
     }
+}
+
+/// An event passed on to a fallback after it waited on another route (`since_us`, its first
+/// decision's time) and dispatched there at once says in its ready entry how long it waited
+/// since then; an event decided now says 0 (before, both said 0).
+#[test]
+fn a_ready_entry_counts_its_wait_from_the_events_first_decision() {
+    let mut rig = Rig::new("1000/ms", 1_000_000);
+    let now = common_now_ms(&rig) * 1000;
+    let events = [
+        ev("1-0"),
+        Ev {
+            since_us: now - 2_345_678,
+            ..ev("2-0")
+        },
+    ];
+    let (_, out) = rig.schedule(&events, 1_000_000);
+    assert!(
+        out.iter()
+            .all(|s| matches!(s, Scheduled::Dispatched { .. })),
+        "{out:?}"
+    );
+    let waits: Vec<i64> = read_ready(&rig)
+        .iter()
+        .map(|flat| String::from_utf8_lossy(&flat[9]).parse().unwrap())
+        .collect();
+    assert_eq!(waits.len(), 2);
+    assert_eq!(waits[0], 0);
+    // Decided a few ms after `now` was read.
+    assert!((2345..2345 + 500).contains(&waits[1]), "{waits:?}");
+}
+
+/// The ready stream's entries (their fields, flat), oldest first.
+fn read_ready(rig: &Rig) -> Vec<Vec<Vec<u8>>> {
+    let mut con = rig.redis.con();
+    let entries: Vec<(String, Vec<Vec<u8>>)> = redis::cmd("XRANGE")
+        .arg(&rig.route.keys.ready)
+        .arg("-")
+        .arg("+")
+        .query(&mut con)
+        .unwrap();
+    entries.into_iter().map(|(_, flat)| flat).collect()
 }
 
 /// Bad arguments fail the call before anything is written: no ready entry, no decision, no

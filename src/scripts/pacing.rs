@@ -73,6 +73,9 @@ pub struct ScheduleItem<'a> {
     /// Redis µs by which it must go whatever `max_wait_us` says (0: none): an event passed on
     /// late to a fallback has only what is left of the wait it was first given.
     pub deadline_us: i64,
+    /// Redis µs its wait counts from, for its ready entry's `pacer_wait_ms` (0: the call's
+    /// time): such an event's first decision, on the route that gave it up.
+    pub since_us: i64,
 }
 
 /// What `schedule` decided for one event.
@@ -248,18 +251,20 @@ impl Scripts {
                 && item.max_wait_us == max_wait_us
                 && claim_at[i] == 0
                 && item.deadline_us == 0
+                && item.since_us == 0
                 && item.expect.is_none();
             // Its spec: the field count alone, or with its exceptions (schedule.lua's header).
             if plain {
                 args.arg(fields.len());
             } else {
                 args.arg(format!(
-                    "{},{},{},{},{},{}",
+                    "{},{},{},{},{},{},{}",
                     fields.len(),
                     item.event.cost,
                     item.max_wait_us.max(0),
                     claim_at[i],
                     item.deadline_us.max(0),
+                    item.since_us.max(0),
                     item.expect.unwrap_or("")
                 ));
             }

@@ -482,7 +482,11 @@ impl State {
                         s.event,
                         &ctx,
                         route.index,
-                        (wait_us, s.deadline_us - crate::pacing::LATE_US),
+                        (
+                            wait_us,
+                            s.deadline_us - crate::pacing::LATE_US,
+                            s.decided_us,
+                        ),
                         s.permit,
                     ));
                 }

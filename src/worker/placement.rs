@@ -35,6 +35,9 @@ pub(crate) struct Placing {
     /// Redis µs by which it must go (its first decision's time plus its wait), once a route
     /// that slotted it could not meet the slot: its fallbacks get only what is left.
     deadline_us: Option<i64>,
+    /// Redis µs of that first decision: its wait on a fallback counts from then (the ready
+    /// entry's `pacer_wait_ms`), not from its decision there.
+    since_us: Option<i64>,
     pub(crate) permit: Hold,
 }
 
@@ -47,6 +50,7 @@ impl Placing {
             expect: None,
             check_held: false,
             deadline_us: None,
+            since_us: None,
             permit,
         }
     }
@@ -76,19 +80,21 @@ impl Placing {
 
     /// The same event after `route`, where it slept, gave it up at dispatch (its wait there
     /// would be `wait_us`; it had to go by `deadline_us`, Redis µs, without the lateness
-    /// tolerance): on to the route after it, with only what is left of its wait. Given its whole
-    /// wait again, a late event waited up to twice its `max_wait`.
+    /// tolerance; it was first decided at `since_us`): on to the route after it, with only what
+    /// is left of its wait. Given its whole wait again, a late event waited up to twice its
+    /// `max_wait`.
     pub(crate) fn after(
         event: OutboundEvent,
         ctx: &Context,
         route: usize,
-        (wait_us, deadline_us): (i64, i64),
+        (wait_us, deadline_us, since_us): (i64, i64, i64),
         permit: Hold,
     ) -> Self {
         let mut p = Placing::again_on(event, ctx, route, permit);
         p.offered(wait_us);
         p.next += 1;
         p.deadline_us = Some(deadline_us);
+        p.since_us = Some(since_us);
         p
     }
 
@@ -267,7 +273,7 @@ fn decided(
                 seat,
                 slot_us,
                 deadline,
-                reply.now_us,
+                p.since_us.unwrap_or(reply.now_us),
             ));
         }
         Scheduled::TooLong { wait_us } => {
@@ -495,6 +501,7 @@ async fn schedule_on(
                 expect: p.expect.as_deref(),
                 max_wait_us: max_wait_us(route, &p.event),
                 deadline_us: p.deadline_us.unwrap_or(0),
+                since_us: p.since_us.unwrap_or(0),
             })
             .collect();
         let acks = ctx.acks_in_script(&route.keys.ready);
