@@ -93,13 +93,7 @@ fn a_fallbacks_ready_entry_counts_the_wait_from_the_first_decision() {
     pacer.signal("STOP");
     std::thread::sleep(Duration::from_millis(500));
     pacer.signal("CONT");
-    let outputs = [READY, "pacer:{f}:ready", "pacer:rejected", "pacer:dead"];
-    let mut con = redis.con();
-    let done = wait_until(Duration::from_secs(30), || {
-        entries(&mut con, &outputs) >= ids.len()
-    });
-    assert!(done, "not every entry ended:\n{}", pacer.log_text());
-    assert_each_once(&redis, &ids, &outputs, "in");
+    each_ends_once_on_r_or_f(&redis, &pacer, &ids);
     // (entry, ms from produced to ready, pacer_wait_ms) on f
     let on_f: Vec<(String, i64, i64)> = read(&redis, "pacer:{f}:ready")
         .iter()
@@ -125,6 +119,18 @@ fn a_fallbacks_ready_entry_counts_the_wait_from_the_first_decision() {
         through_the_stall > 0,
         "some went on to f after the stall: {on_f:?}"
     );
+}
+
+/// Waits up to a minute for every entry of `ids` to end (on route r or its fallback f, rejected
+/// or dead-lettered), and checks each ended once.
+fn each_ends_once_on_r_or_f(redis: &RedisServer, pacer: &Pacer, ids: &[String]) {
+    let outputs = [READY, "pacer:{f}:ready", "pacer:rejected", "pacer:dead"];
+    let mut con = redis.con();
+    let done = wait_until(Duration::from_secs(60), || {
+        entries(&mut con, &outputs) >= ids.len()
+    });
+    assert!(done, "not every entry ended:\n{}", pacer.log_text());
+    assert_each_once(redis, ids, &outputs, "in");
 }
 
 /// What `stall_with_a_fallback` saw of the entries produced before the pause (decided within
@@ -163,13 +169,7 @@ fn stall_with_a_fallback(pause: Duration) -> FallbackStall {
     std::thread::sleep(pause);
     pacer.signal("CONT");
     let ids = feeder.join().unwrap();
-    let outputs = [READY, "pacer:{f}:ready", "pacer:rejected", "pacer:dead"];
-    let mut con = redis.con();
-    let done = wait_until(Duration::from_secs(60), || {
-        entries(&mut con, &outputs) >= ids.len()
-    });
-    assert!(done, "not every entry ended:\n{}", pacer.log_text());
-    assert_each_once(&redis, &ids, &outputs, "in");
+    each_ends_once_on_r_or_f(&redis, &pacer, &ids);
     let mut s = FallbackStall {
         checked: 0,
         late: Vec::new(),
