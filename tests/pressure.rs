@@ -125,12 +125,7 @@ fn a_fallbacks_ready_entry_counts_the_wait_from_the_first_decision() {
 /// or dead-lettered), and checks each ended once.
 fn each_ends_once_on_r_or_f(redis: &RedisServer, pacer: &Pacer, ids: &[String]) {
     let outputs = [READY, "pacer:{f}:ready", "pacer:rejected", "pacer:dead"];
-    let mut con = redis.con();
-    let done = wait_until(Duration::from_secs(60), || {
-        entries(&mut con, &outputs) >= ids.len()
-    });
-    assert!(done, "not every entry ended:\n{}", pacer.log_text());
-    assert_each_once(redis, ids, &outputs, "in");
+    ends_each_once(redis, pacer, ids, &outputs, Duration::from_secs(60));
 }
 
 /// What `stall_with_a_fallback` saw of the entries produced before the pause (decided within
@@ -255,12 +250,7 @@ fn one_routes_backlog_never_holds_up_another_routes_events() {
         pacer.log_text()
     );
     let outputs = [ready[0], ready[1], ready[2], "pacer:rejected", "pacer:dead"];
-    let mut con = redis.con();
-    let done = wait_until(Duration::from_secs(60), || {
-        entries(&mut con, &outputs) >= ids.len()
-    });
-    assert!(done, "not every entry ended:\n{}", pacer.log_text());
-    let at = assert_each_once(&redis, &ids, &outputs, "in");
+    let at = ends_each_once(&redis, &pacer, &ids, &outputs, Duration::from_secs(60));
     assert!(
         at.values().all(|s| ready.contains(&s[0].as_str())),
         "every event fits its wait, so every one goes out"

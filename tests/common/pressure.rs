@@ -67,6 +67,21 @@ pub fn ends(ready: &[String]) -> Vec<&str> {
     outputs
 }
 
+/// Waits up to `limit` for every entry of `ids` (of stream `in`) to end in `outputs`, and checks
+/// each ended once: where each ended (`assert_each_once`).
+pub fn ends_each_once(
+    redis: &RedisServer,
+    pacer: &pacer::testkit::Pacer,
+    ids: &[String],
+    outputs: &[&str],
+    limit: Duration,
+) -> std::collections::BTreeMap<String, Vec<String>> {
+    let mut con = redis.con();
+    let done = pacer::testkit::wait_until(limit, || entries(&mut con, outputs) >= ids.len());
+    assert!(done, "not every entry ended:\n{}", pacer.log_text());
+    assert_each_once(redis, ids, outputs, "in")
+}
+
 /// Starts a worker on `cfg` and waits up to `limit` until every entry of `ids` has ended once,
 /// each on a route (none rejected or dead-lettered), nothing left pending; the worker, for what
 /// a test checks next.
@@ -79,11 +94,7 @@ pub fn drain_onto_routes(
     limit: Duration,
 ) -> pacer::testkit::Pacer {
     let pacer = start(cfg, port);
-    let outputs = ends(ready);
-    let mut con = redis.con();
-    let done = pacer::testkit::wait_until(limit, || entries(&mut con, &outputs) >= ids.len());
-    assert!(done, "not every entry ended:\n{}", pacer.log_text());
-    let at = assert_each_once(redis, ids, &outputs, "in");
+    let at = ends_each_once(redis, &pacer, ids, &ends(ready), limit);
     assert!(
         at.values().all(|s| s[0].starts_with("pacer:{r")),
         "every event fits its wait, so every one goes out"
@@ -296,12 +307,7 @@ pub fn waits_through_a_stall(rate: u32, max_wait_ms: u64, pause: Duration, secon
     pacer.signal("CONT");
     let ids = feeder.join().unwrap();
     let outputs = [READY, "pacer:rejected", "pacer:dead"];
-    let mut con = redis.con();
-    let done = wait_until(Duration::from_secs(60), || {
-        entries(&mut con, &outputs) >= ids.len()
-    });
-    assert!(done, "not every entry ended:\n{}", pacer.log_text());
-    assert_each_once(&redis, &ids, &outputs, "in");
+    ends_each_once(&redis, &pacer, &ids, &outputs, Duration::from_secs(60));
     assert_rate(&redis, READY, rate as f64, 1.0);
     let ready = read(&redis, READY);
     let field = |e: &pacer::report::OutputEntry, name: &str| -> i64 {
