@@ -14,6 +14,9 @@ local function worse(retry, lim, retry2, lim2)
   return retry, lim
 end
 
+-- min_spacing against the last charged event. An algorithm's check of cost 0 (decide.lua: a
+-- check that charges nothing) asks whether a count is already past its limit; min_spacing
+-- counts nothing, so it does not ask this (src/admission.rs `spacing_check`).
 local function spacing_check(last, rule)
   if last and rule.spacing > 0 and now - last < rule.spacing then
     return last + rule.spacing - now

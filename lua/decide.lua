@@ -20,9 +20,11 @@
 -- ARGV[3]     if they follow: entries per read (admit.lua's ARGV[4]: when a sliding log is read
 --             by entry)
 -- ARGV[4..]   if they follow: the rules (admission.lua's read_rules)
--- then        n, the number of requests; then per request: cost (events it counts for, >= 1),
---             c (its checks); then per check: its rule's index (1-based), its key field's index
---             in the rule, and what is asked of it:
+-- then        n, the number of requests; then per request: cost (events it counts for, >= 1;
+--             0 for a check that charges nothing, an Envoy descriptor's hits_addend of 0:
+--             refused only where a count is already past its limit, as under count_rejected,
+--             and asking nothing else), c (its checks); then per check: its rule's index
+--             (1-based), its key field's index in the rule, and what is asked of it:
 --               0   decide it;
 --               -1  the caller spent a leased token on it: neither checked nor charged here;
 --               k>0 decide it, then, if the request is accepted, lease up to k more tokens
@@ -60,7 +62,7 @@ local check_rule, check_field, ask, gap, units = {}, {}, {}, {}, {}
 local x = 0
 for q = 1, n do
   cost[q] = num(at, 'cost')
-  if cost[q] < 1 or cost[q] % 1 ~= 0 then
+  if cost[q] < 0 or cost[q] % 1 ~= 0 then
     bad('cost')
   end
   local c = num(at + 1, 'checks')
@@ -70,6 +72,9 @@ for q = 1, n do
     x = x + 1
     check_rule[x] = index(at, nrules, false, 'rule')
     ask[x] = num(at + 2, 'ask')
+    if cost[q] == 0 and ask[x] ~= 0 then
+      bad('a check of cost 0 asks nothing more')
+    end
     local rule = rules[check_rule[x]]
     check_field[x] = rule.fields[index(at + 1, #rule.fields, false, 'field')]
     units[x] = cost[q]
@@ -138,7 +143,7 @@ for q = 1, n do
     if ask[y] >= 0 then
       local rule = rules[check_rule[y]]
       local ok = accepted and rule_passed[check_rule[y]] ~= false
-      if ok or rule.count_rejected then
+      if units[y] > 0 and (ok or rule.count_rejected) then
         local st = state(y)
         st.alg.charge(st, rule, ok, units[y])
       end

@@ -255,6 +255,16 @@ pub fn spacing_room(last_us: Option<i64>, now_us: i64, spacing_us: i64) -> Room 
     }
 }
 
+/// `min_spacing` for a check of `cost` events. A check of 0 (one that charges nothing: an Envoy
+/// descriptor's `hits_addend` of 0) asks whether a count is already past its limit, as under
+/// `count_rejected`; min_spacing counts nothing, so it never refuses one.
+pub fn spacing_check_n(last_us: Option<i64>, now_us: i64, spacing_us: i64, cost: i64) -> Check {
+    if cost == 0 {
+        return Check::PASS;
+    }
+    spacing_check(last_us, now_us, spacing_us)
+}
+
 /// `min_spacing` against the last charged event of an identity.
 pub fn spacing_check(last_us: Option<i64>, now_us: i64, spacing_us: i64) -> Check {
     match last_us {

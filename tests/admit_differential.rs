@@ -412,7 +412,7 @@ fn lua_and_rust_decide_alike_on_redis_time() {
 // ------------------------------------------ synchronous decisions: decide.lua against Rust
 
 /// One synchronous request: per check, which of 3 values and what is asked (0 decide, 1 covered
-/// by a lease, n > 1 lease n - 1 tokens); its cost; the sleep before it (µs).
+/// by a lease, n > 1 lease n - 1 tokens; only 0 at cost 0); its cost; the sleep before it (µs).
 #[derive(Debug, Clone)]
 struct Request {
     values: Vec<(u8, u8)>,
@@ -434,7 +434,8 @@ fn sync_case() -> impl Strategy<Value = SyncCase> {
                 ),
                 fields,
             ),
-            prop_oneof![3 => Just(1i64), 1 => 2i64..5],
+            // 0: a check that charges nothing (an Envoy descriptor's hits_addend of 0).
+            prop_oneof![3 => Just(1i64), 1 => 2i64..5, 1 => Just(0i64)],
             // Half join the batch before them (under 1 ms, see run_sync_case).
             prop_oneof![1 => 0u64..1_000, 1 => 1_000u64..4_000],
         )
@@ -504,7 +505,9 @@ fn run_sync_case(
                     // Only gcra and fixed_window lease. A lease asked for comes with some of
                     // the request's tokens paid from the caller's lease, or none, from
                     // leases that end long after the call or have ended before it.
+                    // A check of cost 0 asks nothing else.
                     let ask = match ask {
+                        _ if req.cost == 0 => Ask::Decide,
                         0 => Ask::Decide,
                         1 => Ask::Covered,
                         _ if rule.rule.algorithm == Algorithm::SlidingLog => Ask::Decide,

@@ -329,8 +329,8 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
     // passed with no limit.
     let misspelt = descriptor(&[("User", "u7"), ("pacer_rule", "per-user")]);
     refused_grpc(&rt, g, "edge", vec![misspelt], "descriptors[0]:");
-    // A descriptor's own hits_addend of 0 checks and charges nothing: three of them, then u8
-    // still has its whole burst of 2.
+    // A descriptor's own hits_addend of 0 checks and charges nothing: three of them, each
+    // telling the limit and the whole burst of 2 left, then u8 still has it.
     let mut peek = descriptor(&[("user", "u8")]);
     peek.hits_addend = Some(envoy_types::pb::google::protobuf::UInt64Value { value: 0 });
     for _ in 0..3 {
@@ -338,6 +338,12 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
             .block_on(should_rate_limit(g, "edge", vec![peek.clone()]))
             .unwrap();
         assert_eq!(r.overall_code, Code::Ok as i32, "{r:?}");
+        let s = &r.statuses[0];
+        assert_eq!(
+            s.current_limit.as_ref().map(|l| &*l.name),
+            Some("per-user.2/s")
+        );
+        assert_eq!(s.limit_remaining, 2, "{r:?}");
     }
     let r = rt
         .block_on(should_rate_limit(
@@ -377,6 +383,59 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
         .count();
     // Its burst of 2 (a third if the call took half a second): the refused calls charged none.
     assert!((2..=3).contains(&allowed), "{allowed} allowed of u9");
+}
+
+/// README, "Envoy": a descriptor's own `hits_addend` of 0 is a check that charges nothing,
+/// `OVER_LIMIT` only where a count is already past its limit, as envoyproxy/ratelimit answers
+/// it: in pacer only under `count_rejected`, whose refused requests count. Before, it was `OK`
+/// with no limit whatever the count.
+#[test]
+fn envoy_a_hits_addend_of_0_is_over_the_limit_only_where_a_count_is_past_it() {
+    use envoy_types::pb::google::protobuf::UInt64Value;
+    clear_of_the_hour();
+    let api = start_api(
+        1,
+        "    - {name: tries, key: [user], algorithm: fixed_window, limits: [2/h], count_rejected: true}\n    - {name: spaced, key: [phone], algorithm: gcra, limits: [10/s], min_spacing: 1h}\n",
+    );
+    let (_, _, g) = api.ports[0];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let hit = |entries: &[(&str, &str)], addend: Option<u64>| {
+        let mut d = descriptor(entries);
+        d.hits_addend = addend.map(|value| UInt64Value { value });
+        let r = rt.block_on(should_rate_limit(g, "edge", vec![d])).unwrap();
+        let s = &r.statuses[0];
+        let name = s.current_limit.as_ref().map(|l| l.name.clone());
+        (s.code == Code::Ok as i32, name, s.limit_remaining, r)
+    };
+    let user = [("user", "u1")];
+    // Two of 2 this hour: each check of 0 before, between and after them is OK and charges
+    // nothing (else the second hit would be over), at the limit included.
+    for (addend, ok, left) in [
+        (Some(0), true, 2),
+        (None, true, 1),
+        (Some(0), true, 1),
+        (None, true, 0),
+        (Some(0), true, 0),
+    ] {
+        let (got, name, remaining, r) = hit(&user, addend);
+        assert_eq!((got, remaining), (ok, left), "{addend:?}: {r:?}");
+        assert_eq!(name.as_deref(), Some("tries.2/h"), "{r:?}");
+    }
+    // A third is refused and, under count_rejected, counted: the count is now past the limit,
+    // and a check of 0 says so, with when the window ends.
+    assert!(!hit(&user, None).0);
+    let (ok, _, remaining, r) = hit(&user, Some(0));
+    assert!(!ok && remaining == 0, "{r:?}");
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+    let reset = r.statuses[0].duration_until_reset.as_ref().expect("reset");
+    assert!((1..=3600).contains(&reset.seconds), "{reset:?}");
+    // min_spacing counts nothing: a check of 0 right after a hit is OK (none left at once),
+    // where a hit is refused.
+    let phone = [("phone", "p1")];
+    assert!(hit(&phone, None).0);
+    let (ok, _, remaining, r) = hit(&phone, Some(0));
+    assert!(ok && remaining == 0, "{r:?}");
+    assert!(!hit(&phone, None).0);
 }
 
 /// README, "Envoy": a descriptor's cost is its own `hits_addend`, else the request's, else 1.
@@ -438,14 +497,13 @@ fn envoy_charges_the_descriptors_hits_addend_else_the_requests_else_one() {
 
     // (b) No addend of its own: the request's 2. With one of its own, that one (3), even
     // beside the request's 2; and its own 0 is a check that charges nothing, whatever the
-    // request's (OK with no limit).
+    // request's (OK, with the 5 left).
     let (r, each) = ask(vec![user("b", None)], 2);
     assert_eq!((r.overall_code, each), (ok, vec![(ok, 8)]), "{r:?}");
     let (r, each) = ask(vec![user("b", Some(3)), user("c", None)], 2);
     assert_eq!(each, [(ok, 5), (ok, 8)], "{r:?}");
     let (r, each) = ask(vec![user("b", Some(0))], 2);
-    assert_eq!(each, [(ok, 0)], "{r:?}");
-    assert!(r.statuses[0].current_limit.is_none(), "{r:?}");
+    assert_eq!(each, [(ok, 5)], "{r:?}");
     let (r, each) = ask(vec![user("b", None), user("b", None)], 2);
     assert_eq!(each, [(ok, 3), (ok, 1)], "{r:?}");
     // 2 more would pass it; 1 (the request's 0 is "not set") fits.

@@ -21,7 +21,7 @@ end
 
 -- Whether `cost` more events fit the current windows.
 function fixed_window.check(st, rule, cost)
-  local retry, lim = spacing_check(st.last, rule), 0
+  local retry, lim = cost > 0 and spacing_check(st.last, rule) or 0, 0
   local v = st.v
   for i = 1, rule.nlimits do
     local l = rule.limits[i]

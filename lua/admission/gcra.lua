@@ -10,7 +10,7 @@ end
 
 -- Whether `cost` more events conform: the schedule cost - 1 intervals on is within tolerance.
 function gcra.check(st, rule, cost)
-  local retry, lim = spacing_check(st.last, rule), 0
+  local retry, lim = cost > 0 and spacing_check(st.last, rule) or 0, 0
   local tats = st.v
   for i = 1, rule.nlimits do
     local l = rule.limits[i]

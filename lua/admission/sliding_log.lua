@@ -74,7 +74,7 @@ end
 function sliding_log.check(st, rule, cost)
   local n = st.added + cost - 1
   local retry, lim = 0, 0
-  if rule.spacing > 0 then
+  if rule.spacing > 0 and cost > 0 then
     local last
     if st.added > 0 then
       last = now
@@ -87,9 +87,13 @@ function sliding_log.check(st, rule, cost)
     local l = rule.limits[i]
     -- A window is a suffix of the sorted log (the saved entries, then this batch's n at now),
     -- so it is full exactly when its count-th newest entry is in it, and frees up when that
-    -- entry leaves it: one entry to look at, no search.
+    -- entry leaves it: one entry to look at, no search. The log keeps its newest `cap`
+    -- entries, so a check of 0 on a limit of the largest count has no entry past it to find
+    -- (the batch's `added` may run past the cap until it is saved).
     local nth
-    if l.count <= n then
+    if l.count - cost >= rule.cap then
+      nth = nil
+    elseif l.count <= n then
       nth = now
     elseif st.len >= l.count - n then
       nth = entry(st, st.len + n - l.count + 1)

@@ -80,6 +80,9 @@ pub struct SyncVerdict {
 impl Engine {
     /// Decides one synchronous request of `cost` events at `now` (what `lua/decide.lua` does):
     /// every check first, then the charges, then the leases asked for, then each check's room.
+    /// A `cost` of 0 is a check that charges nothing (an Envoy descriptor's `hits_addend` of
+    /// 0), refused only where a count is already past its limit (as `count_rejected` leaves
+    /// it); its checks ask nothing else ([`Ask::Decide`]).
     pub fn decide(
         &mut self,
         now_us: i64,
@@ -113,12 +116,14 @@ impl Engine {
             }
             let rule = &self.rules[*r].rule;
             let ok = accepted && rule_passed[*r];
-            if rule.charges(accepted, rule_passed[*r]) {
+            let units = ask.units(cost, now_us);
+            // A check of cost 0 charges nothing, not even min_spacing's last event.
+            if units > 0 && rule.charges(accepted, rule_passed[*r]) {
                 let state = self
                     .states
                     .get_mut(&(*r, identity.clone()))
                     .expect("loaded");
-                state.charge_n(now_us, rule, ok, ask.units(cost, now_us));
+                state.charge_n(now_us, rule, ok, units);
             }
         }
         if !accepted {
@@ -178,8 +183,54 @@ impl Engine {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::refusals_waiting_retry_after;
+    use super::super::tests::{refusals_waiting_retry_after, rule};
+    use super::super::EngineRule;
     use super::*;
+
+    #[test]
+    fn a_check_of_cost_0_charges_nothing_and_is_refused_only_past_the_limit() {
+        // 2 a second, and min_spacing 100 ms; refused attempts counted.
+        for algorithm in [
+            Algorithm::SlidingLog,
+            Algorithm::Gcra,
+            Algorithm::FixedWindow,
+        ] {
+            let mut r = rule(algorithm, &[(2, 1_000_000)], 100_000);
+            r.count_rejected = true;
+            let mut e = Engine::new(vec![EngineRule {
+                rule: r,
+                shadow: false,
+            }]);
+            let id = vec![(0, "s".to_string(), Ask::Decide)];
+            let mut at = |t: i64, cost: i64| {
+                let v = e.decide(t, &id, cost);
+                (v.accepted, v.checks[0].room.expect("decided").remaining)
+            };
+            let case = format!("{algorithm:?}");
+            assert_eq!(
+                at(0, 0),
+                (true, 1),
+                "{case}: min_spacing's room is one at a time"
+            );
+            assert_eq!(at(0, 1), (true, 0), "{case}");
+            // Within min_spacing: refused to a cost of 1, not to a check of 0, which moves
+            // nothing (else the event at 100 ms would be refused).
+            assert_eq!(at(50_000, 0), (true, 0), "{case}");
+            assert_eq!(at(100_000, 1), (true, 0), "{case}: two of 2, at the limit");
+            assert_eq!(
+                at(200_000, 0),
+                (true, 0),
+                "{case}: at the limit, not past it"
+            );
+            // A third is refused and counted: a fixed window's count is now past the limit,
+            // which a check of 0 says. The others are full, never past it: a sliding log keeps
+            // only the newest entries its largest count needs (exact for every check of 1 or
+            // more), and a refused attempt's gcra debt stops at one full bucket.
+            assert!(!at(300_000, 1).0, "{case}");
+            let past = algorithm == Algorithm::FixedWindow;
+            assert_eq!(at(400_000, 0), (!past, 0), "{case}: past the limit");
+        }
+    }
 
     #[test]
     fn with_count_rejected_a_caller_waiting_retry_after_finds_room() {

@@ -6,7 +6,7 @@
 //! next: up to `2 × count` events within one rolling `window`. Use `sliding_log` or `gcra` where
 //! that matters.
 
-use super::{spacing_check, spacing_room, Check, Room, Rule};
+use super::{spacing_check_n, spacing_room, Check, Room, Rule};
 
 /// One identity's counters: per limit (window number, events counted in it), and the last
 /// charged event.
@@ -43,7 +43,7 @@ pub fn check(s: &State, now_us: i64, rule: &Rule) -> Check {
 
 /// Whether `cost` more events fit the current windows (a cost above a limit never does).
 pub fn check_n(s: &State, now_us: i64, rule: &Rule, cost: i64) -> Check {
-    let mut verdict = spacing_check(s.last, now_us, rule.spacing_us);
+    let mut verdict = spacing_check_n(s.last, now_us, rule.spacing_us, cost);
     for (i, (limit, &counted)) in rule.limits.iter().zip(&s.windows).enumerate() {
         let (current, used) = current_window(counted, now_us, limit.window_us);
         if used + cost > limit.count {

@@ -12,7 +12,7 @@
 //! One string per identity in Redis (`t1:…:tn:last`, the tat per limit and the last accepted
 //! time for `min_spacing`), whatever the traffic: O(1) memory. It expires when it would read as an empty bucket anyway.
 
-use super::{spacing_check, spacing_room, Check, Room, Rule};
+use super::{spacing_check_n, spacing_room, Check, Room, Rule};
 
 /// One identity's buckets: `tat` per limit (0 for a full bucket) and the last charged event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,7 +37,7 @@ pub fn check(s: &State, now_us: i64, rule: &Rule) -> Check {
 /// Whether `cost` more events at `now` conform: the bucket's schedule, `cost − 1` intervals on,
 /// must be within the tolerance (a cost above the burst never is).
 pub fn check_n(s: &State, now_us: i64, rule: &Rule, cost: i64) -> Check {
-    let mut verdict = spacing_check(s.last, now_us, rule.spacing_us);
+    let mut verdict = spacing_check_n(s.last, now_us, rule.spacing_us, cost);
     for (i, (limit, &tat)) in rule.limits.iter().zip(&s.tats).enumerate() {
         let earliest = tat.max(now_us) + (cost - 1) * limit.interval_us - limit.tolerance_us;
         if now_us < earliest {

@@ -18,7 +18,7 @@
 //! so entries past the horizon may stay in it until the cap makes a rewrite drop them: older
 //! than every window, they change no decision, and the cap bounds the log all the same.
 
-use super::{spacing_check, spacing_room, Check, Room, Rule};
+use super::{spacing_check_n, spacing_room, Check, Room, Rule};
 
 /// The log as `admit.lua` stores it: `None` if `bytes` is not a whole number of entries.
 pub fn unpack(bytes: &[u8]) -> Option<Vec<i64>> {
@@ -48,7 +48,7 @@ pub fn check(log: &[i64], now_us: i64, rule: &Rule) -> Check {
 /// Whether `cost` more events at `now` fit (a cost above a limit never does: its retry is then
 /// that limit's window, as if it were full).
 pub fn check_n(log: &[i64], now_us: i64, rule: &Rule, cost: i64) -> Check {
-    let mut verdict = spacing_check(log.last().copied(), now_us, rule.spacing_us);
+    let mut verdict = spacing_check_n(log.last().copied(), now_us, rule.spacing_us, cost);
     for (i, limit) in rule.limits.iter().enumerate() {
         // A window is a suffix of the sorted log, so it has room for `cost` more exactly when
         // the `(count − cost + 1)`-th newest entry is out of it; and it frees up when that

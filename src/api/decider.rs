@@ -40,11 +40,11 @@ pub struct Request {
     pub rules: Option<Vec<String>>,
     /// Apply only the rules whose key fields are all given (Envoy's mapping).
     pub only_matching: bool,
-    /// Checked and charged nothing: an Envoy descriptor whose own `hits_addend` is 0. Its
-    /// identities are resolved (a bad one is still refused), and it is allowed: pacer counts no
-    /// refused request, so no limit is ever past its count, which is what envoyproxy/ratelimit
-    /// answers a hit of 0 on (it adds 0 and refuses only a count already over the limit).
-    /// Except under `count_rejected`, whose refused requests count: a known gap (README).
+    /// Checked and charged nothing: an Envoy descriptor whose own `hits_addend` is 0. Decided
+    /// in Redis at cost 0 (`lua/decide.lua`): refused only where a count is already past its
+    /// limit, as envoyproxy/ratelimit answers a hit of 0 (it adds 0 and refuses a count over
+    /// the limit); pacer counts no refused request, so that is only under `count_rejected`.
+    /// Its answer carries the limit with the least room, as any other's. `cost` is unused.
     pub check_only: bool,
 }
 
@@ -257,15 +257,6 @@ impl Decider {
                 .by_ref()
                 .take(TOGETHER)
                 .map(|(i, (r, (partition, ids)))| async move {
-                    if r.check_only {
-                        return Ok(Answer {
-                            allowed: true,
-                            retry_us: 0,
-                            limit: None,
-                            via_redis: false,
-                            unchecked: false,
-                        });
-                    }
                     let answer = self.decide_resolved(api, r, partition, ids).await;
                     answer.map_err(|e| (i, e))
                 });
@@ -284,6 +275,9 @@ impl Decider {
         partition: usize,
         ids: Vec<Identity>,
     ) -> Result<Answer, Refusal> {
+        if req.check_only {
+            return self.check_only(api, partition, ids).await;
+        }
         let rules = &self.cfg.rules;
         let mut asks = vec![Ask::Decide; ids.len()];
         let leased: Vec<Option<&crate::config::Lease>> =
@@ -413,6 +407,27 @@ impl Decider {
         }
         drop(held);
         Ok(self.answer(api, &ids, &slots, &verdict))
+    }
+
+    /// Decides a check that charges nothing (`Request::check_only`) in Redis, at cost 0 and
+    /// with no lease taken or asked for: the room it reports is the identities' in Redis,
+    /// where the tokens leased out are charged.
+    async fn check_only(
+        &self,
+        api: Api,
+        partition: usize,
+        ids: Vec<Identity>,
+    ) -> Result<Answer, Refusal> {
+        let checks = ids
+            .iter()
+            .map(|id| (id.rule, id.field, id.key.clone(), Ask::Decide))
+            .collect();
+        let reply = self.batcher.decide(partition, checks, 0).await;
+        telemetry::api_redis_call(api);
+        match reply {
+            Ok(v) => Ok(self.answer(api, &ids, &vec![None; ids.len()], &v)),
+            Err(e) => self.unavailable(api, &ids, e),
+        }
     }
 
     /// The answer when Redis could not decide (`error`): `fail_policy`'s.

@@ -7,8 +7,9 @@
 //! value); the rules applied are those whose key fields the descriptor all carries (or that
 //! have a `default_identity`), or just the rule an entry `pacer_rule: <name>` names (whose
 //! fields it must then carry). Its cost is the descriptor's `hits_addend`, else the request's,
-//! else 1; a descriptor's own `hits_addend` of 0 is checked (its fields resolved) and charged
-//! nothing, and is `OK` with no limit (`Request::check_only`). Descriptors are decided together
+//! else 1; a descriptor's own `hits_addend` of 0 is a check that charges nothing
+//! (`Request::check_only`): `OVER_LIMIT` only where a count is already past its limit (under
+//! `count_rejected`), with its limit and room as any status. Descriptors are decided together
 //! (`Decider::decide_all`: one Redis call for those that need one), each on its own (an allowed
 //! one is charged even when another is over its limit, as in envoyproxy/ratelimit); one that
 //! cannot be decided refuses the request and charges none. A descriptor no rule applies to is

@@ -30,7 +30,7 @@ fn limit_index(lim: i64) -> usize {
 /// One request of a `decide` batch.
 pub struct DecideRequest<'a> {
     pub checks: Vec<DecideCheck<'a>>,
-    /// Events it counts for (>= 1).
+    /// Events it counts for (>= 1; 0 for a check that charges nothing).
     pub cost: i64,
 }
 
