@@ -168,6 +168,26 @@ fn http_answers_with_the_room_left_the_ietf_headers_and_retry_after() {
         (200, Some(1)),
         "{body}"
     );
+    // A cost of 0 asks for the room and charges nothing; at the limit it is 200 with none
+    // left, as nothing is past it (a refused request counts for nothing here).
+    for _ in 0..2 {
+        let (status, _, body) = post(
+            h,
+            r#"{"fields": {"source": "other", "ip": "x"}, "cost": 0}"#,
+        );
+        assert_eq!(
+            (status, body["remaining"].as_i64()),
+            (200, Some(1)),
+            "{body}"
+        );
+    }
+    let (status, _, body) = post(h, r#"{"fields": {"source": "acme", "ip": "x"}, "cost": 0}"#);
+    assert_eq!(
+        (status, body["remaining"].as_i64()),
+        (200, Some(0)),
+        "{body}"
+    );
+    assert_eq!(body["limit"], "3/s", "{body}");
     // Only the rules named.
     let (status, _, body) = post(h, r#"{"fields": {"ip": "192.0.2.7"}, "rules": ["per-ip"]}"#);
     assert_eq!(status, 200, "{body}");
@@ -194,15 +214,15 @@ fn http_answers_with_the_room_left_the_ietf_headers_and_retry_after() {
     let (m, _, _) = api.ports[0];
     assert_eq!(http_post(m, "/v1/admit", ask).unwrap().0, 404);
     assert!(metric_at(m, "pacer_api_decisions_total{api=\"http\",rule=\"per-source\",outcome=\"limited\",mode=\"enforce\"}") >= 1.0);
-    // Latency per rule: a request counts for each rule it was checked against (five checked
-    // both, one only per-ip; the bad ones none).
+    // Latency per rule: a request counts for each rule it was checked against (eight checked
+    // both, three of them at cost 0, one only per-ip; the bad ones none).
     let latency = |rule: &str| {
         metric_at(
             m,
             &format!("pacer_api_decision_seconds_count{{api=\"http\",rule=\"{rule}\"}}"),
         )
     };
-    assert_eq!((latency("per-source"), latency("per-ip")), (5.0, 6.0));
+    assert_eq!((latency("per-source"), latency("per-ip")), (8.0, 9.0));
     // Its Redis calls are timed with the rest of pacer's.
     assert!(
         metric_at(
@@ -319,7 +339,7 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
         g,
         "edge",
         vec![huge],
-        "cost must be a whole number from 1 to 1000000000",
+        "cost must be a whole number from 0 to 1000000000",
     );
     let twice = descriptor(&[("user", "u3"), ("user", "u4")]);
     refused_grpc(&rt, g, "edge", vec![twice], "the field user is given twice");

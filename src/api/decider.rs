@@ -34,18 +34,18 @@ impl Api {
 #[derive(Debug, Clone, Default)]
 pub struct Request {
     pub fields: Vec<(String, String)>,
+    /// Events it counts for; 0 for a check that charges nothing (HTTP's `cost: 0`, an Envoy
+    /// descriptor's own `hits_addend` of 0), decided in Redis at cost 0 (`lua/decide.lua`)
+    /// with no lease spent or asked for: refused only where a count is already past its
+    /// limit, as envoyproxy/ratelimit answers a hit of 0 (it adds 0 and refuses a count over
+    /// the limit), which pacer, counting no refused request, reaches only under
+    /// `count_rejected`. Its answer carries the limit with the least room, as any other's.
     pub cost: i64,
     /// Rule names; `None`: every rule (HTTP), or every rule whose key fields the request
     /// carries (Envoy's descriptors, see `envoy`).
     pub rules: Option<Vec<String>>,
     /// Apply only the rules whose key fields are all given (Envoy's mapping).
     pub only_matching: bool,
-    /// Checked and charged nothing: an Envoy descriptor whose own `hits_addend` is 0. Decided
-    /// in Redis at cost 0 (`lua/decide.lua`): refused only where a count is already past its
-    /// limit, as envoyproxy/ratelimit answers a hit of 0 (it adds 0 and refuses a count over
-    /// the limit); pacer counts no refused request, so that is only under `count_rejected`.
-    /// Its answer carries the limit with the least room, as any other's. `cost` is unused.
-    pub check_only: bool,
 }
 
 /// The limit an answer reports: the binding one when refused, else the one with least room.
@@ -155,9 +155,9 @@ impl Decider {
 
     /// The request's identities, or why it cannot be decided.
     fn identities(&self, req: &Request) -> Result<(usize, Vec<Identity>), Refusal> {
-        if !(1..=MAX_COST).contains(&req.cost) {
+        if !(0..=MAX_COST).contains(&req.cost) {
             return Err(Refusal::Bad(format!(
-                "cost must be a whole number from 1 to {MAX_COST}, got {}",
+                "cost must be a whole number from 0 to {MAX_COST}, got {}",
                 req.cost
             )));
         }
@@ -275,7 +275,7 @@ impl Decider {
         partition: usize,
         ids: Vec<Identity>,
     ) -> Result<Answer, Refusal> {
-        if req.check_only {
+        if req.cost == 0 {
             return self.check_only(api, partition, ids).await;
         }
         let rules = &self.cfg.rules;
@@ -409,7 +409,7 @@ impl Decider {
         Ok(self.answer(api, &ids, &slots, &verdict))
     }
 
-    /// Decides a check that charges nothing (`Request::check_only`) in Redis, at cost 0 and
+    /// Decides a check that charges nothing (a `Request` of cost 0) in Redis, at cost 0 and
     /// with no lease taken or asked for: the room it reports is the identities' in Redis,
     /// where the tokens leased out are charged.
     async fn check_only(

@@ -8,7 +8,7 @@
 //! have a `default_identity`), or just the rule an entry `pacer_rule: <name>` names (whose
 //! fields it must then carry). Its cost is the descriptor's `hits_addend`, else the request's,
 //! else 1; a descriptor's own `hits_addend` of 0 is a check that charges nothing
-//! (`Request::check_only`): `OVER_LIMIT` only where a count is already past its limit (under
+//! (`Request::cost`): `OVER_LIMIT` only where a count is already past its limit (under
 //! `count_rejected`), with its limit and room as any status. Descriptors are decided together
 //! (`Decider::decide_all`: one Redis call for those that need one), each on its own (an allowed
 //! one is charged even when another is over its limit, as in envoyproxy/ratelimit); one that
@@ -186,11 +186,9 @@ impl RateLimitService for Envoy {
                 // that charges nothing (as in envoyproxy/ratelimit); the request's 0 is
                 // proto3's "not set", so 1.
                 cost: match own {
-                    Some(h) if h > 0 => i64::try_from(h).unwrap_or(i64::MAX),
-                    Some(_) => 1,
+                    Some(h) => i64::try_from(h).unwrap_or(i64::MAX),
                     None => i64::from(req.hits_addend.max(1)),
                 },
-                check_only: own == Some(0),
                 only_matching: true,
                 ..Request::default()
             };

@@ -9,8 +9,8 @@
 //! ```
 //!
 //! `fields` names the identities (every key field of the rules applied; numbers are read as
-//! their text), `cost` (default 1) is how many events the request counts for, `rules` (default:
-//! every rule) which rules apply. It answers 200 `{"allowed": true, ...}` or 429
+//! their text), `cost` (default 1) is how many events the request counts for (0: a check that
+//! charges nothing, `Request::cost`), `rules` (default: every rule) which rules apply. It answers 200 `{"allowed": true, ...}` or 429
 //! `{"allowed": false, "retry_after_ms": ...}` with `Retry-After` (whole seconds, rounded up),
 //! both with the limit that has the least room left (or that refused) and the IETF
 //! `RateLimit-Policy` / `RateLimit` headers (draft-ietf-httpapi-ratelimit-headers); 400 with
@@ -313,11 +313,11 @@ fn read_fields(fields: Vec<(String, Value)>, req: &mut Request, problems: &mut V
 fn read_cost(cost: Value, req: &mut Request, problems: &mut Vec<String>) {
     match cost {
         Value::Null => {}
-        Value::Number(n) if n.as_i64().is_some_and(|c| (1..=MAX_COST).contains(&c)) => {
+        Value::Number(n) if n.as_i64().is_some_and(|c| (0..=MAX_COST).contains(&c)) => {
             req.cost = n.as_i64().unwrap_or(1)
         }
         other => problems.push(format!(
-            "cost: expected a whole number from 1 to {MAX_COST}, got {other}"
+            "cost: expected a whole number from 0 to {MAX_COST}, got {other}"
         )),
     }
 }
@@ -430,7 +430,7 @@ mod tests {
 
     #[test]
     fn a_request_names_every_problem() {
-        let e = parse(br#"{"fields": {"a": true}, "cost": 0, "rules": [1], "x": 1}"#).unwrap_err();
+        let e = parse(br#"{"fields": {"a": true}, "cost": -1, "rules": [1], "x": 1}"#).unwrap_err();
         for part in ["unknown key \"x\"", "fields.a", "cost:", "rules[0]"] {
             assert!(e.contains(part), "{part} in {e}");
         }
