@@ -628,6 +628,41 @@ fn decide_books_fetch_turns_a_gap_apart() {
     assert_eq!((later.granted, later.turn_in_us), (3, 0), "{later:?}");
 }
 
+#[test]
+fn decide_refuses_a_check_of_cost_0_that_asks_for_more_and_writes_nothing() {
+    // A check that charges nothing leases nothing and spends no lease: a call that says
+    // otherwise is a bug in its caller, refused whole (the request before it not charged).
+    let redis = RedisServer::start();
+    let (rt, mut con) = redis.async_con();
+    let scripts = Scripts::default();
+    let rules = ScriptRules::new(&hourly_rule(), 0);
+    for ask in [
+        Ask::Covered,
+        Ask::Lease {
+            more: 2,
+            paid: 0,
+            paid_until_us: 0,
+        },
+    ] {
+        let mut peek = hourly_request();
+        peek.cost = 0;
+        peek.checks[0].ask = ask;
+        let err = rt
+            .block_on(scripts.decide(&mut con, &rules, &[hourly_request(), peek]))
+            .expect_err("refused");
+        assert!(
+            err.to_string().contains("asks nothing more"),
+            "{ask:?}: {err}"
+        );
+    }
+    let mut peek = hourly_request();
+    peek.cost = 0;
+    let (_, v) = rt
+        .block_on(scripts.decide(&mut con, &rules, &[peek]))
+        .expect("decide");
+    assert_eq!(v[0].checks[0].room.map(|r| r.remaining), Some(10), "{v:?}");
+}
+
 /// One rule of 10 an hour on `k`.
 fn hourly_rule() -> Vec<InboundRule> {
     vec![InboundRule {
