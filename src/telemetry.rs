@@ -310,6 +310,9 @@ struct RuleMetrics {
     seconds: metrics::Histogram,
     allowed: metrics::Counter,
     limited: metrics::Counter,
+    /// Checks that charge nothing (a request of cost 0), whatever their answer: counted
+    /// apart, so that `allowed` stays what drew on the limit.
+    checked: metrics::Counter,
     /// Redis did not decide: let through unchecked (`fail_open`) or answered 503/UNAVAILABLE.
     unanswered: metrics::Counter,
 }
@@ -343,6 +346,7 @@ impl ApiMetrics {
                             seconds: histogram!(API_SECONDS, "api" => api.as_str(), "rule" => r.name.clone()),
                             allowed: decisions("allowed"),
                             limited: decisions("limited"),
+                            checked: decisions("checked"),
                             unanswered: decisions(match inbound.fail_policy {
                                 crate::config::FailPolicy::FailOpen => "unchecked",
                                 crate::config::FailPolicy::FailClosed => "unavailable",
@@ -380,6 +384,14 @@ impl ApiMetrics {
     pub fn unanswered(&self, api: crate::api::Api, rule: usize) {
         if let Some(m) = self.of(api, rule) {
             m.unanswered.increment(1);
+        }
+    }
+
+    /// One identity checked against rule `rule` (an index) by a request of cost 0, which
+    /// charges nothing.
+    pub fn checked(&self, api: crate::api::Api, rule: usize) {
+        if let Some(m) = self.of(api, rule) {
+            m.checked.increment(1);
         }
     }
 

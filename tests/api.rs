@@ -214,6 +214,14 @@ fn http_answers_with_the_room_left_the_ietf_headers_and_retry_after() {
     let (m, _, _) = api.ports[0];
     assert_eq!(http_post(m, "/v1/admit", ask).unwrap().0, 404);
     assert!(metric_at(m, "pacer_api_decisions_total{api=\"http\",rule=\"per-source\",outcome=\"limited\",mode=\"enforce\"}") >= 1.0);
+    // The three checks of cost 0 are counted apart from what drew on the limit.
+    let decisions = |outcome: &str| {
+        metric_at(
+            m,
+            &format!("pacer_api_decisions_total{{api=\"http\",rule=\"per-source\",outcome=\"{outcome}\",mode=\"enforce\"}}"),
+        )
+    };
+    assert_eq!((decisions("checked"), decisions("allowed")), (3.0, 4.0));
     // Latency per rule: a request counts for each rule it was checked against (eight checked
     // both, three of them at cost 0, one only per-ip; the bad ones none).
     let latency = |rule: &str| {

@@ -406,7 +406,7 @@ impl Decider {
             self.give_back(&slots, &mut taken, Instant::now());
         }
         drop(held);
-        Ok(self.answer(api, &ids, &slots, &verdict))
+        Ok(self.answer(api, &ids, &slots, &verdict, false))
     }
 
     /// Decides a check that charges nothing (a `Request` of cost 0) in Redis, at cost 0 and
@@ -425,7 +425,7 @@ impl Decider {
         let reply = self.batcher.decide(partition, checks, 0).await;
         telemetry::api_redis_call(api);
         match reply {
-            Ok(v) => Ok(self.answer(api, &ids, &vec![None; ids.len()], &v)),
+            Ok(v) => Ok(self.answer(api, &ids, &vec![None; ids.len()], &v, true)),
             Err(e) => self.unavailable(api, &ids, e),
         }
     }
@@ -508,13 +508,15 @@ impl Decider {
         }
     }
 
-    /// The answer from a Redis verdict, counted.
+    /// The answer from a Redis verdict, counted (as `checked` when the request charged nothing,
+    /// `check_only`).
     fn answer(
         &self,
         api: Api,
         ids: &[Identity],
         slots: &[Option<Arc<Slot>>],
         v: &SyncVerdict,
+        check_only: bool,
     ) -> Answer {
         let now = Instant::now();
         let limit = match v.binding {
@@ -544,7 +546,11 @@ impl Decider {
                 .map(|(id, remaining, lim, reset)| self.reported(id, lim, remaining, reset)),
         };
         for (id, c) in ids.iter().zip(&v.checks) {
-            self.metrics.decided(api, id.rule, c.passed);
+            if check_only {
+                self.metrics.checked(api, id.rule);
+            } else {
+                self.metrics.decided(api, id.rule, c.passed);
+            }
         }
         Answer {
             allowed: v.accepted,
