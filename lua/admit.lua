@@ -326,8 +326,7 @@ end
 save_states()
 for _, h in ipairs(hashes) do
   if record[h] then
-    chunked('HSET', h, record[h])
-    redis.call('PEXPIRE', h, ttl)
+    hset(h, record[h], ttl)
   end
 end
 ack_all(stream_at, group, acks, gone)

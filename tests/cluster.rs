@@ -766,7 +766,7 @@ fn inbound_decisions(con: &mut redis::Connection) -> i64 {
         .unwrap();
     hashes
         .iter()
-        .map(|h| redis::cmd("HLEN").arg(h).query::<i64>(con).unwrap())
+        .map(|h| pacer::testkit::records_in(con, h))
         .sum()
 }
 

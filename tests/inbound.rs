@@ -385,7 +385,7 @@ fn memory_is_bounded_reading_logs(log_entries_per_read: i64) {
     assert_eq!(decided.len(), 13, "{decided:?}");
     let recorded: i64 = decided
         .iter()
-        .map(|k| redis::cmd("HLEN").arg(k).query::<i64>(&mut con).unwrap())
+        .map(|k| pacer::testkit::records_in(&mut con, k))
         .sum();
     assert_eq!(recorded, 1200);
     let horizon_ms = |k: &str| -> i64 {

@@ -1490,3 +1490,46 @@ fn recording_a_decision_keeps_one_already_there_and_renews_each_hash() {
         .unwrap();
     assert_eq!(exists, 0);
 }
+
+/// lib.lua `hset`: a record hash that one call writes 16 records or more to is made a hash
+/// table first (a listpack's scans of what it holds were a sixth of what schedule.lua cost on
+/// a hash filling up); a smaller call leaves it a listpack (40 bytes a record, not 98). Either
+/// way every record reads back: a redelivery is told its decision.
+#[test]
+fn a_record_hash_filled_by_a_large_call_is_a_hash_table_and_by_a_small_one_a_listpack() {
+    let mut rig = Rig::new("1000/ms", 1000);
+    // Ids 100 ms apart: two decision hashes.
+    let large: Vec<Ev> = (0..16).map(|i| ev(&format!("1000-{i}"))).collect();
+    let small: Vec<Ev> = (0..15).map(|i| ev(&format!("1100-{i}"))).collect();
+    for events in [&large, &small] {
+        let (_, first) = rig.schedule(events, 5_000_000);
+        assert!(
+            first
+                .iter()
+                .all(|d| matches!(d, Scheduled::Dispatched { .. })),
+            "{first:?}"
+        );
+    }
+    let mut con = rig.redis.con();
+    for (entry, encoding, records) in [("1000-0", "hashtable", 16), ("1100-0", "listpack", 15)] {
+        let hash = rig.route.keys.decisions("in", entry);
+        let got: String = redis::cmd("OBJECT")
+            .arg("ENCODING")
+            .arg(&hash)
+            .query(&mut con)
+            .unwrap();
+        assert_eq!(got, encoding, "{hash}");
+        assert_eq!(
+            pacer::testkit::records_in(&mut con, &hash),
+            records,
+            "{hash}"
+        );
+    }
+    for events in [&large, &small] {
+        let (_, again) = rig.schedule(events, 5_000_000);
+        assert!(
+            again.iter().all(|d| matches!(d, Scheduled::Decided(_))),
+            "{again:?}"
+        );
+    }
+}
