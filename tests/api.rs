@@ -96,6 +96,13 @@ fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
     }
 }
 
+/// `descriptor(entries)` with its own `hits_addend`, if given.
+fn descriptor_adding(entries: &[(&str, &str)], own: Option<u64>) -> RateLimitDescriptor {
+    let mut d = descriptor(entries);
+    d.hits_addend = own.map(|value| envoy_types::pb::google::protobuf::UInt64Value { value });
+    d
+}
+
 async fn should_rate_limit(
     port: u16,
     domain: &str,
@@ -340,8 +347,7 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
     );
     // Hostile descriptors: a hits_addend past i64 (cast, it would wrap to "no addend" and be
     // charged 1), or one above what a request may cost, and a key given twice.
-    let mut huge = user();
-    huge.hits_addend = Some(envoy_types::pb::google::protobuf::UInt64Value { value: u64::MAX });
+    let huge = descriptor_adding(&[("user", "u1")], Some(u64::MAX));
     refused_grpc(
         &rt,
         g,
@@ -359,8 +365,7 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
     refused_grpc(&rt, g, "edge", vec![misspelt], "descriptors[0]:");
     // A descriptor's own hits_addend of 0 checks and charges nothing: three of them, each
     // telling the limit and the whole burst of 2 left, then u8 still has it.
-    let mut peek = descriptor(&[("user", "u8")]);
-    peek.hits_addend = Some(envoy_types::pb::google::protobuf::UInt64Value { value: 0 });
+    let peek = descriptor_adding(&[("user", "u8")], Some(0));
     for _ in 0..3 {
         let r = rt
             .block_on(should_rate_limit(g, "edge", vec![peek.clone()]))
@@ -385,8 +390,7 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
         "u8 was not charged: {r:?}"
     );
     // Checked all the same: a bad one is refused.
-    let mut bad_peek = descriptor(&[("user", "u3"), ("pacer_rule", "nope")]);
-    bad_peek.hits_addend = peek.hits_addend;
+    let bad_peek = descriptor_adding(&[("user", "u3"), ("pacer_rule", "nope")], Some(0));
     refused_grpc(&rt, g, "edge", vec![bad_peek], "no rule named");
     // Bounded: more descriptors than Envoy ever sends, or a message past 64 KiB (as over
     // HTTP), is refused before anything is decided.
@@ -419,7 +423,6 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
 /// with no limit whatever the count.
 #[test]
 fn envoy_a_hits_addend_of_0_is_over_the_limit_only_where_a_count_is_past_it() {
-    use envoy_types::pb::google::protobuf::UInt64Value;
     clear_of_the_hour();
     let api = start_api(
         1,
@@ -428,8 +431,7 @@ fn envoy_a_hits_addend_of_0_is_over_the_limit_only_where_a_count_is_past_it() {
     let (_, _, g) = api.ports[0];
     let rt = tokio::runtime::Runtime::new().unwrap();
     let hit = |entries: &[(&str, &str)], addend: Option<u64>| {
-        let mut d = descriptor(entries);
-        d.hits_addend = addend.map(|value| UInt64Value { value });
+        let d = descriptor_adding(entries, addend);
         let r = rt.block_on(should_rate_limit(g, "edge", vec![d])).unwrap();
         let s = &r.statuses[0];
         let name = s.current_limit.as_ref().map(|l| l.name.clone());
@@ -474,7 +476,6 @@ fn envoy_a_hits_addend_of_0_is_over_the_limit_only_where_a_count_is_past_it() {
 #[test]
 fn envoy_charges_the_descriptors_hits_addend_else_the_requests_else_one() {
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
-    use envoy_types::pb::google::protobuf::UInt64Value;
     clear_of_the_hour();
     let api = start_api(
         1,
@@ -483,11 +484,7 @@ fn envoy_charges_the_descriptors_hits_addend_else_the_requests_else_one() {
     let (_, _, g) = api.ports[0];
     let rt = tokio::runtime::Runtime::new().unwrap();
     // A descriptor for `user`, with its own hits_addend if given.
-    let user = |u: &str, own: Option<u64>| {
-        let mut d = descriptor(&[("user", u)]);
-        d.hits_addend = own.map(|value| UInt64Value { value });
-        d
-    };
+    let user = |u: &str, own: Option<u64>| descriptor_adding(&[("user", u)], own);
     // One call (the request's hits_addend `adding`): each status's (code, remaining).
     let ask = |descriptors: Vec<RateLimitDescriptor>, adding: u32| {
         let r = rt
@@ -558,7 +555,6 @@ fn envoy_charges_the_descriptors_hits_addend_else_the_requests_else_one() {
 /// answers differ). A fixed window of an hour: nothing refills within the test.
 #[test]
 fn envoy_charges_a_descriptor_lacking_its_key_to_the_default_identity_and_one_identity_in_order() {
-    use envoy_types::pb::google::protobuf::UInt64Value;
     clear_of_the_hour();
     let api = start_api(
         1,
@@ -603,11 +599,7 @@ fn envoy_charges_a_descriptor_lacking_its_key_to_the_default_identity_and_one_id
     );
 
     // One identity, costs 2, 2, 1 of 3: in order, OK (1 left), over (charged nothing), OK.
-    let costing = |t: &str, cost: u64| {
-        let mut d = descriptor(&[("tenant", t)]);
-        d.hits_addend = Some(UInt64Value { value: cost });
-        d
-    };
+    let costing = |t: &str, cost: u64| descriptor_adding(&[("tenant", t)], Some(cost));
     assert_eq!(
         ask(vec![costing("t1", 2), costing("t1", 2), costing("t1", 1)]),
         [
