@@ -95,8 +95,8 @@ end
 -- hash-max-listpack-value: 64 by default) under WIDE_FIELD beside them. A small hash is a
 -- listpack, whose every read and write of a field scans what it holds: filled by such calls on
 -- its way to 128 fields (where Redis converts it anyway), those scans were a sixth of what
--- schedule.lua cost (`benches/script_cost.rs`, instructions per event: 49,634 before and 41,204
--- after in calls of 128, 61,337 and 50,111 in calls of 26). Written in smaller calls (a route
+-- schedule.lua cost (`benches/script_cost.rs`, instructions per event: 49,634 before and 40,379
+-- after in calls of 128, 61,337 and 49,476 in calls of 26). Written in smaller calls (a route
 -- too slow for the scans to count) it stays a listpack: about 40 bytes a record against 98 in
 -- a hash table. WIDE_FIELD is not an entry id: no read by id finds it. (WIDE is made at the
 -- first use: a Function's library may call nothing as it loads.)

@@ -10,7 +10,8 @@
 //!
 //! `fields` names the identities (every key field of the rules applied; numbers are read as
 //! their text), `cost` (default 1) is how many events the request counts for (0: a check that
-//! charges nothing, `Request::cost`), `rules` (default: every rule) which rules apply. It answers 200 `{"allowed": true, ...}` or 429
+//! charges nothing, `Request::cost`), `rules` (default: every rule) which rules apply. It
+//! answers 200 `{"allowed": true, ...}` or 429
 //! `{"allowed": false, "retry_after_ms": ...}` with `Retry-After` (whole seconds, rounded up),
 //! both with the limit that has the least room left (or that refused) and the IETF
 //! `RateLimit-Policy` / `RateLimit` headers (draft-ietf-httpapi-ratelimit-headers); 400 with
