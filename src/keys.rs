@@ -190,6 +190,12 @@ pub fn default_ready_stream(route: &str) -> String {
 /// of events per second).
 pub const DECISION_HASH_MS: u64 = 100;
 
+/// The one field of a record hash that is not a record: `lua/lib.lua`'s `hset` writes it (with
+/// a value longer than Redis's `hash-max-listpack-value`) beside a call's 16 records or more, so
+/// that Redis makes the hash a hash table before it fills. Not an entry id, so no read by id
+/// finds it; a count of a hash's records leaves it out (`testkit::records_in`).
+pub const WIDE_FIELD: &str = "~";
+
 /// The span an entry id's records live in: its milliseconds / [`DECISION_HASH_MS`] (an id that
 /// is not a stream id gets a hash of its own).
 fn span(entry_id: &str) -> String {

@@ -326,4 +326,17 @@ mod tests {
             assert_eq!(code(name), value, "{name}");
         }
     }
+
+    /// The field `lua/lib.lua`'s `hset` writes beside a large call's records is the one
+    /// `keys::WIDE_FIELD` names.
+    #[test]
+    fn the_wide_field_matches_the_lua_library() {
+        let lib = include_str!("../lua/lib.lua");
+        let line = lib
+            .lines()
+            .find(|l| l.starts_with("local WIDE_FROM, WIDE_FIELD, WIDE = "))
+            .expect("lua/lib.lua defines WIDE_FIELD");
+        let field = line.split(',').nth(3).expect("its value").trim();
+        assert_eq!(field, format!("'{}'", crate::keys::WIDE_FIELD), "{line}");
+    }
 }

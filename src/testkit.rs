@@ -578,15 +578,14 @@ pub fn create_group(con: &mut redis::Connection, stream: &str, group: &str) {
 }
 
 /// How many records (decisions, write-once marks) the record hash `key` holds: its fields but
-/// the one `lua/lib.lua`'s `hset` writes to make a hash filled by large calls a hash table
-/// (`WIDE_FIELD`, `~`), which records nothing.
+/// [`crate::keys::WIDE_FIELD`], which records nothing.
 pub fn records_in(con: &mut redis::Connection, key: &str) -> i64 {
     let (len, wide): (i64, i64) = redis::pipe()
         .cmd("HLEN")
         .arg(key)
         .cmd("HEXISTS")
         .arg(key)
-        .arg("~")
+        .arg(crate::keys::WIDE_FIELD)
         .query(con)
         .unwrap();
     len - wide
