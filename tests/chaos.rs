@@ -1,6 +1,7 @@
 //! Chaos: three workers (one with its wall clock 5 s ahead) on the outbound and the inbound flow
 //! while events arrive, with faults drawn at random: `kill -9` of a worker (restarted at once),
-//! SIGSTOP for 0.5–2 s then SIGCONT, and Redis killed and restarted on its AOF. Among the events:
+//! SIGSTOP for 0.5–2 s then SIGCONT, and Redis killed and restarted on its AOF (repaired first, as
+//! the README tells operators: `testkit::repair_aof`). Among the events:
 //! wide ones (5,000 fields), malformed ones, repeated ids and binary values. At the end every
 //! input entry has ended in exactly one output once, no rolling window of a route's ready stream
 //! holds more than its limit (by Redis's clock), and nothing is pending.
@@ -258,7 +259,7 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
     eprintln!(
         "chaos: seed {seed}, {seconds} s, faults {faults:?}; {} outbound and {} inbound entries, \
          each ended once: a {}, b {}, rejected {}, accepted {}, inbound rejected {}, dead {reasons:?}; \
-         most parked on a worker {most_parked}",
+         most parked on a worker {most_parked}; AOFs cut short by a kill and repaired {}",
         out_ids.len(),
         in_ids.len(),
         count("pacer:{a}:ready"),
@@ -266,6 +267,7 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
         count("pacer:rejected"),
         count_all(&forwards),
         count_all(&rejecteds),
+        redis.aof_repairs(),
     );
     // With fewer places than route a's backlog can hold, it parked (the draw exercised that).
     if max_inflight < 400 {

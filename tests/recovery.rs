@@ -491,6 +491,117 @@ fn redis_slow_then_restarted_with_aof_loses_and_doubles_nothing() {
     }
 }
 
+/// Redis killed in the middle of writing a pacing script to its AOF: the file ends inside the
+/// script's MULTI/EXEC, after its ready entry and before the decision that says it was written
+/// (a SIGKILL can cut a `write` short). Restarted as the README tells operators to (`redis-check-aof
+/// --fix`, which `RedisServer::restart` runs), none of the script comes back; the entry, pending
+/// again, is dispatched again, once, and still once after another restart. Restarted on Redis
+/// 7.0's own repair (`aof-load-truncated yes`), the ready entry's half of the script stayed in
+/// the file and came back at the next restart: the event twice in its ready stream (how a
+/// 420 s chaos run found an event dispatched twice).
+#[test]
+fn a_script_cut_short_in_the_aof_comes_back_whole_or_not_at_all() {
+    let mut redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    let dir = TempDir::new("cut");
+    let port = free_port();
+    let cfg = config(
+        &dir,
+        "w.yaml",
+        &redis,
+        port,
+        "  claim_idle: 3100ms",
+        TWO_ROUTES,
+    );
+    let worker = start(&cfg, port);
+    let ids = push(&redis, "in", &[event(&[("route", "a"), ("n", "0")])]);
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            read(&redis, "pacer:{a}:ready").len() == 1 && pending(&redis, "in", "pacer") == 0
+        }),
+        "not dispatched:\n{}",
+        worker.log_text()
+    );
+    redis.kill();
+    cut_after_ready_entry(redis.dir(), "pacer:{a}:ready");
+    let repaired = redis.aof_repairs();
+    redis.restart();
+    assert_eq!(
+        redis.aof_repairs(),
+        repaired + 1,
+        "the AOF was not repaired"
+    );
+    assert_eq!(
+        read(&redis, "pacer:{a}:ready").len(),
+        0,
+        "the cut script left its ready entry"
+    );
+    assert_eq!(
+        pending(&redis, "in", "pacer"),
+        1,
+        "the entry is not pending again"
+    );
+    drained_each_once(&redis, &ids, &worker, Duration::from_secs(20));
+    redis.restart();
+    std::thread::sleep(Duration::from_millis(500));
+    drained_each_once(&redis, &ids, &worker, Duration::from_secs(5));
+    assert_eq!(read(&redis, "pacer:{a}:ready").len(), 1);
+}
+
+/// Cuts the AOF in `dir` as a kill in the middle of a `write` can: halfway through the command
+/// after the first XADD to `ready` in its last MULTI/EXEC. (A file that ends between two
+/// commands of a transaction Redis 7.0 reads right: it drops the transaction. One that ends
+/// inside a command it cuts after the last whole one, inside the transaction.)
+fn cut_after_ready_entry(dir: &std::path::Path, ready: &str) {
+    let aofs = dir.join("appendonlydir");
+    let incr = std::fs::read_dir(&aofs)
+        .expect("an AOF directory")
+        .map(|e| e.expect("an entry").path())
+        .filter(|p| p.to_string_lossy().ends_with(".incr.aof"))
+        .max_by_key(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
+        .expect("an incremental AOF");
+    let bytes = std::fs::read(&incr).expect("reading the AOF");
+    // Each command: *<n>\r\n then n times $<len>\r\n<bytes>\r\n.
+    let line = |at: usize| -> (usize, usize) {
+        let end = at
+            + bytes[at..]
+                .windows(2)
+                .position(|w| w == b"\r\n")
+                .expect("a line");
+        let n = std::str::from_utf8(&bytes[at + 1..end])
+            .unwrap()
+            .parse()
+            .unwrap();
+        (n, end + 2)
+    };
+    // The first ready entry of the last transaction that writes one.
+    let (mut at, mut taken, mut cut) = (0, true, None);
+    while at < bytes.len() {
+        let (n, mut next) = line(at);
+        let mut args = Vec::new();
+        for _ in 0..n {
+            let (len, start) = line(next);
+            args.push(&bytes[start..start + len]);
+            next = start + len + 2;
+        }
+        let command = args
+            .first()
+            .map(|a| a.to_ascii_uppercase())
+            .unwrap_or_default();
+        if command == b"MULTI" {
+            taken = false;
+        } else if command == b"EXEC" {
+            taken = true;
+        } else if cut == Some(at) {
+            cut = Some(at + (next - at) / 2);
+        } else if command == b"XADD" && !taken && args[1] == ready.as_bytes() {
+            (taken, cut) = (true, Some(next));
+        }
+        at = next;
+    }
+    let cut = cut.expect("a transaction with a ready entry");
+    std::fs::write(&incr, &bytes[..cut]).expect("cutting the AOF");
+}
+
 /// SIGTERM while Redis is down: the worker still exits within `drain`, and what it did not
 /// dispatch stays pending, unacknowledged, for another worker to finish once Redis is back.
 #[test]
@@ -1623,6 +1734,47 @@ fn a_replicated_redis_without_wait_replicas_is_named_at_start() {
             usize::from(said),
             "wait_replicas {wait} on port {}:\n{log}",
             redis.port
+        );
+    }
+}
+
+/// A Redis that keeps an AOF it would cut wrongly after a crash (`aof-load-truncated yes`, the
+/// default: see `a_script_cut_short_in_the_aof_comes_back_whole_or_not_at_all`) is named once at
+/// start; one set to refuse a cut AOF (`no`, what the tests run), or without an AOF, is not.
+#[test]
+fn an_aof_that_redis_would_cut_inside_a_script_is_named_at_start() {
+    let dir = TempDir::new("aof-truncated");
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    r: {rate: 100/s}\n";
+    let named = "aof-load-truncated yes";
+    for (args, said) in [
+        (
+            &["--appendonly", "yes", "--aof-load-truncated", "yes"][..],
+            true,
+        ),
+        (&["--appendonly", "yes"][..], false),
+        (
+            &["--appendonly", "no", "--aof-load-truncated", "yes"][..],
+            false,
+        ),
+    ] {
+        let redis = RedisServer::start_with(args);
+        let port = free_port();
+        let cfg = config(
+            &dir,
+            &format!("w{port}.yaml"),
+            &redis,
+            port,
+            "  drain: 200ms",
+            body,
+        );
+        let mut pacer = start(&cfg, port);
+        pacer.signal("TERM");
+        pacer.wait_for(Duration::from_secs(10));
+        let log = pacer.log_text();
+        assert_eq!(
+            log.matches(named).count(),
+            usize::from(said),
+            "redis-server {args:?}:\n{log}"
         );
     }
 }

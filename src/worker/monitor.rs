@@ -163,6 +163,53 @@ pub(super) async fn check_replication<C: ConnectionLike>(ctx: &Context, con: &mu
     }
 }
 
+/// With AOF on and `aof-load-truncated yes` (Redis's default), says once per process what that
+/// risks (README "Redis"): a crash of Redis in the middle of an AOF write (`kill -9`, the
+/// host's power) can leave the file ending inside a script's MULTI/EXEC, and Redis 7.0, finding
+/// it cut short, drops only the last, partial command and applies the rest of that script at
+/// its next restart, with whatever follows: ready entries without the decisions that say they
+/// were written, so events dispatched twice (a chaos run found one). With `no`, Redis refuses
+/// to start on such a file, and `redis-check-aof --fix` cuts the whole transaction. A Redis
+/// that will not say (CONFIG refused to an ACL user) is not named: advice, not a condition.
+pub(super) async fn check_aof_repair<C: ConnectionLike>(con: &mut C) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if SAID.load(std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    let Ok(texts) = info_per_node(con, "persistence").await else {
+        return;
+    };
+    if !texts
+        .iter()
+        .any(|t| t.lines().any(|l| l.trim() == "aof_enabled:1"))
+    {
+        return;
+    }
+    let reply: redis::RedisResult<redis::Value> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("aof-load-truncated")
+        .query_async(con)
+        .await;
+    if reply.is_ok_and(|r| says_yes(&r)) && !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        warn!(
+            "Redis keeps an AOF with aof-load-truncated yes: after a crash of Redis in the middle              of an AOF write it may replay half of a pacer script at its next restart, a ready              entry without the decision that says it was written (an event dispatched twice).              Set aof-load-truncated no, and when Redis then refuses to start on a cut AOF, run              redis-check-aof --fix on it (see the README)"
+        );
+    }
+}
+
+/// Whether a CONFIG GET reply (a list or map of name and value, or a map of them per node)
+/// holds a value "yes".
+fn says_yes(reply: &redis::Value) -> bool {
+    use redis::Value;
+    match reply {
+        Value::BulkString(b) => b == b"yes",
+        Value::SimpleString(s) => s == "yes",
+        Value::Array(items) => items.iter().any(says_yes),
+        Value::Map(pairs) => pairs.iter().any(|(_, v)| says_yes(v)),
+        _ => false,
+    }
+}
+
 /// Reads Redis's eviction policy and says whether pacer's keys are safe: the log, a gauge, and
 /// readiness. Only `noeviction` keeps them; any other policy is accepted only with
 /// `redis.accept_eviction_risk`.

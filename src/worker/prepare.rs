@@ -266,5 +266,6 @@ async fn prepare_once(ctx: &Context) -> Result<()> {
     }
     ctx.scripts.load(&mut con).await?;
     monitor::check_replication(ctx, &mut con).await;
+    monitor::check_aof_repair(&mut con).await;
     monitor::check_eviction(ctx, &mut con).await
 }

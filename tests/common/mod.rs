@@ -271,6 +271,34 @@ pub fn placements_by_stream(
     at
 }
 
+/// The output entries written for input entry `id` of `input`: each one's stream, id and pacer
+/// fields, for the message of a test that found it doubled.
+fn written_for(redis: &RedisServer, outputs: &[&str], input: &str, id: &str) -> String {
+    let mut found = Vec::new();
+    for stream in outputs {
+        for e in read(redis, stream) {
+            if e.field("pacer_source_stream") == Some(input)
+                && e.field("pacer_source_id") == Some(id)
+            {
+                let pacer: Vec<String> = e
+                    .fields
+                    .iter()
+                    .filter(|(k, _)| k.starts_with(b"pacer_"))
+                    .map(|(k, v)| {
+                        format!(
+                            "{}={}",
+                            String::from_utf8_lossy(k),
+                            String::from_utf8_lossy(v)
+                        )
+                    })
+                    .collect();
+                found.push(format!("{stream} {} {}", e.id, pacer.join(" ")));
+            }
+        }
+    }
+    found.join("; ")
+}
+
 /// Like `assert_each_once`, for entries of several input streams (`(stream, ids)`), whose ids
 /// may coincide: each ends in exactly one of `outputs`, once, told apart by the
 /// `pacer_source_stream` every output entry carries. Nothing is left pending in the group.
@@ -287,7 +315,8 @@ pub fn assert_each_once_by_stream(
             assert_eq!(
                 ended.map(Vec::len),
                 Some(1),
-                "{input} entry {id} ended in {ended:?}"
+                "{input} entry {id} ended in {ended:?}: {}",
+                written_for(redis, outputs, input, id)
             );
         }
         expected += ids.len();
