@@ -446,8 +446,8 @@ const LOG: &str = "redis.log";
 /// write of a script's MULTI/EXEC leaves half of it in the file; Redis 7.0's own repair
 /// (`aof-load-truncated yes`) drops only the last, partial command and leaves the rest of the
 /// transaction there, applied at the next restart with whatever follows it: a script's ready
-/// entries without the decisions that say they were written, so an event dispatched twice (a
-/// 420 s chaos run found one; valkey-io/valkey#4342 fixed this in Valkey). `redis-check-aof
+/// entries without the decisions that say they were written, so an event dispatched twice (the
+/// shape of the one a 420 s chaos run found; valkey-io/valkey#4342 fixed this in Valkey). `redis-check-aof
 /// --fix` cuts the whole unfinished transaction. The servers start with `aof-load-truncated
 /// no` (`spawn_redis`), so an AOF this did not repair would stop them, not be cut wrongly.
 /// Returns whether it repaired anything.

@@ -168,7 +168,7 @@ pub(super) async fn check_replication<C: ConnectionLike>(ctx: &Context, con: &mu
 /// host's power) can leave the file ending inside a script's MULTI/EXEC, and Redis 7.0, finding
 /// it cut short, drops only the last, partial command and applies the rest of that script at
 /// its next restart, with whatever follows: ready entries without the decisions that say they
-/// were written, so events dispatched twice (a chaos run found one). With `no`, Redis refuses
+/// were written, so events dispatched twice (the shape of one a chaos run found). With `no`, Redis refuses
 /// to start on such a file, and `redis-check-aof --fix` cuts the whole transaction. A Redis
 /// that will not say (CONFIG refused to an ACL user) is not named: advice, not a condition.
 pub(super) async fn check_aof_repair<C: ConnectionLike>(con: &mut C) {
