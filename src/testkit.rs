@@ -447,8 +447,8 @@ const LOG: &str = "redis.log";
 /// (`aof-load-truncated yes`) drops only the last, partial command and leaves the rest of the
 /// transaction there, applied at the next restart with whatever follows it: a script's ready
 /// entries without the decisions that say they were written, so an event dispatched twice (the
-/// shape of the one a 420 s chaos run found; valkey-io/valkey#4342 fixed this in Valkey). `redis-check-aof
-/// --fix` cuts the whole unfinished transaction. The servers start with `aof-load-truncated
+/// shape of the one a 420 s chaos run found; valkey-io/valkey#4342 fixed this in Valkey).
+/// `redis-check-aof --fix` cuts the whole unfinished transaction. The servers start with `aof-load-truncated
 /// no` (`spawn_redis`), so an AOF this did not repair would stop them, not be cut wrongly.
 /// Returns whether it repaired anything.
 fn repair_aof(dir: &Path) -> bool {
@@ -491,7 +491,9 @@ fn repair_aof(dir: &Path) -> bool {
         .filter(|l| l.contains("EOF") || l.contains("shrink"))
         .collect::<Vec<_>>()
         .join("; ");
-    eprintln!("testkit: a killed Redis left its AOF cut short; redis-check-aof --fix repaired it ({what})");
+    eprintln!(
+        "testkit: a killed Redis left its AOF cut short; redis-check-aof --fix repaired it ({what})"
+    );
     true
 }
 

@@ -1,8 +1,8 @@
 //! Chaos: three workers (one with its wall clock 5 s ahead) on the outbound and the inbound flow
 //! while events arrive, with faults drawn at random: `kill -9` of a worker (restarted at once),
-//! SIGSTOP for 0.5–2 s then SIGCONT, and Redis killed and restarted on its AOF (repaired first, as
-//! the README tells operators: `testkit::repair_aof`). Among the events:
-//! wide ones (5,000 fields), malformed ones, repeated ids and binary values. At the end every
+//! SIGSTOP for 0.5–2 s then SIGCONT, and Redis killed and restarted on its AOF (repaired first,
+//! as the README tells operators: `testkit::repair_aof`). Among the events: wide ones (5,000
+//! fields), malformed ones, repeated ids and binary values. At the end every
 //! input entry has ended in exactly one output once, no rolling window of a route's ready stream
 //! holds more than its limit (by Redis's clock), and nothing is pending.
 //!

@@ -128,6 +128,15 @@ async fn info_per_node<C: ConnectionLike>(con: &mut C, section: &str) -> Result<
     })
 }
 
+/// The value of `name` in one node's INFO text (`name:value` lines), trimmed.
+fn info_field<'a>(text: &'a str, name: &str) -> Option<&'a str> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(name)
+            .and_then(|rest| rest.strip_prefix(':'))
+            .map(str::trim)
+    })
+}
+
 /// With `redis.wait_replicas: 0`, says once per process (as DESIGN asks of a Redis that may
 /// lose acknowledged writes on failover: named, never trusted silently) when the Redis pacer
 /// writes to replicates to replicas: replication is asynchronous, and a replica promoted
@@ -145,11 +154,7 @@ pub(super) async fn check_replication<C: ConnectionLike>(ctx: &Context, con: &mu
     };
     let replicas: u64 = texts
         .iter()
-        .filter_map(|t| {
-            t.lines()
-                .find_map(|l| l.strip_prefix("connected_slaves:"))
-                .and_then(|n| n.trim().parse::<u64>().ok())
-        })
+        .filter_map(|t| info_field(t, "connected_slaves").and_then(|n| n.parse::<u64>().ok()))
         .sum();
     if replicas > 0 && !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
         warn!(
@@ -168,8 +173,9 @@ pub(super) async fn check_replication<C: ConnectionLike>(ctx: &Context, con: &mu
 /// host's power) can leave the file ending inside a script's MULTI/EXEC, and Redis 7.0, finding
 /// it cut short, drops only the last, partial command and applies the rest of that script at
 /// its next restart, with whatever follows: ready entries without the decisions that say they
-/// were written, so events dispatched twice (the shape of one a chaos run found). With `no`, Redis refuses
-/// to start on such a file, and `redis-check-aof --fix` cuts the whole transaction. A Redis
+/// were written, so events dispatched twice (the shape of one a chaos run found). With `no`,
+/// Redis refuses to start on such a file, and `redis-check-aof --fix` cuts the whole
+/// transaction. A Redis
 /// that will not say (CONFIG refused to an ACL user) is not named: advice, not a condition.
 pub(super) async fn check_aof_repair<C: ConnectionLike>(con: &mut C) {
     static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -181,7 +187,7 @@ pub(super) async fn check_aof_repair<C: ConnectionLike>(con: &mut C) {
     };
     if !texts
         .iter()
-        .any(|t| t.lines().any(|l| l.trim() == "aof_enabled:1"))
+        .any(|t| info_field(t, "aof_enabled") == Some("1"))
     {
         return;
     }
@@ -192,7 +198,11 @@ pub(super) async fn check_aof_repair<C: ConnectionLike>(con: &mut C) {
         .await;
     if reply.is_ok_and(|r| says_yes(&r)) && !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
         warn!(
-            "Redis keeps an AOF with aof-load-truncated yes: after a crash of Redis in the middle              of an AOF write it may replay half of a pacer script at its next restart, a ready              entry without the decision that says it was written (an event dispatched twice).              Set aof-load-truncated no, and when Redis then refuses to start on a cut AOF, run              redis-check-aof --fix on it (see the README)"
+            "Redis keeps an AOF with aof-load-truncated yes: after a crash of Redis in the middle \
+             of an AOF write it may replay half of a pacer script at its next restart, a ready \
+             entry without the decision that says it was written (an event dispatched twice). \
+             Set aof-load-truncated no, and when Redis then refuses to start on a cut AOF, run \
+             redis-check-aof --fix on it (see the README)"
         );
     }
 }
@@ -218,12 +228,7 @@ pub(super) async fn check_eviction<C: ConnectionLike>(ctx: &Context, con: &mut C
     let texts = info_per_node(con, "memory").await?;
     let policies: Vec<&str> = texts
         .iter()
-        .map(|t| {
-            t.lines()
-                .find_map(|l| l.strip_prefix("maxmemory_policy:"))
-                .unwrap_or("noeviction")
-                .trim()
-        })
+        .map(|t| info_field(t, "maxmemory_policy").unwrap_or("noeviction"))
         .collect();
     let policy = policies
         .iter()
@@ -257,4 +262,37 @@ pub(super) async fn check_eviction<C: ConnectionLike>(ctx: &Context, con: &mut C
     telemetry::keys_kept(&policy, safe);
     ctx.health.set_keys_kept(safe || accepted);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_info_field_is_read_by_its_whole_name() {
+        let text =
+            "# Persistence\r\naof_enabled_x:7\r\naof_enabled:1\r\nmaxmemory_policy:noeviction\r\n";
+        assert_eq!(info_field(text, "aof_enabled"), Some("1"));
+        assert_eq!(info_field(text, "maxmemory_policy"), Some("noeviction"));
+        assert_eq!(info_field(text, "aof"), None);
+        assert_eq!(info_field(text, "connected_slaves"), None);
+    }
+
+    #[test]
+    fn a_config_reply_says_yes_as_a_list_a_map_or_per_node() {
+        use redis::Value;
+        let name = || Value::BulkString(b"aof-load-truncated".to_vec());
+        let value = |v: &str| Value::BulkString(v.as_bytes().to_vec());
+        assert!(says_yes(&Value::Array(vec![name(), value("yes")])));
+        assert!(!says_yes(&Value::Array(vec![name(), value("no")])));
+        assert!(says_yes(&Value::Map(vec![(name(), value("yes"))])));
+        let node = |v: &str| {
+            (
+                value("127.0.0.1:7000"),
+                Value::Map(vec![(name(), value(v))]),
+            )
+        };
+        assert!(says_yes(&Value::Map(vec![node("no"), node("yes")])));
+        assert!(!says_yes(&Value::Map(vec![node("no")])));
+    }
 }
