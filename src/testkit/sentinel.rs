@@ -28,11 +28,22 @@ const REPLICATOR: (&str, &str) = ("replicator", "replicator-pw");
 const SENTINEL_ON_DATA: (&str, &str) = ("sentinel", "sentinel-pw");
 const PEER: (&str, &str) = ("peer", "peer-pw");
 
+/// A sentinel's log file, in its own directory.
+const SENTINEL_LOG: &str = "sentinel.log";
+
 /// A sentinel process, killed on drop.
 struct SentinelProc {
     child: Child,
     port: u16,
     _dir: TempDir,
+}
+
+impl SentinelProc {
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self._dir.path().join(SENTINEL_LOG)).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(8).collect();
+        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+    }
 }
 
 impl Drop for SentinelProc {
@@ -110,6 +121,69 @@ struct Secured<'a> {
     tls: &'a TlsFiles,
     data_users: &'a [&'a str],
     sentinel_users: &'a [&'a str],
+}
+
+/// Starts a sentinel monitoring the master on `master_port`, on a free port, and again on
+/// another if it does not answer (three tries in all): a port found free may be taken by
+/// another socket (an outgoing connection's ephemeral port) before the sentinel binds it, and
+/// the sentinel then exits at once.
+fn start_sentinel(access: &Access, secured: Option<&Secured>, master_port: u16) -> SentinelProc {
+    let mut why = String::new();
+    for _ in 0..3 {
+        let dir = TempDir::new("sentinel");
+        let port = free_port();
+        let logfile = format!("logfile {}\n", dir.path().join(SENTINEL_LOG).display());
+        let (listen, secured_lines) = match secured {
+            None => (format!("port {port}\n{logfile}"), String::new()),
+            Some(s) => (logfile, s.sentinel_lines(port)),
+        };
+        // Sentinel rewrites its config file, so it must be a writable file of its own.
+        let conf = dir.write(
+            "sentinel.conf",
+            &format!(
+                "{listen}bind 127.0.0.1\ndir {dir}\n\
+                 sentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} 2\n\
+                 sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}\n\
+                 sentinel failover-timeout {MASTER_NAME} 3000\n\
+                 sentinel parallel-syncs {MASTER_NAME} 1\n{secured_lines}",
+                dir = dir.path().display()
+            ),
+        );
+        let child = Command::new("redis-server")
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting redis-server --sentinel");
+        let mut sentinel = SentinelProc {
+            child,
+            port,
+            _dir: dir,
+        };
+        let mut exited = false;
+        let up = wait_until(Duration::from_secs(10), || {
+            exited = !matches!(sentinel.child.try_wait(), Ok(None));
+            exited
+                || access
+                    .con(port)
+                    .and_then(|mut con| redis::cmd("PING").query::<String>(&mut con))
+                    .is_ok()
+        });
+        if up && !exited {
+            return sentinel;
+        }
+        why = format!(
+            "a sentinel on port {port} did not start ({}); its log ends:\n{}",
+            if exited {
+                "it exited"
+            } else {
+                "no answer in 10 s"
+            },
+            sentinel.log_tail()
+        );
+    }
+    panic!("{why}");
 }
 
 impl Secured<'_> {
@@ -286,41 +360,7 @@ impl Sentinels {
             servers.push(replica);
         }
         let sentinels = (0..3)
-            .map(|_| {
-                let dir = TempDir::new("sentinel");
-                let port = free_port();
-                let (listen, secured_lines) = match secured {
-                    None => (format!("port {port}\n"), String::new()),
-                    Some(s) => (
-                        format!("logfile {}\n", dir.path().join("sentinel.log").display()),
-                        s.sentinel_lines(port),
-                    ),
-                };
-                // Sentinel rewrites its config file, so it must be a writable file of its own.
-                let conf = dir.write(
-                    "sentinel.conf",
-                    &format!(
-                        "{listen}bind 127.0.0.1\ndir {dir}\n\
-                         sentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} 2\n\
-                         sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}\n\
-                         sentinel failover-timeout {MASTER_NAME} 3000\n\
-                         sentinel parallel-syncs {MASTER_NAME} 1\n{secured_lines}",
-                        dir = dir.path().display()
-                    ),
-                );
-                let child = Command::new("redis-server")
-                    .arg(&conf)
-                    .arg("--sentinel")
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .expect("starting redis-server --sentinel");
-                SentinelProc {
-                    child,
-                    port,
-                    _dir: dir,
-                }
-            })
+            .map(|_| start_sentinel(&access, secured, master_port))
             .collect();
         let s = Sentinels {
             servers,
@@ -328,17 +368,41 @@ impl Sentinels {
             master_name: MASTER_NAME.into(),
             access,
         };
-        let ready = wait_until(Duration::from_secs(20), || {
-            s.sentinels.iter().all(|p| {
-                let fields = s.access.sentinel_master(p.port);
-                fields.get("num-other-sentinels").map(String::as_str) == Some("2")
-                    && fields.get("num-slaves") == Some(&replicas.to_string())
-            })
+        let found = |p: &SentinelProc| {
+            let fields = s.access.sentinel_master(p.port);
+            (
+                fields
+                    .get("num-other-sentinels")
+                    .cloned()
+                    .unwrap_or_default(),
+                fields.get("num-slaves").cloned().unwrap_or_default(),
+            )
+        };
+        let ready = wait_until(Duration::from_secs(30), || {
+            s.sentinels
+                .iter()
+                .all(|p| found(p) == ("2".to_string(), replicas.to_string()))
         });
-        assert!(
-            ready,
-            "the sentinels did not find each other and the replica"
-        );
+        if !ready {
+            // What each one saw, and the end of its log: the next failure says why.
+            let seen: Vec<String> = s
+                .sentinels
+                .iter()
+                .map(|p| {
+                    let (others, slaves) = found(p);
+                    format!(
+                        "sentinel on port {}: {others:?} other sentinels, {slaves:?} replicas; \
+                         its log ends:\n{}",
+                        p.port,
+                        p.log_tail()
+                    )
+                })
+                .collect();
+            panic!(
+                "the sentinels did not find each other and the {replicas} replica(s) in 30 s\n{}",
+                seen.join("\n")
+            );
+        }
         s
     }
 
