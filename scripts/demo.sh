@@ -6,6 +6,8 @@
 #   PACER_DEMO_EVENTS=300    how many events to push
 #   PACER_DEMO_TIMEOUT=60    seconds each wait may take (Redis up, pacer ready, events settled)
 #   PACER_REDIS_URL=...      use this Redis instead of starting one
+#   PACER_DEMO_PROFILE=dev   build and run pacer's debug build (the test suite's, already
+#                            built) instead of a release build
 # Every wait has a timeout; when one runs out, or pacer exits early, the demo says which wait
 # failed, shows the end of pacer's log and exits non-zero. pacer serves its metrics on a free
 # port (PACER_METRICS_LISTEN), so a busy 9464 is no obstacle.
@@ -94,8 +96,9 @@ if [[ -z "${PACER_REDIS_URL:-}" ]]; then
   echo "redis-server on 127.0.0.1:$port (data discarded on exit)"
 fi
 
-cargo build --release --quiet
-pacer=target/release/pacer
+profile=${PACER_DEMO_PROFILE:-release}
+cargo build --profile "$profile" --bin pacer --quiet
+pacer=target/$([[ $profile == dev ]] && echo debug || echo "$profile")/pacer
 PACER_METRICS_LISTEN="127.0.0.1:$(free_port)"
 export PACER_METRICS_LISTEN
 $pacer check-config --config config.yaml

@@ -318,8 +318,16 @@ impl RedisServer {
             .enable_all()
             .build()
             .expect("a tokio runtime");
+        // Not redis-rs's default 500 ms per reply: a test reads whole streams of huge events
+        // (10,000 entries a page), which took longer on a loaded machine and failed the test.
+        let config = redis::AsyncConnectionConfig::new()
+            .set_response_timeout(Some(Duration::from_secs(30)))
+            .set_connection_timeout(Some(Duration::from_secs(5)));
         let con = rt
-            .block_on(self.client().get_multiplexed_async_connection())
+            .block_on(
+                self.client()
+                    .get_multiplexed_async_connection_with_config(&config),
+            )
             .expect("connecting to the test Redis");
         (rt, con)
     }
