@@ -91,6 +91,46 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// Runs `start` (which starts a server on a port of its choosing and returns it, or why it did
+/// not come up) up to three times, panicking with the last reason: a port found free may be
+/// taken by another socket (an outgoing connection's ephemeral port) before the server binds
+/// it, and the server then exits at once. Every server the tests start goes through here.
+pub(crate) fn started_on_a_free_port<T>(mut start: impl FnMut() -> Result<T, String>) -> T {
+    let mut why = String::new();
+    for _ in 0..3 {
+        match start() {
+            Ok(server) => return server,
+            Err(e) => why = e,
+        }
+    }
+    panic!("{why}");
+}
+
+/// Waits up to 10 s for a process just started to `answer`, and stops waiting as soon as it
+/// is not `running`: why not, if it did not come up.
+pub(crate) fn came_up(
+    mut running: impl FnMut() -> bool,
+    mut answers: impl FnMut() -> bool,
+) -> Result<(), &'static str> {
+    let mut exited = false;
+    let up = wait_until(Duration::from_secs(10), || {
+        exited = !running();
+        exited || answers()
+    });
+    match (up, exited) {
+        (_, true) => Err("it exited"),
+        (true, false) => Ok(()),
+        (false, false) => Err("no answer in 10 s"),
+    }
+}
+
+/// The last `lines` lines of the log file at `path` (empty when there is none).
+pub(crate) fn log_tail(path: &Path, lines: usize) -> String {
+    let log = std::fs::read_to_string(path).unwrap_or_default();
+    let tail: Vec<&str> = log.lines().rev().take(lines).collect();
+    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+}
+
 /// Installs `redis-server` (and `redis-cli`, which cluster set-up uses) with apt-get if either is
 /// not on the PATH (once per process). Sentinels run as `redis-server --sentinel`, so the
 /// redis-sentinel package is not needed.
@@ -237,6 +277,11 @@ impl RedisServer {
     /// (`repair_aof`).
     pub fn aof_repairs(&self) -> usize {
         self.aof_repairs
+    }
+
+    /// The end of its log (the last 20 lines).
+    pub fn log_tail(&self) -> String {
+        log_tail(&self.dir.path().join(LOG), 20)
     }
 
     /// The server's directory (its config files, `nodes.conf` for a cluster node).
@@ -387,18 +432,13 @@ impl RedisServer {
         }
     }
 
-    /// Spawns a server with `spawn` on a free port, and again on another (three tries in all)
-    /// if it does not start: a port found free may be taken before the server binds it.
+    /// Spawns a server with `spawn` on a free port, and again on another if it does not start
+    /// (`started_on_a_free_port`).
     fn started(spawn: impl Fn(u16) -> Self) -> Self {
-        let mut why = String::new();
-        for _ in 0..3 {
+        started_on_a_free_port(|| {
             let mut server = spawn(free_port());
-            match server.try_ready() {
-                Ok(()) => return server,
-                Err(e) => why = e,
-            }
-        }
-        panic!("{why}");
+            server.try_ready().map(|()| server)
+        })
     }
 
     /// Waits up to 10 s until this server answers on its port: this process, not another
@@ -406,18 +446,13 @@ impl RedisServer {
     /// once, with the end of its log, if it exits.
     fn try_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(10);
-        let log_tail = |dir: &Path| {
-            let log = std::fs::read_to_string(dir.join(LOG)).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(5).collect();
-            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-        };
         let me = format!("process_id:{}\r", self.child.id());
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return Err(format!(
                     "redis-server on port {} exited ({status}); the end of its log:\n{}",
                     self.port,
-                    log_tail(self.dir.path())
+                    self.log_tail()
                 ));
             }
             if let Ok(mut con) = self.client().get_connection() {
@@ -438,7 +473,7 @@ impl RedisServer {
                 return Err(format!(
                     "redis-server did not start on port {}; the end of its log:\n{}",
                     self.port,
-                    log_tail(self.dir.path())
+                    self.log_tail()
                 ));
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -456,8 +491,9 @@ const LOG: &str = "redis.log";
 /// transaction there, applied at the next restart with whatever follows it: a script's ready
 /// entries without the decisions that say they were written, so an event dispatched twice (the
 /// shape of the one a 420 s chaos run found; valkey-io/valkey#4342 fixed this in Valkey).
-/// `redis-check-aof --fix` cuts the whole unfinished transaction. The servers start with `aof-load-truncated
-/// no` (`spawn_redis`), so an AOF this did not repair would stop them, not be cut wrongly.
+/// `redis-check-aof --fix` cuts the whole unfinished transaction. The servers start with
+/// `aof-load-truncated no` (`spawn_redis`), so an AOF this did not repair would stop them, not
+/// be cut wrongly.
 /// Returns whether it repaired anything.
 fn repair_aof(dir: &Path) -> bool {
     let manifest = dir.join("appendonlydir").join("appendonly.aof.manifest");

@@ -494,11 +494,11 @@ fn redis_slow_then_restarted_with_aof_loses_and_doubles_nothing() {
 /// Redis killed in the middle of writing a pacing script to its AOF: the file ends inside the
 /// script's MULTI/EXEC, after its ready entry and before the decision that says it was written
 /// (a SIGKILL can cut a `write` short). Restarted as the README tells operators to
-/// (`redis-check-aof --fix`, which `RedisServer::restart` runs), none of the script comes back; the entry, pending
-/// again, is dispatched again, once, and still once after another restart. Restarted on Redis
-/// 7.0's own repair (`aof-load-truncated yes`), the ready entry's half of the script stayed in
-/// the file and came back at the next restart: the event twice in its ready stream (the shape
-/// of the double dispatch a 420 s chaos run found).
+/// (`redis-check-aof --fix`, which `RedisServer::restart` runs), none of the script comes back;
+/// the entry, pending again, is dispatched again, once, and still once after another restart.
+/// Restarted on Redis 7.0's own repair (`aof-load-truncated yes`), the ready entry's half of
+/// the script stayed in the file and came back at the next restart: the event twice in its
+/// ready stream (the shape of the double dispatch a 420 s chaos run found).
 #[test]
 fn a_script_cut_short_in_the_aof_comes_back_whole_or_not_at_all() {
     let mut redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);

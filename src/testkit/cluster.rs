@@ -10,7 +10,7 @@
 //!
 //! Over 400 lines: starting, resharding and failing over a real cluster is one sequence of steps.
 
-use super::{free_port, wait_until, RedisServer, TlsFiles};
+use super::{came_up, free_port, started_on_a_free_port, wait_until, RedisServer, TlsFiles};
 use crate::connection::key_slot;
 use std::collections::BTreeMap;
 use std::net::TcpListener;
@@ -537,11 +537,10 @@ fn tls_con(port: u16, certs: &redis::TlsCertificates) -> redis::RedisResult<redi
 }
 
 /// A TLS-only cluster node on a free port whose bus port (+10000) is free and valid too
-/// (Redis refuses a port above 55535 without `--cluster-port`); returns once it answers a TLS
-/// PING, on another port if it exits first (the port was taken meanwhile), three tries in all.
+/// (Redis refuses a port above 55535 without `--cluster-port`), once it answers a TLS PING
+/// (`started_on_a_free_port`).
 fn start_tls_node(tls: &TlsFiles, base: &[String], certs: &redis::TlsCertificates) -> RedisServer {
-    let mut why = String::new();
-    for _ in 0..3 {
+    started_on_a_free_port(|| {
         let port = (0..100)
             .map(|_| free_port())
             .find(|&p| p <= 55535 && TcpListener::bind(("127.0.0.1", p + 10000)).is_ok())
@@ -549,19 +548,19 @@ fn start_tls_node(tls: &TlsFiles, base: &[String], certs: &redis::TlsCertificate
         let mut args = tls.server_args(port, true);
         args.extend_from_slice(base);
         let mut server = RedisServer::spawn_on(port, &args);
-        let answered = wait_until(Duration::from_secs(10), || {
-            !server.is_running()
-                || tls_con(port, certs)
-                    .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
-                    .is_ok()
-        });
-        if answered && server.is_running() {
-            return server;
+        let answers = || {
+            tls_con(port, certs)
+                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+                .is_ok()
+        };
+        match came_up(|| server.is_running(), answers) {
+            Ok(()) => Ok(server),
+            Err(why) => Err(format!(
+                "TLS cluster node on port {port} did not start ({why}); its log ends:\n{}",
+                server.log_tail()
+            )),
         }
-        let log = std::fs::read_to_string(server.dir().join("redis.log")).unwrap_or_default();
-        why = format!("TLS cluster node on port {port} did not start:\n{log}");
-    }
-    panic!("{why}");
+    })
 }
 
 /// Parses `CLUSTER NODES`: `<id> <ip:port@cport[,host]> <flags> <master> <ping> <pong> <epoch>

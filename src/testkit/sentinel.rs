@@ -10,7 +10,10 @@
 //! monitor) and the caller's users; the sentinels know `admin`, `peer` (for each other) and the
 //! caller's. The helpers below reach either set-up (`Access`).
 
-use super::{free_port, wait_until, RedisServer, TempDir, TlsFiles};
+use super::{
+    came_up, free_port, log_tail, started_on_a_free_port, wait_until, RedisServer, TempDir,
+    TlsFiles,
+};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -35,14 +38,12 @@ const SENTINEL_LOG: &str = "sentinel.log";
 struct SentinelProc {
     child: Child,
     port: u16,
-    _dir: TempDir,
+    dir: TempDir,
 }
 
 impl SentinelProc {
     fn log_tail(&self) -> String {
-        let log = std::fs::read_to_string(self._dir.path().join(SENTINEL_LOG)).unwrap_or_default();
-        let tail: Vec<&str> = log.lines().rev().take(8).collect();
-        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        log_tail(&self.dir.path().join(SENTINEL_LOG), 8)
     }
 }
 
@@ -86,6 +87,13 @@ impl Access {
         }
     }
 
+    /// Whether the node on `port` answers a PING.
+    fn ping(&self, port: u16) -> bool {
+        self.con(port)
+            .and_then(|mut con| redis::cmd("PING").query::<String>(&mut con))
+            .is_ok()
+    }
+
     fn info(&self, port: u16, section: &str) -> String {
         self.con(port)
             .and_then(|mut con| redis::cmd("INFO").arg(section).query(&mut con))
@@ -123,13 +131,10 @@ struct Secured<'a> {
     sentinel_users: &'a [&'a str],
 }
 
-/// Starts a sentinel monitoring the master on `master_port`, on a free port, and again on
-/// another if it does not answer (three tries in all): a port found free may be taken by
-/// another socket (an outgoing connection's ephemeral port) before the sentinel binds it, and
-/// the sentinel then exits at once.
+/// Starts a sentinel monitoring the master on `master_port` on a free port, once it answers
+/// (`started_on_a_free_port`).
 fn start_sentinel(access: &Access, secured: Option<&Secured>, master_port: u16) -> SentinelProc {
-    let mut why = String::new();
-    for _ in 0..3 {
+    started_on_a_free_port(|| {
         let dir = TempDir::new("sentinel");
         let port = free_port();
         let logfile = format!("logfile {}\n", dir.path().join(SENTINEL_LOG).display());
@@ -156,34 +161,19 @@ fn start_sentinel(access: &Access, secured: Option<&Secured>, master_port: u16) 
             .stderr(Stdio::null())
             .spawn()
             .expect("starting redis-server --sentinel");
-        let mut sentinel = SentinelProc {
-            child,
-            port,
-            _dir: dir,
-        };
-        let mut exited = false;
-        let up = wait_until(Duration::from_secs(10), || {
-            exited = !matches!(sentinel.child.try_wait(), Ok(None));
-            exited
-                || access
-                    .con(port)
-                    .and_then(|mut con| redis::cmd("PING").query::<String>(&mut con))
-                    .is_ok()
-        });
-        if up && !exited {
-            return sentinel;
-        }
-        why = format!(
-            "a sentinel on port {port} did not start ({}); its log ends:\n{}",
-            if exited {
-                "it exited"
-            } else {
-                "no answer in 10 s"
-            },
-            sentinel.log_tail()
+        let mut sentinel = SentinelProc { child, port, dir };
+        let up = came_up(
+            || matches!(sentinel.child.try_wait(), Ok(None)),
+            || access.ping(port),
         );
-    }
-    panic!("{why}");
+        match up {
+            Ok(()) => Ok(sentinel),
+            Err(why) => Err(format!(
+                "a sentinel on port {port} did not start ({why}); its log ends:\n{}",
+                sentinel.log_tail()
+            )),
+        }
+    })
 }
 
 impl Secured<'_> {
@@ -247,24 +237,19 @@ impl Secured<'_> {
         args
     }
 
-    /// Starts a data node on a free port, again on another if it does not come up (the port
-    /// may be taken between finding it free and binding it).
+    /// Starts a data node on a free port once it answers (`started_on_a_free_port`).
     fn start_data_node(&self, access: &Access, replicaof: Option<u16>) -> RedisServer {
-        for _ in 0..3 {
+        started_on_a_free_port(|| {
             let port = free_port();
             let mut server = RedisServer::spawn_on(port, &self.data_args(port, replicaof));
-            let up = wait_until(Duration::from_secs(10), || {
-                access
-                    .con(port)
-                    .and_then(|mut con| redis::cmd("PING").query::<String>(&mut con))
-                    .is_ok()
-                    || !server.is_running()
-            });
-            if up && server.is_running() {
-                return server;
+            match came_up(|| server.is_running(), || access.ping(port)) {
+                Ok(()) => Ok(server),
+                Err(why) => Err(format!(
+                    "a TLS data node on port {port} did not start ({why}); its log ends:\n{}",
+                    server.log_tail()
+                )),
             }
-        }
-        panic!("a TLS data node did not start");
+        })
     }
 
     /// sentinel.conf lines for a sentinel on `port`.

@@ -2,7 +2,9 @@
 //! with `openssl` (plus a second CA that signed nothing, to be the wrong one), and a
 //! `redis-server` that speaks only TLS on a free loopback port.
 
-use super::{ensure_openssl_installed, free_port, wait_until, RedisServer, TempDir};
+use super::{
+    came_up, ensure_openssl_installed, free_port, started_on_a_free_port, RedisServer, TempDir,
+};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -53,13 +55,21 @@ impl TlsFiles {
 
     /// A `redis-server` with TLS only (`--port 0 --tls-port <free>`), trusting `ca` for client
     /// certificates, which it requires when `require_client_cert`. Returns once it answers a
-    /// TLS PING (with the client certificate).
+    /// TLS PING (with the client certificate), on another port if it does not come up
+    /// (`started_on_a_free_port`).
     pub fn start_server(&self, require_client_cert: bool) -> RedisServer {
-        let port = free_port();
-        let server = RedisServer::spawn_on(port, &self.server_args(port, require_client_cert));
-        let ok = wait_until(Duration::from_secs(10), || self.ping(port));
-        assert!(ok, "the TLS redis-server did not start on port {port}");
-        server
+        started_on_a_free_port(|| {
+            let port = free_port();
+            let mut server =
+                RedisServer::spawn_on(port, &self.server_args(port, require_client_cert));
+            match came_up(|| server.is_running(), || self.ping(port)) {
+                Ok(()) => Ok(server),
+                Err(why) => Err(format!(
+                    "the TLS redis-server on port {port} did not start ({why}); its log ends:\n{}",
+                    server.log_tail()
+                )),
+            }
+        })
     }
 
     /// The `redis-server` arguments (or sentinel config directives, one pair per line) that

@@ -175,8 +175,8 @@ pub(super) async fn check_replication<C: ConnectionLike>(ctx: &Context, con: &mu
 /// its next restart, with whatever follows: ready entries without the decisions that say they
 /// were written, so events dispatched twice (the shape of one a chaos run found). With `no`,
 /// Redis refuses to start on such a file, and `redis-check-aof --fix` cuts the whole
-/// transaction. A Redis
-/// that will not say (CONFIG refused to an ACL user) is not named: advice, not a condition.
+/// transaction. A Redis that will not say (CONFIG refused to an ACL user) is not named: advice,
+/// not a condition.
 pub(super) async fn check_aof_repair<C: ConnectionLike>(con: &mut C) {
     static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     if SAID.load(std::sync::atomic::Ordering::Relaxed) {
