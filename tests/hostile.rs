@@ -719,7 +719,7 @@ fn a_dead_letter_stream_of_the_wrong_kind_holds_its_entries_until_it_is_fixed() 
         .query(&mut redis.con())
         .unwrap();
     assert!(wait_until(Duration::from_secs(5), || {
-        pending(&redis, "in", "pacer") == 0
+        unfinished(&redis, "in", "pacer") == 0
     }));
     let outputs = ["pacer:{fast}:ready", "pacer:rejected", "pacer:dead"];
     assert_eq!(lengths(&redis, &outputs), [22, 0, 3]);
@@ -844,7 +844,7 @@ fn a_rejected_stream_of_the_wrong_kind_holds_its_entries_until_it_is_fixed() {
         .unwrap();
     assert!(
         wait_until(Duration::from_secs(5), || {
-            pending(&redis, "in", "pacer") == 0
+            unfinished(&redis, "in", "pacer") == 0
         }),
         "{}",
         pacer.log_text()
@@ -940,7 +940,7 @@ fn a_worker_never_claims_what_it_holds_itself_and_keeps_reading() {
         .query(&mut redis.con())
         .unwrap();
     assert!(wait_until(Duration::from_secs(5), || {
-        pending(&redis, "in", "pacer") == 0
+        unfinished(&redis, "in", "pacer") == 0
     }));
     let outputs = ["pacer:{fast}:ready", "pacer:rejected", "pacer:dead"];
     assert_each_once(&redis, &ids, &outputs, "in");
@@ -1007,7 +1007,7 @@ fn an_inbound_output_of_the_wrong_kind_holds_its_events_and_the_limits_still_hol
             .query(&mut redis.con())
             .unwrap();
         assert!(wait_until(Duration::from_secs(5), || {
-            pending(&redis, "pacer:in", "pacer") == 0
+            unfinished(&redis, "pacer:in", "pacer") == 0
         }));
         assert_eq!(lengths(&redis, &[fwd, rej]), [8, 10], "{broken} broken");
         assert_each_once(&redis, &ids, &[fwd, rej], "pacer:in");

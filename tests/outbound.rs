@@ -244,7 +244,7 @@ fn bad_input_is_dead_lettered_with_its_reason_and_the_rest_flows() {
         read(&redis, "pacer:{fast}:ready").len(),
         read(&redis, "pacer:dead").len()
     );
-    assert!(wait_until(Duration::from_secs(5), || pending(
+    assert!(wait_until(Duration::from_secs(5), || unfinished(
         &redis, "in", "pacer"
     ) == 0));
     let dead = read(&redis, "pacer:dead");

@@ -27,8 +27,8 @@ const TWO_ROUTES: &str = r#"outbound:
     b: {rate: 100/s, burst: 1, max_wait: 2s}
 "#;
 
-/// Waits up to `within` until nothing is pending on `in` (showing `pacer`'s log if it does not
-/// happen), then checks that each of `ids` ended in exactly one of the outputs: where each did.
+/// Waits up to `within` until the group has finished `in` (nothing pending or unread: an entry
+/// pushed but not read yet is not pending either), showing `pacer`'s log if not, then checks that each of `ids` ended in exactly one of the outputs: where each did.
 fn drained_each_once(
     redis: &RedisServer,
     ids: &[String],
@@ -36,7 +36,7 @@ fn drained_each_once(
     within: Duration,
 ) -> std::collections::BTreeMap<String, Vec<String>> {
     assert!(
-        wait_until(within, || pending(redis, "in", "pacer") == 0),
+        wait_until(within, || unfinished(redis, "in", "pacer") == 0),
         "still pending:\n{}",
         pacer.log_text()
     );
@@ -811,7 +811,7 @@ fn redis_key_count_stays_flat_over_a_long_run() {
             .unwrap();
         assert!(len <= 300, "{stream} holds {len} entries, max_len is 100");
     }
-    assert!(wait_until(Duration::from_secs(10), || pending(
+    assert!(wait_until(Duration::from_secs(10), || unfinished(
         &redis, "in", "pacer"
     ) == 0));
     // Traffic stopped: every marker expires; what remains is the streams and the buckets.
@@ -873,7 +873,7 @@ fn claimed_inbound_entries_decided_once(redis: RedisServer, rejects_in_admission
     let survivor = start(&cfg, port);
     let outputs = ["pacer:accepted", "pacer:in-rejected", "pacer:dead"];
     assert!(
-        wait_until(Duration::from_secs(15), || pending(
+        wait_until(Duration::from_secs(15), || unfinished(
             &redis, "pacer:in", "pacer"
         ) == 0),
         "{}",
@@ -886,7 +886,7 @@ fn claimed_inbound_entries_decided_once(redis: RedisServer, rejects_in_admission
     // Instead it holds what 10 charges left: a 6 s interval at 10/min, so one more call
     // is rejected with at most 6 s to wait, not a minute.
     ids.extend(push(&redis, "pacer:in", &calls(1, 14)));
-    assert!(wait_until(Duration::from_secs(10), || pending(
+    assert!(wait_until(Duration::from_secs(10), || unfinished(
         &redis, "pacer:in", "pacer"
     ) == 0));
     let rejected = read(&redis, "pacer:in-rejected");
@@ -933,7 +933,7 @@ fn a_poison_inbound_entry_is_dead_lettered_and_voided() {
     let cfg = config(&dir, "w.yaml", &redis, port, worker, body);
     let survivor = start(&cfg, port);
     assert!(
-        wait_until(Duration::from_secs(15), || pending(
+        wait_until(Duration::from_secs(15), || unfinished(
             &redis, "pacer:in", "pacer"
         ) == 0),
         "{}",
@@ -1014,8 +1014,9 @@ fn a_worker_under_a_live_workers_consumer_name_refuses_to_start_and_a_restart_do
     let restarted = start(&first_cfg, first_port);
     println!("restarted under the same name in {:?}", started.elapsed());
     assert!(
-        wait_until(Duration::from_secs(20), || pending(&redis, "in", "pacer")
-            == 0),
+        wait_until(Duration::from_secs(20), || unfinished(
+            &redis, "in", "pacer"
+        ) == 0),
         "still pending:\n{}",
         restarted.log_text()
     );
@@ -1191,8 +1192,9 @@ fn the_claimer_lists_only_silent_consumers_entries() {
     );
     // "other" falls silent: its entries are listed, claimed and finished.
     assert!(
-        wait_until(Duration::from_secs(15), || pending(&redis, "in", "pacer")
-            == 0),
+        wait_until(Duration::from_secs(15), || unfinished(
+            &redis, "in", "pacer"
+        ) == 0),
         "{}",
         w.log_text()
     );
@@ -1274,7 +1276,7 @@ fn an_entry_stranded_under_a_live_workers_name_is_taken_up_and_ends_once() {
     assert_eq!(held, [1, 1, 1], "{}", w.log_text());
     assert_eq!(claimed(port), 1.0, "{}", w.log_text());
     let _: () = redis::cmd("DEL").arg("pacer:dead").query(&mut con).unwrap();
-    assert!(wait_until(Duration::from_secs(5), || pending(
+    assert!(wait_until(Duration::from_secs(5), || unfinished(
         &redis, "in", "pacer"
     ) == 0));
     let at = assert_each_once(&redis, &ids, &["pacer:{a}:ready", "pacer:dead"], "in");
@@ -1358,8 +1360,9 @@ fn parked_entries_end_once_through_a_trim_and_kill_minus_nine() {
         "pacer:dead",
     ];
     assert!(
-        wait_until(Duration::from_secs(30), || pending(&redis, "in", "pacer")
-            == 0),
+        wait_until(Duration::from_secs(30), || unfinished(
+            &redis, "in", "pacer"
+        ) == 0),
         "still pending:\n{}",
         restarted.log_text()
     );
