@@ -214,6 +214,13 @@ read_states()
 
 local out, o = { now }, 1
 local wrote_forward, wrote_rejected = false, false
+-- A forwarded entry's id carries the decision's millisecond (`now`), not the moment its XADD ran,
+-- as a ready entry carries its slot's: so counted by entry id, the forward stream holds an
+-- identity's limits as the rules do. A call that Redis's process was kept from running (a
+-- loaded host) wrote its entries milliseconds after it decided them, and the ids of two calls
+-- about a window apart could then look closer. Should the stream's newest entry be past `now`
+-- (the clock stepped back), XADD refuses the id, and the call goes on with Redis's own ids.
+local forward_id = int(math.floor(now / 1000)) .. '-*'
 local record, recorded = {}, {}
 local passed = {}
 -- Per check of the event at hand: what it said before anything was charged.
@@ -297,7 +304,11 @@ for i = 1, n do
     end
     if accepted and forward then
       local f = fields_at[i]
-      redis.call('XADD', forward, '*', unpack(ARGV, f + 1, fields_end(f) - 1))
+      if type(redis.pcall('XADD', forward, forward_id, unpack(ARGV, f + 1, fields_end(f) - 1)))
+          == 'table' then
+        forward_id = '*'
+        redis.call('XADD', forward, '*', unpack(ARGV, f + 1, fields_end(f) - 1))
+      end
       wrote_forward = true
       ack(i)
     end

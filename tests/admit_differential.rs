@@ -404,6 +404,114 @@ fn on_redis<S: Strategy>(
         .unwrap();
 }
 
+/// Admits `n` events (each with one `size`-byte field) of distinct identities under
+/// `hourly_rule`, forwarding them in the call: the call's `now_us` and each forward entry's id.
+fn admit_forwarding(redis: &RedisServer, n: usize, size: usize) -> (i64, Vec<String>) {
+    let (rt, mut con) = redis.async_con();
+    let scripts = Scripts::default();
+    let keys = InboundKeys::new("fwd", "rej");
+    let rules = hourly_rule();
+    let owners: Vec<String> = (1..=n).map(|i| format!("{i}-0@in")).collect();
+    let identities: Vec<String> = (0..n)
+        .map(|i| {
+            keys.identity(
+                "r",
+                &rules[0].rule.key_part(),
+                "k",
+                i.to_string().as_bytes(),
+            )
+        })
+        .collect();
+    let hashes: Vec<String> = owners
+        .iter()
+        .map(|o| keys.decisions(o.split('@').next().unwrap()))
+        .collect();
+    let fields: Vec<Fields> = owners
+        .iter()
+        .map(|o| {
+            let mut event = inbound_event(o);
+            event.carried = vec![(b"x".to_vec(), vec![b'x'; size])];
+            forward_fields(&event)
+        })
+        .collect();
+    let items: Vec<AdmitItem<'_>> = (0..n)
+        .map(|i| AdmitItem {
+            owner: &owners[i],
+            stream: "in",
+            entry_ms: pacer::event::entry_ms(&owners[i]),
+            decisions: &hashes[i],
+            identities: vec![identities[i].as_str()],
+            fields: &fields[i],
+        })
+        .collect();
+    let no_acks = |_: &str| false;
+    let to = AdmitTargets {
+        keys: &keys,
+        forward: true,
+        rejected: true,
+        decision_ttl_ms: 600_000,
+        max_len: 100_000,
+        group: "pacer",
+        acks: &no_acks,
+        stale_us: i64::MAX / 4,
+    };
+    let reply = rt
+        .block_on(scripts.admit(&mut con, &to, &ScriptRules::new(&rules, 0), &items))
+        .expect("admit");
+    let accepted = reply
+        .items
+        .iter()
+        .filter(|a| matches!(a, Admitted::Now { decision, .. } if decision == "A"))
+        .count();
+    assert_eq!(accepted, n, "{:?}", &reply.items[..3.min(n)]);
+    let ids: Vec<String> = redis::cmd("XRANGE")
+        .arg("fwd")
+        .arg("-")
+        .arg("+")
+        .query::<Vec<(String, Vec<Vec<u8>>)>>(&mut redis.con())
+        .unwrap()
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    (reply.now_us, ids)
+}
+
+/// A forward entry's id is the millisecond the call decided it in, however long the call took to
+/// write it: counted by entry id, the forward stream then holds the rules' limits on Redis's
+/// clock. 400 events of 64 KB each keep the call writing for many milliseconds (Redis's own ids,
+/// `*`, would spread over them). A forward stream whose newest entry is past the decision (the
+/// clock stepped back) takes the entries with Redis's own ids instead, each written once.
+#[test]
+fn forward_entries_carry_the_decisions_millisecond_and_a_stream_ahead_of_it_takes_them_still() {
+    let redis = RedisServer::start();
+    let (now_us, ids) = admit_forwarding(&redis, 400, 64 * 1024);
+    let now_ms = now_us.div_euclid(1000);
+    assert_eq!(ids.len(), 400);
+    let off: Vec<&String> = ids
+        .iter()
+        .filter(|id| pacer::event::entry_ms(id) != now_ms)
+        .collect();
+    assert!(
+        off.is_empty(),
+        "decided at {now_ms} ms: {} ids not: {:?}",
+        off.len(),
+        &off[..3.min(off.len())]
+    );
+
+    let _: () = redis::cmd("FLUSHALL").query(&mut redis.con()).unwrap();
+    let ahead = format!("{}-0", now_ms + 3_600_000);
+    let _: String = redis::cmd("XADD")
+        .arg("fwd")
+        .arg(&ahead)
+        .arg("x")
+        .arg("ahead")
+        .query(&mut redis.con())
+        .unwrap();
+    let (_, ids) = admit_forwarding(&redis, 5, 10);
+    assert_eq!(ids.len(), 6, "{ids:?}");
+    assert_eq!(ids[0], ahead);
+}
+
 #[test]
 fn lua_and_rust_decide_alike_on_redis_time() {
     on_redis(&RedisServer::start(), 120, case(), run_case);
