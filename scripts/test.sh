@@ -58,6 +58,12 @@ while IFS=$'\t' read -r source path; do
   names+=("$name")
 done < <(sed -n 's/^ *Executable \(.*\) (\(.*\))$/\1\t\2/p' "$logs/build.log")
 
+# A build whose output lists no binary (a changed cargo message) would otherwise pass empty.
+if ((${#names[@]} < 2)); then
+  echo "test.sh: found ${#names[@]} test binaries in cargo's output ($logs/build.log)" >&2
+  exit 1
+fi
+
 main_lane=()
 waiting_lane=()
 for name in "${names[@]}"; do
@@ -68,51 +74,42 @@ for name in "${names[@]}"; do
   fi
 done
 
-# run_binary NAME: runs one test binary, one test at a time, from the repo's root (as cargo
-# does); prints a line when it ends and records it if it failed.
-run_binary() {
-  local name=$1 start=$SECONDS result
-  if "${binary[$name]}" --test-threads=1 >"$logs/$name.log" 2>&1; then
-    result=ok
-  else
+# run NAME COMMAND...: runs one step from the repo's root (as cargo runs tests), its output to
+# $logs/NAME.log; prints a line with its summary (libtest's "test result:", deploy/check.sh's
+# "ops:") when it ends, and records it if it failed.
+run() {
+  local name=$1 start=$SECONDS result=ok
+  shift
+  "$@" >"$logs/$name.log" 2>&1 || {
     result=FAILED
     echo "$name" >>"$logs/failed"
-  fi
-  echo "test.sh: $result $name ($((SECONDS - start)) s): $(grep -m1 '^test result:' "$logs/$name.log" || echo 'no result line')"
+  }
+  echo "test.sh: $result $name ($((SECONDS - start)) s): $(grep -E -m1 '^(test result|ops):' "$logs/$name.log" || echo 'no summary line')"
 }
 
+# run_lane NAME...: the test binaries one after another, each one test at a time.
 run_lane() {
   local name
-  for name; do run_binary "$name"; done
+  for name; do run "$name" "${binary[$name]}" --test-threads=1; done
 }
 
-run_ops() {
-  local start=$SECONDS
-  [[ -x deploy/check.sh ]] || return 0
-  if PACER_BIN="$PWD/target/debug/pacer" deploy/check.sh >"$logs/ops.log" 2>&1; then
-    echo "test.sh: ok ops ($((SECONDS - start)) s): $(tail -n 1 "$logs/ops.log")"
-  else
-    echo "ops" >>"$logs/failed"
-    echo "test.sh: FAILED ops ($((SECONDS - start)) s): $(tail -n 1 "$logs/ops.log")"
-  fi
+ops() {
+  PACER_BIN="$PWD/target/debug/pacer" deploy/check.sh
 }
 
 echo "test.sh: main lane: ${main_lane[*]}"
-echo "test.sh: waiting lane: ${waiting_lane[*]} ops"
+echo "test.sh: waiting lane: ${waiting_lane[*]:-} ops"
 if [[ ${PACER_TEST_LANES:-2} == 1 ]]; then
   run_lane "${main_lane[@]}"
-  run_ops
+  run ops ops
 else
-  (run_lane "${waiting_lane[@]}" && run_ops) &
+  (run_lane "${waiting_lane[@]}" && run ops ops) &
   waiting=$!
   run_lane "${main_lane[@]}"
   wait "$waiting"
 fi
 # Doc tests (none yet but the text examples rustdoc skips): cargo runs them after the binaries.
-cargo test --doc --quiet -- --test-threads=1 >"$logs/doc.log" 2>&1 || {
-  echo "doc" >>"$logs/failed"
-  echo "test.sh: FAILED doc tests"
-}
+run doc cargo test --doc -- --test-threads=1
 
 if [[ -s $logs/failed ]]; then
   while read -r name; do
