@@ -11,7 +11,8 @@
 //! 5. Many routes: 300 routes of 10/s sent 200 events each, interleaved on one stream, one
 //!    worker of 2,000 places (far fewer than the 60,000 events: most are parked and taken
 //!    back): the events per second of all routes together against their 3,000, and how long
-//!    the last route took against its 20 s (`--many ROUTES,RATE,EACH,PLACES` for another shape).
+//!    the last route took against its 20 s, and Redis's time by command (`INFO commandstats`)
+//!    (`--many ROUTES,RATE,EACH,PLACES` for another shape).
 //!
 //! `cargo bench --bench pressure -- [--rounds 3] [--rates 1000,5000] [--only drain|stall|memory|waits|routes] [--many 300,10,200,2000]`
 
@@ -67,6 +68,8 @@ struct ManyRoutes {
     /// Worker CPU, % of a core over the span; Redis CPU µs per event.
     worker_cpu: f64,
     redis_us: f64,
+    /// `INFO commandstats` over the run: calls and µs per event by command.
+    commands: String,
     /// Dispatch calls and slots moved (`pacer_replanned_total`) per event.
     dispatch_calls: f64,
     moved: f64,
@@ -84,14 +87,29 @@ fn many_routes(routes: usize, rate: u32, each: usize, places: usize) -> ManyRout
     let pacer = start(&cfg, port);
     let (_, cpu0) = rss_and_cpu(pacer.pid());
     let redis_cpu0 = bench::cpu_seconds(&mut redis.con());
+    let calls0 = bench::command_calls(&mut redis.con());
     let outputs = ends(&ready);
     let mut con = redis.con();
     let total = routes * each;
-    let done = wait_until(Duration::from_secs(300), || {
-        entries(&mut con, &outputs) >= total
-    });
+    // Polled five times a second: each poll is Redis's work too, counted in redis_us below.
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    let done = loop {
+        if entries(&mut con, &outputs) >= total {
+            break true;
+        }
+        if std::time::Instant::now() >= deadline {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
     let (_, cpu1) = rss_and_cpu(pacer.pid());
     let redis_us = (bench::cpu_seconds(&mut redis.con()) - redis_cpu0) * 1e6 / total as f64;
+    let mut calls = bench::command_calls(&mut redis.con());
+    for (k, (n, us)) in calls.iter_mut() {
+        let (n0, us0) = calls0.get(k).copied().unwrap_or_default();
+        (*n, *us) = (*n - n0, *us - us0);
+    }
+    let commands = bench::commandstats_line(&calls, total as u64);
     assert!(done, "not every entry ended:\n{}", pacer.log_text());
     let text = http_get(port, "/metrics")
         .map(|(_, t)| t)
@@ -130,6 +148,7 @@ fn many_routes(routes: usize, rate: u32, each: usize, places: usize) -> ManyRout
         empty_slots: empty as f64 / gaps.max(1) as f64,
         worker_cpu: (cpu1 - cpu0) / span * 100.0,
         redis_us,
+        commands,
         dispatch_calls: per_event("pacer_redis_command_duration_seconds_count{op=\"dispatch\"}"),
         moved: per_event("pacer_replanned_total"),
     }
@@ -240,6 +259,10 @@ fn main() {
             m.span,
             each as f64 / rate as f64,
             m.empty_slots * 100.0, m.worker_cpu, m.redis_us, m.dispatch_calls, m.moved
+        );
+        println!(
+            "many routes, round {round}: Redis by command {}",
+            m.commands
         );
         let span = m.span;
         shares.push(share);
