@@ -1132,6 +1132,55 @@ fn a_leased_answer_reports_the_identitys_room_not_only_the_lease() {
     }
 }
 
+/// A check that charges nothing (`cost: 0`) on a leased identity reports the identity's room as
+/// a request answered from the lease does: Redis's room and what the worker's lease holds. Two
+/// workers on 50 an hour, leased in batches of up to 4 that outlive the test: the first is
+/// asked for 12 tokens, one at a time, each followed by a check of cost 0 at both. The first's
+/// check says 50 - i, what its own request just said; the second holds no lease, so its check
+/// says Redis's room alone, less by what the first's lease holds (before, the first's said
+/// that too). A lease the first fetches ahead may be in flight as a check is asked (charged
+/// in Redis, not yet held), so each check is asked again until it says 50 - i, for a while.
+#[test]
+fn a_check_of_cost_0_on_a_leased_identity_reports_what_the_workers_lease_holds_too() {
+    clear_of_the_hour();
+    let api = start_api(
+        2,
+        "    - {name: hourly, key: [k], algorithm: fixed_window, limits: [50/h], lease: {max: 4, ttl: 30s}}\n",
+    );
+    let (first, second) = (api.ports[0].1, api.ports[1].1);
+    let check = |port: u16| {
+        let (status, _, body) = post(port, r#"{"fields": {"k": "a"}, "cost": 0}"#);
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["allowed"], true, "{body}");
+        body["remaining"].as_i64().expect("remaining")
+    };
+    let mut held = Vec::new();
+    for i in 1..=12 {
+        let (status, _, body) = post(first, r#"{"fields": {"k": "a"}}"#);
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["remaining"], 50 - i, "request {i}: {body}");
+        let mut said = Vec::new();
+        let settled = wait_until(Duration::from_secs(5), || {
+            said.push(check(first));
+            said.last() == Some(&(50 - i))
+        });
+        said.dedup();
+        assert!(
+            settled,
+            "after request {i} the first's checks said {said:?}"
+        );
+        let redis_room = check(second);
+        assert!(redis_room <= 50 - i, "after request {i}: {redis_room}");
+        held.push(50 - i - redis_room);
+    }
+    eprintln!("held by the first worker's lease after each request: {held:?}");
+    // Its lease held tokens at some point, or the checks above would say the same either way.
+    assert!(
+        held.iter().any(|&h| h > 0),
+        "the first's lease never held a token: {held:?}"
+    );
+}
+
 /// README, "Leasing" and "Metrics": `pacer_lease_tokens_total{rule, fate="leased|wasted"}`, a
 /// lease that "expires with tokens left" counted as wasted. Nothing checked either figure.
 /// Twenty requests on a leased fixed window (1000 an hour, leases of up to 8 for 1 s), some

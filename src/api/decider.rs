@@ -411,7 +411,10 @@ impl Decider {
 
     /// Decides a check that charges nothing (a `Request` of cost 0) in Redis, at cost 0 and
     /// with no lease taken or asked for: the room it reports is the identities' in Redis,
-    /// where the tokens leased out are charged.
+    /// where the tokens leased out are charged, and what this worker's leases of them hold
+    /// (as an answer from a fetch reports Redis's room and what it just granted). Before, a
+    /// check asked of a worker holding a lease of 4 said 4 less than a request answered
+    /// from that lease said next.
     async fn check_only(
         &self,
         api: Api,
@@ -424,8 +427,18 @@ impl Decider {
             .collect();
         let reply = self.batcher.decide(partition, checks, 0).await;
         telemetry::api_redis_call(api);
+        let rules = &self.cfg.rules;
+        let slots: Vec<_> = ids
+            .iter()
+            .map(|id| {
+                rules[id.rule]
+                    .lease
+                    .as_ref()
+                    .and_then(|_| self.leases.peek(&id.key))
+            })
+            .collect();
         match reply {
-            Ok(v) => Ok(self.answer(api, &ids, &vec![None; ids.len()], &v, true)),
+            Ok(v) => Ok(self.answer(api, &ids, &slots, &v, true)),
             Err(e) => self.unavailable(api, &ids, e),
         }
     }
@@ -527,11 +540,16 @@ impl Decider {
                 .zip(slots)
                 .filter(|((id, _), _)| !self.cfg.rules[id.rule].shadow)
                 .filter_map(|((id, c), slot)| match c.room {
-                    // The room Redis has left, and what it just leased this worker: the
-                    // identity's room as later requests answered here report it
-                    // (`Slot::room`).
+                    // The room Redis has left, and what this worker holds of the identity's:
+                    // what Redis just leased it, or for a check (which fetches nothing) what
+                    // its lease holds now. The identity's room as later requests answered
+                    // here report it (`Slot::room`).
                     Some(room) if room.remaining != i64::MAX => {
-                        let remaining = room.remaining.saturating_add(c.granted);
+                        let mine = match slot {
+                            Some(s) if check_only => s.left(now).0,
+                            _ => c.granted,
+                        };
+                        let remaining = room.remaining.saturating_add(mine);
                         Some((id, remaining, room.limit, room.reset_us))
                     }
                     Some(_) => None,

@@ -548,6 +548,11 @@ impl Leases {
         s
     }
 
+    /// The lease of `key` if this worker holds one (none is created).
+    pub fn peek(&self, key: &str) -> Option<Arc<Slot>> {
+        self.slots.lock().expect("leases").by_key.get(key).cloned()
+    }
+
     pub fn len(&self) -> usize {
         self.slots.lock().expect("leases").by_key.len()
     }
