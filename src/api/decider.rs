@@ -411,10 +411,9 @@ impl Decider {
 
     /// Decides a check that charges nothing (a `Request` of cost 0) in Redis, at cost 0 and
     /// with no lease taken or asked for: the room it reports is the identities' in Redis,
-    /// where the tokens leased out are charged, and what this worker's leases of them hold
-    /// (as an answer from a fetch reports Redis's room and what it just granted). Before, a
-    /// check asked of a worker holding a lease of 4 said 4 less than a request answered
-    /// from that lease said next.
+    /// where the tokens leased out are charged, and what this worker's leases of them hold,
+    /// as every answer reports it (`answer`). Before, a check asked of a worker holding a
+    /// lease of 4 said 4 less than a request answered from that lease said next.
     async fn check_only(
         &self,
         api: Api,
@@ -540,15 +539,13 @@ impl Decider {
                 .zip(slots)
                 .filter(|((id, _), _)| !self.cfg.rules[id.rule].shadow)
                 .filter_map(|((id, c), slot)| match c.room {
-                    // The room Redis has left, and what this worker holds of the identity's:
-                    // what Redis just leased it, or for a check (which fetches nothing) what
-                    // its lease holds now. The identity's room as later requests answered
-                    // here report it (`Slot::room`).
+                    // The room Redis has left, and what this worker's lease of the identity
+                    // holds now (what Redis just granted it, stored before this answer, and a
+                    // lease fetched ahead): the identity's room as later requests answered here
+                    // report it (`Slot::room`). A check of cost 0 fetches nothing and reports
+                    // the same.
                     Some(room) if room.remaining != i64::MAX => {
-                        let mine = match slot {
-                            Some(s) if check_only => s.left(now).0,
-                            _ => c.granted,
-                        };
+                        let mine = slot.as_ref().map_or(0, |s| s.left(now).0);
                         let remaining = room.remaining.saturating_add(mine);
                         Some((id, remaining, room.limit, room.reset_us))
                     }
