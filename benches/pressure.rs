@@ -24,7 +24,9 @@ mod common;
 
 use common::pressure::{drain_backlog, ends, entries, per_second, stall, waits_through_a_stall};
 use common::{config, event, push, start};
-use pacer::testkit::{free_port, http_get, metric, rss_and_cpu, wait_until, RedisServer, TempDir};
+use pacer::testkit::{
+    free_port, http_get, metric, poll_until, rss_and_cpu, wait_until, RedisServer, TempDir,
+};
 use std::time::Duration;
 
 /// One worker holding `n` sleeping events: its RSS (MiB) and CPU (% of a core) while they sleep.
@@ -87,28 +89,21 @@ fn many_routes(routes: usize, rate: u32, each: usize, places: usize) -> ManyRout
     let pacer = start(&cfg, port);
     let (_, cpu0) = rss_and_cpu(pacer.pid());
     let redis_cpu0 = bench::cpu_seconds(&mut redis.con());
-    let calls0 = bench::command_calls(&mut redis.con());
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut redis.con())
+        .unwrap();
     let outputs = ends(&ready);
     let mut con = redis.con();
     let total = routes * each;
     // Polled five times a second: each poll is Redis's work too, counted in redis_us below.
-    let deadline = std::time::Instant::now() + Duration::from_secs(300);
-    let done = loop {
-        if entries(&mut con, &outputs) >= total {
-            break true;
-        }
-        if std::time::Instant::now() >= deadline {
-            break false;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let every = Duration::from_millis(200);
+    let done = poll_until(Duration::from_secs(300), every, || {
+        entries(&mut con, &outputs) >= total
+    });
     let (_, cpu1) = rss_and_cpu(pacer.pid());
     let redis_us = (bench::cpu_seconds(&mut redis.con()) - redis_cpu0) * 1e6 / total as f64;
-    let mut calls = bench::command_calls(&mut redis.con());
-    for (k, (n, us)) in calls.iter_mut() {
-        let (n0, us0) = calls0.get(k).copied().unwrap_or_default();
-        (*n, *us) = (*n - n0, *us - us0);
-    }
+    let calls = bench::command_calls(&mut redis.con());
     let commands = bench::commandstats_line(&calls, total as u64);
     assert!(done, "not every entry ended:\n{}", pacer.log_text());
     let text = http_get(port, "/metrics")

@@ -704,7 +704,12 @@ pub fn records_in(con: &mut redis::Connection, key: &str) -> i64 {
 }
 
 /// Polls `check` every 20 ms until it returns true or `limit` passes; whether it did.
-pub fn wait_until(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
+pub fn wait_until(limit: Duration, check: impl FnMut() -> bool) -> bool {
+    poll_until(limit, Duration::from_millis(20), check)
+}
+
+/// As `wait_until`, polling every `every` (a benchmark whose polls would count as Redis's work).
+pub fn poll_until(limit: Duration, every: Duration, mut check: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;
     loop {
         if check() {
@@ -713,7 +718,7 @@ pub fn wait_until(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
         if Instant::now() >= deadline {
             return false;
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(every);
     }
 }
 
