@@ -815,8 +815,26 @@ fn an_admission_that_runs_after_its_timeout_and_the_fail_policy_decide_each_entr
     let body = "inbound:\n  streams: [\"pacer:in\"]\n  fail_policy: fail_closed\n  limiter_attempts: 1\n  rules:\n    - {name: r, key: [source], algorithm: sliding_log, limits: [2/min]}\n";
     let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
     let pacer = start(&cfg, port);
-    pacer.signal("STOP");
+    // Stopped while its read waits in Redis, so that the events go to that read at once and
+    // the admission call, not the read, is what waits behind the sleep. Stopped before its
+    // read went out, pacer sent the read into the sleep, timed it out, and admitted the
+    // events after the sleep without a timeout (one CI run).
+    let stopped_in_read = wait_until(Duration::from_secs(10), || {
+        pacer.signal("STOP");
+        if a_read_is_blocked(&redis) {
+            return true;
+        }
+        pacer.signal("CONT");
+        std::thread::sleep(Duration::from_millis(10));
+        false
+    });
+    assert!(stopped_in_read, "no read blocked:\n{}", pacer.log_text());
     push_at_once(&redis, "pacer:in", &source_events(6, "a"));
+    assert_eq!(
+        pending(&redis, "pacer:in", "pacer"),
+        6,
+        "the blocked read did not take the events"
+    );
     let sleeper = {
         let mut con = redis.con();
         std::thread::spawn(move || {

@@ -1529,17 +1529,8 @@ fn a_read_whose_reply_was_lost_is_taken_up_from_the_consumers_pending_list_befor
     assert_eq!(consumers_pending(), vec![], "{}", pacer.log_text());
     // Past the start's own recovery read: the reader blocked in XREADGROUP for new entries (it
     // blocks again within microseconds of each 500 ms block's end).
-    let blocked_read = || -> bool {
-        let clients: String = redis::cmd("CLIENT")
-            .arg("LIST")
-            .query(&mut redis.con())
-            .unwrap();
-        clients
-            .lines()
-            .any(|c| c.contains(" flags=b ") && c.contains(" cmd=xreadgroup "))
-    };
     assert!(
-        wait_until(Duration::from_secs(5), blocked_read),
+        wait_until(Duration::from_secs(5), || a_read_is_blocked(&redis)),
         "no read blocked:\n{}",
         pacer.log_text()
     );

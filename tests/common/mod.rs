@@ -101,6 +101,18 @@ pub fn read(redis: &RedisServer, stream: &str) -> Vec<OutputEntry> {
     rt.block_on(read_all(&mut con, stream)).unwrap()
 }
 
+/// Whether a client (a worker's reader) waits in a blocking XREADGROUP: entries pushed now go to
+/// that read at once, all of them if pushed in one transaction.
+pub fn a_read_is_blocked(redis: &RedisServer) -> bool {
+    let clients: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(&mut redis.con())
+        .unwrap();
+    clients
+        .lines()
+        .any(|c| c.contains(" flags=b ") && c.contains(" cmd=xreadgroup "))
+}
+
 /// Entries of the group still pending on `stream`.
 pub fn pending(redis: &RedisServer, stream: &str, group: &str) -> i64 {
     let reply: redis::Value = redis::cmd("XPENDING")
