@@ -4,7 +4,7 @@
 
 use crate::config::Config;
 use crate::error::{unless_wrong_type, Result};
-use crate::event::Fields;
+use crate::event::{Fields, DEAD_LETTER_COPY_BYTES};
 use crate::streams;
 use redis::aio::ConnectionLike;
 use redis::Value;
@@ -61,6 +61,48 @@ impl OutputEntry {
     }
 }
 
+/// The most entries one page of a read asks for, however small they are.
+const PAGE_ENTRIES: usize = 10_000;
+
+/// Bytes beside an event's own fields in the entries pacer writes (its `pacer_*` fields: the
+/// route, the source stream and id, the slot, the reason and detail), for sizing pages.
+const OWN_FIELDS_BYTES: usize = 4096;
+
+/// How many entries each page of a stream's read asks for. A page of 10,000 entries is, at the
+/// 16 MiB `max_event_bytes` limit, 160 GiB in one reply: Redis builds a reply whole in the
+/// client's output buffer (a normal client's has no limit by default, and what it holds counts
+/// against `maxmemory`), so an operator's `pacer report` could take the memory the workers'
+/// writes need. Pages are sized so that `budget` bytes hold the largest entry the stream can
+/// have: what pacer writes there (`largest`, from the config) or, when another writer's
+/// entries are larger, the largest seen so far (learnt from the page that brought it).
+#[derive(Debug, Clone, Copy)]
+pub struct Pages {
+    budget: usize,
+    largest: usize,
+}
+
+impl Pages {
+    /// Pages within `budget` bytes of entries of up to `largest` bytes each.
+    pub fn within(budget: usize, largest: usize) -> Self {
+        Pages { budget, largest }
+    }
+
+    /// Pages of [`PAGE_ENTRIES`], whatever their size (streams known to hold small entries).
+    pub fn unbounded() -> Self {
+        Pages::within(usize::MAX, 1)
+    }
+
+    /// How many entries the next page asks for: one at least.
+    pub fn count(&self) -> usize {
+        (self.budget / self.largest.max(1)).clamp(1, PAGE_ENTRIES)
+    }
+
+    /// Learns from an entry of `size` bytes.
+    fn saw(&mut self, size: usize) {
+        self.largest = self.largest.max(size);
+    }
+}
+
 /// Every entry of a stream, oldest first.
 pub async fn read_all<C: ConnectionLike>(con: &mut C, stream: &str) -> Result<Vec<OutputEntry>> {
     read_from(con, stream, "-").await
@@ -73,34 +115,46 @@ pub async fn read_from<C: ConnectionLike>(
     start: &str,
 ) -> Result<Vec<OutputEntry>> {
     let mut out = Vec::new();
+    scan(con, stream, start, Pages::unbounded(), |e| out.push(e)).await?;
+    Ok(out)
+}
+
+/// Hands each entry of a stream from id `start` on to `visit`, oldest first, reading `pages`
+/// at a time: nothing but the page in hand is held.
+pub async fn scan<C: ConnectionLike>(
+    con: &mut C,
+    stream: &str,
+    start: &str,
+    mut pages: Pages,
+    mut visit: impl FnMut(OutputEntry),
+) -> Result<()> {
     let mut start = start.to_string();
+    let name: Arc<str> = Arc::from(stream);
     loop {
+        let count = pages.count();
         let reply: Value = redis::cmd("XRANGE")
             .arg(stream)
             .arg(&start)
             .arg("+")
             .arg("COUNT")
-            .arg(10_000)
+            .arg(count)
             .query_async(con)
             .await?;
         let mut entries = Vec::new();
-        streams::parse_entries(reply, &Arc::from(stream), 0, &mut entries)?;
+        streams::parse_entries(reply, &name, 0, &mut entries)?;
         let n = entries.len();
         for e in entries {
+            pages.saw(e.size());
             start = format!("({}", e.id);
-            let ms =
-                e.id.split('-')
-                    .next()
-                    .and_then(|m| m.parse().ok())
-                    .unwrap_or(0);
-            out.push(OutputEntry {
+            let ms = e.ms();
+            visit(OutputEntry {
                 id: e.id,
                 ms,
                 fields: e.fields,
             });
         }
-        if n < 10_000 {
-            return Ok(out);
+        if n < count {
+            return Ok(());
         }
     }
 }
@@ -153,7 +207,10 @@ pub struct InboundReport {
 }
 
 /// Reads the output streams of `cfg` (only entries written within `since` before now, by
-/// Redis's clock, when given) and sums them up.
+/// Redis's clock, when given) and sums them up. Each stream is read in pages of at most
+/// `worker.read_bytes` (what a worker reads at once, sized by [`Pages`]) and only what is
+/// counted is kept of each entry: a report of streams of large events holds neither Redis's
+/// memory nor its own.
 pub async fn report<C: ConnectionLike>(
     con: &mut C,
     cfg: &Config,
@@ -169,55 +226,52 @@ pub async fn report<C: ConnectionLike>(
         until_ms,
         ..Report::default()
     };
+    let budget = cfg.worker.read_bytes;
+    let pages = |max_event_bytes: usize| Pages::within(budget, max_event_bytes + OWN_FIELDS_BYTES);
+    let outbound_pages = pages(cfg.outbound.flow.max_event_bytes);
     // Each flow's outputs, and only a configured flow's: an inbound-only config reported the
     // outbound defaults' streams, and nothing of its own (found by review).
     let outbound = !cfg.outbound.flow.streams.is_empty();
-    let rejected = if outbound {
-        let rejected = cfg.outbound.flow.rejected_stream.as_str();
-        let read = read_from(con, rejected, &start).await;
-        let rejected = unless_wrong_type(read, rejected, "stream", &mut report.problems)?;
-        rejected.unwrap_or_default()
-    } else {
-        Vec::new()
-    };
+    // Rejected entries by the route they were refused on.
+    let mut rejected: BTreeMap<String, usize> = BTreeMap::new();
+    if outbound {
+        let stream = cfg.outbound.flow.rejected_stream.as_str();
+        let read = scan(con, stream, &start, outbound_pages, |e| {
+            if let Some(route) = e.field("pacer_route") {
+                *rejected.entry(route.to_string()).or_default() += 1;
+            }
+        })
+        .await;
+        unless_wrong_type(read, stream, "stream", &mut report.problems)?;
+    }
     for route in cfg.outbound.routes.values() {
-        let read = read_from(con, &route.keys.ready, &start).await;
-        let Some(entries) =
-            unless_wrong_type(read, &route.keys.ready, "stream", &mut report.problems)?
-        else {
+        // Per ready entry: its milliseconds and cost units; and how late each went.
+        let (mut weights, mut late, mut rerouted_in) = (Vec::new(), Vec::new(), 0);
+        let read = scan(con, &route.keys.ready, &start, outbound_pages, |e| {
+            let cost = e.field("cost").and_then(|c| c.parse().ok());
+            weights.push((e.ms, cost.unwrap_or(1)));
+            if let Some(slot_us) = e.field("pacer_slot_us").and_then(|s| s.parse::<i64>().ok()) {
+                late.push(e.ms - slot_us / 1000);
+            }
+            if e.field("route") != Some(&route.name) {
+                rerouted_in += 1;
+            }
+        })
+        .await;
+        if unless_wrong_type(read, &route.keys.ready, "stream", &mut report.problems)?.is_none() {
             continue;
-        };
-        let times: Vec<i64> = entries.iter().map(|e| e.ms).collect();
-        let mut late: Vec<i64> = entries
-            .iter()
-            .filter_map(|e| Some(e.ms - e.field("pacer_slot_us")?.parse::<i64>().ok()? / 1000))
-            .collect();
+        }
         late.sort_unstable();
         report.routes.push(RouteReport {
             route: route.name.clone(),
             rate: route.rate.to_string(),
             burst: route.burst.get(),
-            dispatched: entries.len(),
-            rerouted_in: entries
-                .iter()
-                .filter(|e| e.field("route") != Some(&route.name))
-                .count(),
-            rejected: rejected
-                .iter()
-                .filter(|e| e.field("pacer_route") == Some(&route.name))
-                .count(),
-            max_per_second: max_weight_in_window(
-                &entries
-                    .iter()
-                    .map(|e| {
-                        let cost = e.field("cost").and_then(|c| c.parse().ok());
-                        (e.ms, cost.unwrap_or(1))
-                    })
-                    .collect::<Vec<_>>(),
-                1000,
-            ),
+            dispatched: weights.len(),
+            rerouted_in,
+            rejected: rejected.get(&route.name).copied().unwrap_or(0),
+            max_per_second: max_weight_in_window(&weights, 1000),
             limit_per_second: route.bucket.window_limit(1_000_000),
-            min_gap_ms: times.windows(2).map(|w| w[1] - w[0]).min(),
+            min_gap_ms: weights.windows(2).map(|w| w[1].0 - w[0].0).min(),
             lateness_p50_ms: quantile(&late, 0.5),
             lateness_p99_ms: quantile(&late, 0.99),
             lateness_max_ms: late.last().copied(),
@@ -234,31 +288,27 @@ pub async fn report<C: ConnectionLike>(
     };
     let mut inbound_report = cfg.inbound.as_ref().map(|_| InboundReport::default());
     if let (Some(i), Some(r)) = (&cfg.inbound, &mut inbound_report) {
+        let inbound_pages = pages(i.flow.max_event_bytes);
         let mut forward: Vec<&str> = i.keys.iter().map(|k| k.forward.as_str()).collect();
         let mut rejected: Vec<&str> = i.keys.iter().map(|k| k.rejected.as_str()).collect();
         forward.dedup();
         rejected.dedup();
         for stream in forward {
-            let read = read_from(con, stream, &start).await;
-            let entries = unless_wrong_type(read, stream, "stream", &mut report.problems)?;
-            r.forwarded += entries
-                .unwrap_or_default()
-                .iter()
-                .filter(|e| from_inbound(e))
-                .count();
+            let read = scan(con, stream, &start, inbound_pages, |e| {
+                r.forwarded += usize::from(from_inbound(&e));
+            })
+            .await;
+            unless_wrong_type(read, stream, "stream", &mut report.problems)?;
         }
         for stream in rejected {
-            let read = read_from(con, stream, &start).await;
-            let entries = unless_wrong_type(read, stream, "stream", &mut report.problems)?;
-            for e in entries
-                .unwrap_or_default()
-                .iter()
-                .filter(|e| from_inbound(e))
-            {
-                *r.rejected
-                    .entry(e.field("pacer_rule").unwrap_or("?").to_string())
-                    .or_default() += 1;
-            }
+            let read = scan(con, stream, &start, inbound_pages, |e| {
+                if from_inbound(&e) {
+                    let rule = e.field("pacer_rule").unwrap_or("?").to_string();
+                    *r.rejected.entry(rule).or_default() += 1;
+                }
+            })
+            .await;
+            unless_wrong_type(read, stream, "stream", &mut report.problems)?;
         }
     }
     // Dead letters by the flow their entry came from (the two flows may share one stream).
@@ -271,20 +321,21 @@ pub async fn report<C: ConnectionLike>(
             dead_streams.push(&i.flow.dead_letter_stream);
         }
     }
+    // A dead letter copies at most DEAD_LETTER_COPY_BYTES of the entry it speaks of.
+    let dead_pages = pages(DEAD_LETTER_COPY_BYTES);
     for dead in dead_streams {
-        let read = read_from(con, dead, &start).await;
-        let Some(entries) = unless_wrong_type(read, dead, "stream", &mut report.problems)? else {
-            // Unknown, not none: said as such (the `cannot read:` line names the stream).
-            report.dead_letters_unread = true;
-            continue;
-        };
-        for e in entries {
+        let read = scan(con, dead, &start, dead_pages, |e| {
             let reason = e.field("pacer_reason").unwrap_or("?").to_string();
             match &mut inbound_report {
                 Some(r) if from_inbound(&e) => *r.dead_letters.entry(reason).or_default() += 1,
                 _ if outbound => *report.dead_letters.entry(reason).or_default() += 1,
                 _ => {}
             }
+        })
+        .await;
+        if unless_wrong_type(read, dead, "stream", &mut report.problems)?.is_none() {
+            // Unknown, not none: said as such (the `cannot read:` line names the stream).
+            report.dead_letters_unread = true;
         }
     }
     report.inbound = inbound_report;
@@ -394,6 +445,23 @@ mod tests {
             max_weight_in_window(&[(0, 2), (1000, 2), (2000, 2)], 1000),
             2
         );
+    }
+
+    #[test]
+    fn pages_hold_the_largest_entry_within_the_budget() {
+        // The defaults: 16 MiB a read, 64 KiB events and pacer's own fields.
+        assert_eq!(Pages::within(16 << 20, (64 << 10) + 4096).count(), 240);
+        assert_eq!(Pages::unbounded().count(), PAGE_ENTRIES);
+        assert_eq!(Pages::within(16 << 20, 10).count(), PAGE_ENTRIES);
+        // An entry larger than the budget comes alone.
+        assert_eq!(Pages::within(1 << 20, 4 << 20).count(), 1);
+        // Larger entries than the config allows (another writer's) shrink the next pages.
+        let mut pages = Pages::within(1 << 20, 1 << 10);
+        assert_eq!(pages.count(), 1024);
+        pages.saw(1 << 10);
+        assert_eq!(pages.count(), 1024);
+        pages.saw(256 << 10);
+        assert_eq!(pages.count(), 4);
     }
 
     #[test]

@@ -370,6 +370,63 @@ fn report_counts_the_inbound_flow_and_only_configured_streams() {
     assert!(!text.contains("unknown_route"), "{text}");
 }
 
+/// `report` reads streams of large entries in pages that stay within `worker.read_bytes`: it
+/// asked for 10,000 entries a page, which at 1 MiB events is a 10 GiB reply, built whole in
+/// Redis's output buffer. Here Redis closes a normal client's connection past 8 MiB of output
+/// (as a production Redis may be set to), and 10 MiB of rejected entries, 24 MiB of ready
+/// entries and 12 MiB of dead letters are reported whole, pages of 4 MiB each.
+#[test]
+fn report_reads_streams_of_large_entries_in_pages_within_read_bytes() {
+    let redis = RedisServer::start_with(&["--client-output-buffer-limit", "normal 8mb 8mb 0"]);
+    let dir = TempDir::new("report-large");
+    let port = free_port();
+    let worker = format!("{WORKER}\n  read_bytes: {}", 4 << 20);
+    let body = "outbound:\n  streams: [\"in\"]\n  max_event_bytes: 1048576\n  routes:\n    fast: {rate: 1000/s, burst: 10}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, &worker, body);
+    let (s, us): (i64, i64) = redis::cmd("TIME").query(&mut redis.con()).unwrap();
+    let slot = (s * 1_000_000 + us).to_string();
+    let large = |pairs: &[(&str, &str)], bytes: usize| {
+        let mut e = event(pairs);
+        e.push(("body".to_string(), vec![b'x'; bytes]));
+        e
+    };
+    let mut ready = Vec::new();
+    for i in 0..24 {
+        let id = format!("1-{i}");
+        let head = [
+            ("pacer_route", "fast"),
+            ("pacer_source_stream", "in"),
+            ("pacer_source_id", id.as_str()),
+            ("pacer_slot_us", slot.as_str()),
+            ("pacer_wait_ms", "0"),
+            ("route", "fast"),
+        ];
+        ready.push(large(&head, 1_000_000));
+    }
+    push(&redis, "pacer:{fast}:ready", &ready);
+    let rejected = [("pacer_route", "fast"), ("pacer_reason", "too_long")];
+    push(
+        &redis,
+        "pacer:rejected",
+        &vec![large(&rejected, 1_000_000); 10],
+    );
+    let dead = [("pacer_reason", "malformed")];
+    push(&redis, "pacer:dead", &vec![large(&dead, 60_000); 200]);
+
+    let out = pacer(&cfg, &["report"]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}{out:?}");
+    let row: Vec<&str> = text
+        .lines()
+        .find(|l| l.starts_with("fast "))
+        .unwrap_or_else(|| panic!("a row for fast in:\n{text}"))
+        .split_whitespace()
+        .collect();
+    // route, rate, burst, dispatched, rerouted, rejected.
+    assert_eq!(row[3..6], ["24", "0", "10"], "{text}");
+    assert!(text.contains("dead letters: malformed=200"), "{text}");
+}
+
 /// Keys written by something else: `inspect` and `report` show what they can read and name
 /// each key they cannot, instead of failing on the first (they printed only Redis's WRONGTYPE,
 /// three times over).
