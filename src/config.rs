@@ -147,21 +147,37 @@ impl Config {
     /// the routes' ready streams, and the inbound forward and rejected streams of every
     /// partition; each once.
     pub fn output_streams(&self) -> Vec<&str> {
-        let mut out: Vec<&str> = Vec::new();
+        self.output_max_lens().into_iter().map(|(s, _)| s).collect()
+    }
+
+    /// Every stream a worker writes, each once (as `output_streams`), with the length it is trimmed to: its
+    /// flow's `max_len`, the larger of the two for a stream both flows write. Trimming never
+    /// cuts what a consumer group on the stream has not read (`lib.lua` `trim`), so a stream
+    /// well past it has a reader that fell behind.
+    pub fn output_max_lens(&self) -> Vec<(&str, u64)> {
+        let mut out: Vec<(&str, u64)> = Vec::new();
         if !self.outbound.flow.streams.is_empty() {
-            out.push(&self.outbound.flow.rejected_stream);
-            out.push(&self.outbound.flow.dead_letter_stream);
-            out.extend(self.outbound.routes.values().map(|r| r.keys.ready.as_str()));
+            let (flow, kept) = (&self.outbound.flow, self.outbound.flow.max_len);
+            out.push((&flow.rejected_stream, kept));
+            out.push((&flow.dead_letter_stream, kept));
+            out.extend(
+                self.outbound
+                    .routes
+                    .values()
+                    .map(|r| (r.keys.ready.as_str(), kept)),
+            );
         }
         if let Some(i) = &self.inbound {
-            out.push(&i.flow.dead_letter_stream);
+            let kept = i.flow.max_len;
+            out.push((&i.flow.dead_letter_stream, kept));
             for k in &i.keys {
-                out.push(&k.forward);
-                out.push(&k.rejected);
+                out.push((&k.forward, kept));
+                out.push((&k.rejected, kept));
             }
         }
-        out.sort_unstable();
-        out.dedup();
+        // By stream, the largest length first: the first of each stream is the one kept.
+        out.sort_unstable_by(|a, b| a.0.cmp(b.0).then(b.1.cmp(&a.1)));
+        out.dedup_by(|later, first| later.0 == first.0);
         out
     }
 

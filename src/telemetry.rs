@@ -21,6 +21,8 @@ pub const REDIS_TURN_WAIT_SECONDS: &str = "pacer_redis_turn_wait_seconds";
 pub const REDIS_ERRORS_TOTAL: &str = "pacer_redis_errors_total";
 pub const STREAM_PENDING: &str = "pacer_stream_pending";
 pub const STREAM_LAG: &str = "pacer_stream_lag";
+pub const OUTPUT_LENGTH: &str = "pacer_output_length";
+pub const OUTPUT_MAX_LENGTH: &str = "pacer_output_max_length";
 pub const CLAIMED_TOTAL: &str = "pacer_claimed_total";
 pub const INBOUND_DECISIONS_TOTAL: &str = "pacer_inbound_decisions_total";
 pub const LIMITER_UNAVAILABLE_TOTAL: &str = "pacer_inbound_limiter_unavailable_total";
@@ -246,6 +248,14 @@ pub fn stream_state(stream: &str, group: &str, pending: i64, lag: Option<i64>) {
     if let Some(lag) = lag {
         gauge!(STREAM_LAG, &labels).set(lag as f64);
     }
+}
+
+/// An output stream's length (XLEN), read every two seconds beside the length it is trimmed
+/// to (`pacer_output_max_length`, set at start): pacer never trims what a consumer group on
+/// the stream has not read, so a stream well past its `max_len` has a reader that stopped or
+/// falls behind, and grows in Redis's memory until it catches up.
+pub fn output_length(stream: &str, len: i64) {
+    gauge!(OUTPUT_LENGTH, "stream" => stream.to_string()).set(len as f64);
 }
 
 /// Entries this worker claimed that were left pending longer than `claim_idle`: by silent
@@ -474,6 +484,9 @@ pub fn register(cfg: &crate::config::Config) {
     }
     for outcome in [Outcome::DeadLettered, Outcome::Duplicate] {
         outbound_events("none", outcome).absolute(0);
+    }
+    for (stream, max_len) in cfg.output_max_lens() {
+        gauge!(OUTPUT_MAX_LENGTH, "stream" => stream.to_string()).set(max_len as f64);
     }
     for (stream, _) in cfg.input_streams() {
         let stream = stream.to_string();

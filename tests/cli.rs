@@ -241,6 +241,95 @@ fn thousands_of_routes_queue_gauges_are_read_in_a_few_round_trips() {
         time <= ticks * 6 + 6,
         "{time} round trips for {ticks} ticks"
     );
+    // The output streams' lengths the same way: every ready stream, the rejected and the
+    // dead-letter stream, each once a tick.
+    let xlen = command_calls(&mut con, "xlen");
+    let outputs = routes + 2;
+    assert!(
+        (ticks.saturating_sub(1) * outputs..=(ticks + 1) * outputs).contains(&xlen),
+        "{xlen} XLENs for {ticks} ticks of {outputs} streams"
+    );
+}
+
+fn output_gauge(port: u16, name: &str, stream: &str) -> Option<f64> {
+    let (_, text) = http_get(port, "/metrics")?;
+    let prefix = format!("{name}{{stream=\"{stream}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// A ready stream whose readers fell behind is not trimmed past what they have not read, and
+/// grows in Redis's memory: `pacer_output_length` says so beside `pacer_output_max_length`
+/// (the `PacerOutputNotTrimmed` alert compares the two), and falls back once they catch up.
+#[test]
+fn an_output_stream_held_past_max_len_by_its_readers_shows_in_its_length_gauge() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("output-length");
+    let port = free_port();
+    let body = "outbound:\n  streams: [\"in\"]\n  max_len: 100\n  routes:\n    fast: {rate: 1000/s, burst: 10}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, WORKER, body);
+    let ready = "pacer:{fast}:ready";
+    // The senders' group, made before any event and never reading.
+    let mut con = redis.con();
+    let _: () = redis::cmd("XGROUP")
+        .arg(&["CREATE", ready, "senders", "$", "MKSTREAM"])
+        .query(&mut con)
+        .unwrap();
+    let _pacer = start(&cfg, port);
+    let events: Vec<_> = (0..400).map(|_| event(&[("route", "fast")])).collect();
+    push(&redis, "in", &events);
+    push(&redis, "in", &[event(&[("route", "nowhere")])]);
+    let gauge = |name: &str, stream: &str| output_gauge(port, name, stream);
+    let max = "pacer_output_max_length";
+    assert_eq!(gauge(max, ready), Some(100.0));
+    assert_eq!(gauge(max, "pacer:dead"), Some(100.0));
+    assert!(
+        wait_until(Duration::from_secs(15), || {
+            gauge("pacer_output_length", ready) == Some(400.0)
+                && gauge("pacer_output_length", "pacer:dead") == Some(1.0)
+        }),
+        "ready {:?} (XLEN {:?}), dead {:?}",
+        gauge("pacer_output_length", ready),
+        lengths(&redis, &[ready, "pacer:dead"]),
+        gauge("pacer_output_length", "pacer:dead")
+    );
+    // The senders catch up: the next writes trim the stream, and the gauge follows.
+    let read: redis::Value = redis::cmd("XREADGROUP")
+        .arg(&[
+            "GROUP", "senders", "s1", "COUNT", "1000", "STREAMS", ready, ">",
+        ])
+        .query(&mut con)
+        .unwrap();
+    let ids: Vec<String> = read_ids(read);
+    assert_eq!(ids.len(), 400);
+    let _: i64 = redis::cmd("XACK")
+        .arg(ready)
+        .arg("senders")
+        .arg(&ids)
+        .query(&mut con)
+        .unwrap();
+    let more: Vec<_> = (0..10).map(|_| event(&[("route", "fast")])).collect();
+    push(&redis, "in", &more);
+    assert!(
+        wait_until(Duration::from_secs(15), || {
+            let len = lengths(&redis, &[ready])[0];
+            len < 400 && gauge("pacer_output_length", ready) == Some(len as f64)
+        }),
+        "ready {:?} (XLEN {:?})",
+        gauge("pacer_output_length", ready),
+        lengths(&redis, &[ready])
+    );
+}
+
+/// The entry ids of an XREADGROUP reply of one stream.
+fn read_ids(reply: redis::Value) -> Vec<String> {
+    let streams: Vec<(String, Vec<(String, redis::Value)>)> =
+        redis::FromRedisValue::from_redis_value(reply).unwrap();
+    streams
+        .into_iter()
+        .flat_map(|(_, entries)| entries.into_iter().map(|(id, _)| id))
+        .collect()
 }
 
 /// `metrics.route_histograms: false` keeps the wait and lateness histograms for all routes

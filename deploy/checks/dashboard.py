@@ -81,6 +81,7 @@ def check(path):
     for metric in ["pacer_events_total", "pacer_route_queue_seconds", "pacer_lateness_seconds_bucket",
                    "pacer_wait_seconds_bucket", "pacer_redis_command_duration_seconds_bucket",
                    "pacer_redis_errors_total", "pacer_stream_pending", "pacer_stream_lag",
+                   "pacer_output_length", "pacer_output_max_length",
                    "pacer_sleeping_events", "pacer_ready", "pacer_build_info",
                    # inbound.api: synchronous admission and its token leases
                    "pacer_api_decisions_total", "pacer_api_decision_seconds_bucket",

@@ -14,7 +14,8 @@ live_metric_names() {
     local m missing=() outcome seen=()
     for m in pacer_events_total pacer_wait_seconds_bucket pacer_lateness_seconds_bucket \
         pacer_sleeping_events pacer_route_queue_seconds pacer_redis_command_duration_seconds_bucket \
-        pacer_redis_errors_total pacer_stream_pending pacer_stream_lag pacer_ready pacer_build_info; do
+        pacer_redis_errors_total pacer_stream_pending pacer_stream_lag pacer_output_length \
+        pacer_output_max_length pacer_ready pacer_build_info; do
         grep -Eq "^$m(\{| )" "$WORK/metrics.txt" || missing+=("$m")
     done
     for outcome in dispatched rerouted rejected dead_lettered duplicate; do
@@ -28,7 +29,7 @@ live_metric_names() {
         return 1
     fi
     grep -Eq '^pacer_ready(\{[^}]*\})? 1$' "$WORK/metrics.txt" || { echo "pacer_ready is not 1"; return 1; }
-    note "all 11 contract metrics exposed"
+    note "all 13 contract metrics exposed"
 }
 
 metric_sum() { # metric_sum NAME [LABEL="VALUE"...]: the sum of NAME's samples with those labels

@@ -30,7 +30,10 @@ rules_tests_can_fail() {
         '/alert: PacerWorkerDown$/,/for:/s/for: 3m$/for: 5m/' \
         's/ or absent(up{job="pacer"})$//' \
         's/sum by (job) (up{job="pacer"}) == 0 or //' \
-        '/alert: PacerDown$/,/for:/s/for: 1m$/for: 5m/'; do
+        '/alert: PacerDown$/,/for:/s/for: 1m$/for: 5m/' \
+        's/(pacer_output_max_length) \* 1.01 + 100)$/(pacer_output_max_length) * 1.01 + 1100)/' \
+        's/(pacer_output_max_length) \* 1.01 + 100)$/(pacer_output_max_length))/' \
+        '/alert: PacerOutputNotTrimmed$/,/for:/s/for: 10m$/for: 5m/'; do
         i=$((i + 1))
         sed "$m" deploy/prometheus/alerts.yml >"$dir/alerts.yml"
         if cmp -s "$dir/alerts.yml" deploy/prometheus/alerts.yml; then

@@ -1,5 +1,6 @@
 //! Keeps what the worker reports fresh, every two seconds: the stream gauges (pending entries,
-//! lag), each route's queue (refreshed while idle too, from the route's bucket), and readiness:
+//! lag), each route's queue (refreshed while idle too, from the route's bucket), the output
+//! streams' lengths, and readiness:
 //! a consumer group gone missing (Redis restarted empty) is created again. Every minute it reads
 //! Redis's `maxmemory-policy`: a Redis that may evict pacer's keys can lose the decisions that
 //! keep an entry from being dispatched twice, so that is an error unless acknowledged.
@@ -65,42 +66,64 @@ pub(super) async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     }
 }
 
-/// Most routes whose queue one round trip reads.
+/// Most keys one round trip of the gauges reads.
 const QUEUES_PER_CALL: usize = 512;
 /// Round trips in flight at once while reading them (on a cluster, one per slot at least).
 const QUEUE_CALLS_IN_FLIGHT: usize = 16;
 
-/// Sets each route's queue gauge from its bucket: how far ahead its next free slot is.
+/// Sets each route's queue gauge from its bucket (how far ahead its next free slot is), and
+/// each output stream's length gauge.
 ///
-/// The routes' buckets are read a few hundred to a round trip (the routes of one slot, on a
-/// cluster), several at once: one round trip per route, one after the other, took a tick of
-/// 5,000 routes two seconds and 10,000 calls, and a master that did not answer held the tick
-/// (and with it the consumer groups' repair) for a timeout per route of its slots.
+/// The keys are read a few hundred to a round trip (the keys of one slot, on a cluster),
+/// several at once: one round trip per route, one after the other, took a tick of 5,000
+/// routes two seconds and 10,000 calls, and a master that did not answer held the tick (and
+/// with it the consumer groups' repair) for a timeout per route of its slots.
 async fn refresh_queues(ctx: &Context, con: &RedisConn) {
-    let mut by_slot: BTreeMap<u16, Vec<&Route>> = BTreeMap::new();
-    for route in ctx.cfg.outbound.routes.values() {
-        by_slot
-            .entry(ctx.call_slot(&route.keys.bucket))
-            .or_default()
-            .push(route);
-    }
-    let calls: Vec<_> = by_slot
-        .values()
-        .flat_map(|routes| routes.chunks(QUEUES_PER_CALL))
-        .map(|routes| read_queues(con.clone(), routes))
-        .collect();
-    futures_util::stream::iter(calls)
+    let routes = ctx.cfg.outbound.routes.values();
+    let queues = per_slot(ctx, routes, |r| &r.keys.bucket)
+        .map(|routes| Box::pin(read_queues(con.clone(), routes)) as Read<'_>);
+    let outputs = ctx.cfg.output_max_lens().into_iter().map(|(s, _)| s);
+    let lengths = per_slot(ctx, outputs, |s| s)
+        .map(|streams| Box::pin(read_lengths(con.clone(), streams)) as Read<'_>);
+    futures_util::stream::iter(queues.chain(lengths).collect::<Vec<_>>())
         .buffer_unordered(QUEUE_CALLS_IN_FLIGHT)
         .collect::<()>()
         .await;
 }
 
+/// One round trip of `refresh_queues`.
+type Read<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>>;
+
+/// `items` in lists of at most [`QUEUES_PER_CALL`] whose keys (`key`) share a slot.
+fn per_slot<'a, T: 'a>(
+    ctx: &Context,
+    items: impl Iterator<Item = T>,
+    key: impl Fn(&T) -> &str,
+) -> impl Iterator<Item = Vec<T>> + 'a {
+    let mut by_slot: BTreeMap<u16, Vec<T>> = BTreeMap::new();
+    for item in items {
+        by_slot
+            .entry(ctx.call_slot(key(&item)))
+            .or_default()
+            .push(item);
+    }
+    by_slot.into_values().flat_map(|mut items| {
+        let mut lists = Vec::new();
+        while items.len() > QUEUES_PER_CALL {
+            let rest = items.split_off(QUEUES_PER_CALL);
+            lists.push(std::mem::replace(&mut items, rest));
+        }
+        lists.push(items);
+        lists
+    })
+}
+
 /// Reads the buckets of `routes` (all in one slot) in one round trip and sets their gauges.
-async fn read_queues(mut con: RedisConn, routes: &[&Route]) {
+async fn read_queues(mut con: RedisConn, routes: Vec<&Route>) {
     // On a cluster TIME goes with the buckets to their slot's node, whose clock the plan is on.
     let mut pipe = redis::pipe();
     pipe.cmd("TIME");
-    for route in routes {
+    for route in &routes {
         pipe.cmd("HGET").arg(&route.keys.bucket).arg("tat");
     }
     let read: redis::RedisResult<Vec<redis::Value>> = pipe.query_async(&mut con).await;
@@ -111,6 +134,23 @@ async fn read_queues(mut con: RedisConn, routes: &[&Route]) {
     for (route, tat) in routes.iter().zip(&values[1..]) {
         let tat = Option::<i64>::from_redis_value_ref(tat).ok().flatten();
         telemetry::route_queue(&route.name, tat.unwrap_or(0) - (s * 1_000_000 + us));
+    }
+}
+
+/// Reads the lengths of output `streams` (all in one slot) in one round trip and sets their
+/// gauges; a key of another kind is left out (the worker that writes it says so).
+async fn read_lengths(mut con: RedisConn, streams: Vec<&str>) {
+    let mut pipe = redis::pipe();
+    pipe.ignore_errors();
+    for stream in &streams {
+        pipe.cmd("XLEN").arg(*stream);
+    }
+    let read: redis::RedisResult<Vec<redis::Value>> = pipe.query_async(&mut con).await;
+    let Ok(values) = read else { return };
+    for (stream, len) in streams.iter().zip(&values) {
+        if let Ok(len) = i64::from_redis_value_ref(len) {
+            telemetry::output_length(stream, len);
+        }
     }
 }
 
