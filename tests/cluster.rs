@@ -1016,6 +1016,13 @@ fn a_routes_backlog_is_parked_and_taken_back_on_a_cluster() {
         metric_at(port, "pacer_parked_events") > 0.0,
         "nothing parked"
     );
+    // Output lengths are read per slot, each from its stream's own master.
+    let length = format!("pacer_output_length{{stream=\"{}\"}}", ready(&fast));
+    assert!(
+        wait_until(Duration::from_secs(5), || metric_at(port, &length) == 50.0),
+        "{length}: {}",
+        metric_at(port, &length)
+    );
     let outputs = vec![
         ready(&slow),
         ready(&fast),
