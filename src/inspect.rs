@@ -1,11 +1,12 @@
 //! `pacer inspect`: what pacer is doing now, read from Redis alone (any host can run it): per
 //! route the slots planned ahead and the wait a new event would get, per input stream its
-//! backlog, and the consumers with when each last read.
+//! backlog, and the consumers with when each last read; and the output streams held past their
+//! `max_len` by a consumer group that has not read them, with their groups.
 
 use crate::config::Config;
 use crate::error::{unless_wrong_type, Result};
 use crate::pacing;
-use crate::streams::{self, ConsumerInfo};
+use crate::streams::{self, ConsumerInfo, GroupInfo};
 use redis::aio::ConnectionLike;
 use serde::Serialize;
 use std::fmt;
@@ -40,6 +41,16 @@ pub struct StreamState {
     pub consumers: Vec<ConsumerInfo>,
 }
 
+/// An output stream longer than pacer trims it to: a consumer group on it has not read what
+/// pacer keeps for it (its readers stopped or fall behind, or nobody reads it any more).
+#[derive(Debug, Clone, Serialize)]
+pub struct HeldOutput {
+    pub stream: String,
+    pub length: i64,
+    pub max_len: u64,
+    pub groups: Vec<GroupInfo>,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Inspection {
     pub group: String,
@@ -47,6 +58,8 @@ pub struct Inspection {
     pub redis_time_ms: i64,
     pub routes: Vec<RouteState>,
     pub streams: Vec<StreamState>,
+    /// Output streams held past their `max_len` (`streams::trimmed_past`), with their groups.
+    pub outputs_held: Vec<HeldOutput>,
     /// What could not be read, and why (a key of another kind, a bucket field not a number).
     pub problems: Vec<String>,
 }
@@ -64,6 +77,16 @@ pub fn route_view(tat_us: i64, dtat_us: i64, now_us: i64, p: &pacing::BucketPara
     // review).
     let slot = pacing::plan(tat_us.max(dtat_us), now_us, 1, p).slot_us;
     (planned, (slot - now_us).max(0) / 1000)
+}
+
+/// The length of `stream`, or None (and a problem said) when its key holds something else.
+async fn length<C: ConnectionLike>(
+    con: &mut C,
+    stream: &str,
+    problems: &mut Vec<String>,
+) -> Result<Option<i64>> {
+    let read = redis::cmd("XLEN").arg(stream).query_async(con).await;
+    unless_wrong_type(read.map_err(Into::into), stream, "stream", problems)
 }
 
 /// Reads the state of every route and input stream of `cfg`.
@@ -110,12 +133,7 @@ pub async fn inspect<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Ins
     let group = &cfg.worker.group;
     let mut streams = Vec::new();
     for (stream, flow) in cfg.input_streams() {
-        let read = redis::cmd("XLEN")
-            .arg(stream)
-            .query_async(con)
-            .await
-            .map_err(Into::into);
-        let Some(length) = unless_wrong_type(read, stream, "stream", &mut problems)? else {
+        let Some(length) = length(con, stream, &mut problems).await? else {
             continue;
         };
         // A missing stream or group is a state to show, not an error.
@@ -141,11 +159,32 @@ pub async fn inspect<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Ins
         }
         streams.push(state);
     }
+    let mut outputs_held = Vec::new();
+    for (stream, max_len) in cfg.output_max_lens() {
+        let Some(length) = length(con, stream, &mut problems).await? else {
+            continue;
+        };
+        if length as u64 > streams::trimmed_past(max_len) {
+            // Its length is the news; the groups are shown when they can be read (an ACL user
+            // without XINFO).
+            let groups = streams::groups(con, stream).await.unwrap_or_else(|e| {
+                problems.push(format!("the consumer groups of {stream}: {e}"));
+                Vec::new()
+            });
+            outputs_held.push(HeldOutput {
+                stream: stream.to_string(),
+                length,
+                max_len,
+                groups,
+            });
+        }
+    }
     Ok(Inspection {
         group: group.clone(),
         redis_time_ms: now_us / 1000,
         routes,
         streams,
+        outputs_held,
         problems,
     })
 }
@@ -209,6 +248,29 @@ impl fmt::Display for Inspection {
                     c.name,
                     c.pending,
                     secs(c.idle_ms)
+                )?;
+            }
+        }
+        if !self.outputs_held.is_empty() {
+            writeln!(f)?;
+            writeln!(
+                f,
+                "output streams held past max_len (pacer keeps what a group has not read):"
+            )?;
+        }
+        for o in &self.outputs_held {
+            writeln!(
+                f,
+                "{:<28} length {} (max_len {})",
+                o.stream, o.length, o.max_len
+            )?;
+            for g in &o.groups {
+                writeln!(
+                    f,
+                    "  group {:<30} pending {:>8}   lag {:>8}",
+                    g.name,
+                    g.pending,
+                    g.lag.map_or("?".into(), |l| l.to_string())
                 )?;
             }
         }

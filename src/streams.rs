@@ -410,10 +410,47 @@ pub async fn group_info<C: ConnectionLike>(
 
 /// `group`'s pending entries and lag in an `XINFO GROUPS` reply.
 fn group_of(reply: Value, group: &str) -> Option<(i64, Option<i64>)> {
+    groups_of(reply)
+        .into_iter()
+        .find(|g| g.name == group)
+        .map(|g| (g.pending, g.lag))
+}
+
+/// One consumer group of a stream, as `XINFO GROUPS` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct GroupInfo {
+    pub name: String,
+    /// Entries delivered to its consumers and not acknowledged.
+    pub pending: i64,
+    /// Entries not yet delivered to it (absent when Redis cannot tell).
+    pub lag: Option<i64>,
+}
+
+/// Every consumer group of `stream` (`XINFO GROUPS`).
+pub async fn groups<C: ConnectionLike>(con: &mut C, stream: &str) -> Result<Vec<GroupInfo>> {
+    let reply: Value = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .query_async(con)
+        .await?;
+    Ok(groups_of(reply))
+}
+
+fn groups_of(reply: Value) -> Vec<GroupInfo> {
     info_records(reply)
         .into_iter()
-        .find(|g| info_text(g, "name").as_deref() == Some(group))
-        .map(|g| (info_int(&g, "pending").unwrap_or(0), info_int(&g, "lag")))
+        .map(|g| GroupInfo {
+            name: info_text(&g, "name").unwrap_or_default(),
+            pending: info_int(&g, "pending").unwrap_or(0),
+            lag: info_int(&g, "lag"),
+        })
+        .collect()
+}
+
+/// The length past which pacer trims an output stream of `max_len` (as `lib.lua` `trim`: it
+/// waits for 1% more, 100 at least): a stream longer than this is held by a consumer group.
+pub fn trimmed_past(max_len: u64) -> u64 {
+    max_len + (max_len / 100).max(100)
 }
 
 /// One consumer of a group, as `XINFO CONSUMERS` shows it.

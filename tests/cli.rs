@@ -114,8 +114,13 @@ fn inspect_shows_the_plan_the_backlog_and_the_consumers_of_a_live_pacer() {
 
 /// `pacer_route_queue_seconds{route}` from a worker's /metrics.
 fn queue_gauge(port: u16, route: &str) -> Option<f64> {
+    gauge(port, "pacer_route_queue_seconds", "route", route)
+}
+
+/// The value of the series `name{label="value"}` on worker `port`'s /metrics.
+fn gauge(port: u16, name: &str, label: &str, value: &str) -> Option<f64> {
     let (_, text) = http_get(port, "/metrics")?;
-    let prefix = format!("pacer_route_queue_seconds{{route=\"{route}\"}} ");
+    let prefix = format!("{name}{{{label}=\"{value}\"}} ");
     text.lines()
         .find_map(|l| l.strip_prefix(prefix.as_str()))
         .and_then(|v| v.trim().parse().ok())
@@ -251,17 +256,10 @@ fn thousands_of_routes_queue_gauges_are_read_in_a_few_round_trips() {
     );
 }
 
-fn output_gauge(port: u16, name: &str, stream: &str) -> Option<f64> {
-    let (_, text) = http_get(port, "/metrics")?;
-    let prefix = format!("{name}{{stream=\"{stream}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(prefix.as_str()))
-        .and_then(|v| v.trim().parse().ok())
-}
-
 /// A ready stream whose readers fell behind is not trimmed past what they have not read, and
 /// grows in Redis's memory: `pacer_output_length` says so beside `pacer_output_max_length`
-/// (the `PacerOutputNotTrimmed` alert compares the two), and falls back once they catch up.
+/// (the `PacerOutputNotTrimmed` alert compares the two), `inspect` names the group that holds
+/// it, and both fall back once the group catches up.
 #[test]
 fn an_output_stream_held_past_max_len_by_its_readers_shows_in_its_length_gauge() {
     let redis = RedisServer::start();
@@ -280,7 +278,7 @@ fn an_output_stream_held_past_max_len_by_its_readers_shows_in_its_length_gauge()
     let events: Vec<_> = (0..400).map(|_| event(&[("route", "fast")])).collect();
     push(&redis, "in", &events);
     push(&redis, "in", &[event(&[("route", "nowhere")])]);
-    let gauge = |name: &str, stream: &str| output_gauge(port, name, stream);
+    let gauge = |name: &str, stream: &str| gauge(port, name, "stream", stream);
     let max = "pacer_output_max_length";
     assert_eq!(gauge(max, ready), Some(100.0));
     assert_eq!(gauge(max, "pacer:dead"), Some(100.0));
@@ -293,6 +291,35 @@ fn an_output_stream_held_past_max_len_by_its_readers_shows_in_its_length_gauge()
         gauge("pacer_output_length", ready),
         lengths(&redis, &[ready, "pacer:dead"]),
         gauge("pacer_output_length", "pacer:dead")
+    );
+    // `inspect` names the stream and the group that holds it.
+    let state = inspect_json(&cfg);
+    let held = &state["outputs_held"];
+    assert_eq!(held.as_array().map(Vec::len), Some(1), "{state}");
+    assert_eq!(held[0]["stream"], ready, "{state}");
+    assert_eq!(held[0]["length"], 400, "{state}");
+    assert_eq!(held[0]["max_len"], 100, "{state}");
+    assert_eq!(
+        held[0]["groups"],
+        serde_json::json!([{"name": "senders", "pending": 0, "lag": 400}]),
+        "{state}"
+    );
+    let table = stdout(&pacer(&cfg, &["inspect"]));
+    let line = |start: &str| {
+        table
+            .lines()
+            .find(|l| l.starts_with(start))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+    };
+    assert_eq!(
+        line("pacer:{fast}:ready").as_deref(),
+        Some("pacer:{fast}:ready length 400 (max_len 100)"),
+        "{table}"
+    );
+    assert_eq!(
+        line("  group senders").as_deref(),
+        Some("group senders pending 0 lag 400"),
+        "{table}"
     );
     // The senders catch up: the next writes trim the stream, and the gauge follows.
     let read: redis::Value = redis::cmd("XREADGROUP")
@@ -320,6 +347,8 @@ fn an_output_stream_held_past_max_len_by_its_readers_shows_in_its_length_gauge()
         gauge("pacer_output_length", ready),
         lengths(&redis, &[ready])
     );
+    let state = inspect_json(&cfg);
+    assert_eq!(state["outputs_held"], serde_json::json!([]), "{state}");
 }
 
 /// The entry ids of an XREADGROUP reply of one stream.
@@ -570,6 +599,9 @@ fn inspect_and_report_name_the_keys_they_cannot_read_and_show_the_rest() {
             "pacer:{a}:bucket:a holds another kind of value than the hash pacer keeps there: left out (delete or fix the key)",
             "pacer:{b}:bucket:b holds tat = \"soon\", not a number: the scripts take it as 0",
             "in holds another kind of value than the stream pacer keeps there: left out (delete or fix the key)",
+            // The outputs, read for their lengths (held past max_len or not).
+            "pacer:dead holds another kind of value than the stream pacer keeps there: left out (delete or fix the key)",
+            "pacer:rejected holds another kind of value than the stream pacer keeps there: left out (delete or fix the key)",
         ]
     );
     // Shown in part: exit 3, not 0 (a script can tell), nor 1 (nothing failed).
