@@ -463,6 +463,26 @@ outbound:
     }
 
     #[test]
+    fn each_output_stream_is_kept_at_the_largest_max_len_of_the_flows_writing_it() {
+        let text = "outbound:\n  streams: [out]\n  max_len: 100\n  routes:\n    a: {rate: 1/s}\ninbound:\n  streams: [in]\n  forward_stream: out\n  max_len: 500\n  rules:\n    - {name: r, key: [source], limits: [1/s]}\n";
+        let c = Config::parse(text, &Overrides::default()).unwrap();
+        let kept = c.output_max_lens();
+        // The dead-letter stream both flows write (the default name) once, at the inbound's.
+        assert_eq!(
+            kept,
+            [
+                ("out", 500),
+                ("pacer:dead", 500),
+                ("pacer:in-rejected", 500),
+                ("pacer:rejected", 100),
+                ("pacer:{a}:ready", 100),
+            ]
+        );
+        let streams: Vec<&str> = kept.iter().map(|(s, _)| *s).collect();
+        assert_eq!(c.output_streams(), streams);
+    }
+
+    #[test]
     fn reads_a_minimal_config_with_defaults() {
         let c = Config::parse(GOOD, &Overrides::default()).unwrap();
         assert_eq!(c.worker.batch, 512);
