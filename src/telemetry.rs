@@ -250,7 +250,7 @@ pub fn stream_state(stream: &str, group: &str, pending: i64, lag: Option<i64>) {
     }
 }
 
-/// An output stream's length (XLEN), read every two seconds beside the length it is trimmed
+/// An output stream's length (XLEN), read every 10 s beside the length it is trimmed
 /// to (`pacer_output_max_length`, set at start): pacer never trims what a consumer group on
 /// the stream has not read, so a stream well past its `max_len` has a reader that stopped or
 /// falls behind, and grows in Redis's memory until it catches up.

@@ -246,13 +246,18 @@ fn thousands_of_routes_queue_gauges_are_read_in_a_few_round_trips() {
         time <= ticks * 6 + 6,
         "{time} round trips for {ticks} ticks"
     );
-    // The output streams' lengths the same way: every ready stream, the rejected and the
-    // dead-letter stream, each once a tick.
-    let xlen = command_calls(&mut con, "xlen");
-    let outputs = routes + 2;
+    // The output streams' lengths the same way, every fifth tick (10 s): every ready stream,
+    // the rejected and the dead-letter stream, each once a round.
+    std::thread::sleep(Duration::from_secs(8));
+    let (hget, xlen) = (
+        command_calls(&mut con, "hget"),
+        command_calls(&mut con, "xlen"),
+    );
+    let (ticks, outputs) = (hget / routes, routes + 2);
+    let rounds = xlen / outputs;
     assert!(
-        (ticks.saturating_sub(1) * outputs..=(ticks + 1) * outputs).contains(&xlen),
-        "{xlen} XLENs for {ticks} ticks of {outputs} streams"
+        (1..=ticks / 5 + 1).contains(&rounds) && xlen >= outputs,
+        "{xlen} XLENs of {outputs} streams in {ticks} ticks"
     );
 }
 
@@ -282,8 +287,9 @@ fn an_output_stream_held_past_max_len_by_its_readers_shows_in_its_length_gauge()
     let max = "pacer_output_max_length";
     assert_eq!(gauge(max, ready), Some(100.0));
     assert_eq!(gauge(max, "pacer:dead"), Some(100.0));
+    // The lengths are read every 10 s.
     assert!(
-        wait_until(Duration::from_secs(15), || {
+        wait_until(Duration::from_secs(25), || {
             gauge("pacer_output_length", ready) == Some(400.0)
                 && gauge("pacer_output_length", "pacer:dead") == Some(1.0)
         }),
@@ -339,7 +345,7 @@ fn an_output_stream_held_past_max_len_by_its_readers_shows_in_its_length_gauge()
     let more: Vec<_> = (0..10).map(|_| event(&[("route", "fast")])).collect();
     push(&redis, "in", &more);
     assert!(
-        wait_until(Duration::from_secs(15), || {
+        wait_until(Duration::from_secs(25), || {
             let len = lengths(&redis, &[ready])[0];
             len < 400 && gauge("pacer_output_length", ready) == Some(len as f64)
         }),

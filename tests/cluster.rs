@@ -1019,7 +1019,7 @@ fn a_routes_backlog_is_parked_and_taken_back_on_a_cluster() {
     // Output lengths are read per slot, each from its stream's own master.
     let length = format!("pacer_output_length{{stream=\"{}\"}}", ready(&fast));
     assert!(
-        wait_until(Duration::from_secs(5), || metric_at(port, &length) == 50.0),
+        wait_until(Duration::from_secs(25), || metric_at(port, &length) == 50.0),
         "{length}: {}",
         metric_at(port, &length)
     );

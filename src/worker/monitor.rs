@@ -1,7 +1,7 @@
 //! Keeps what the worker reports fresh, every two seconds: the stream gauges (pending entries,
-//! lag), each route's queue (refreshed while idle too, from the route's bucket), the output
-//! streams' lengths, and readiness:
-//! a consumer group gone missing (Redis restarted empty) is created again. Every minute it reads
+//! lag), each route's queue (refreshed while idle too, from the route's bucket), and readiness:
+//! a consumer group gone missing (Redis restarted empty) is created again. Every 10 s it reads
+//! the output streams' lengths. Every minute it reads
 //! Redis's `maxmemory-policy`: a Redis that may evict pacer's keys can lose the decisions that
 //! keep an entry from being dispatched twice, so that is an error unless acknowledged.
 
@@ -24,6 +24,10 @@ use tracing::{error, info, warn};
 const EVERY: Duration = Duration::from_secs(2);
 /// Ticks between two reads of the eviction policy (a minute).
 const POLICY_EVERY_TICKS: u64 = 30;
+/// Ticks between two reads of the output streams' lengths (10 s, from the first tick): every
+/// worker reads every stream, so with many workers and routes each read costs Redis as much as
+/// the route queues' (an XLEN per stream), and a length that matters stays for minutes.
+const LENGTHS_EVERY_TICKS: u64 = 5;
 
 pub(super) async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let mut con = ctx.con.clone();
@@ -57,7 +61,8 @@ pub(super) async fn run(ctx: Arc<Context>, stop: CancellationToken) {
             }
         }
         // Bounded, so that a master that does not answer cannot hold up the groups' repair.
-        let _ = tokio::time::timeout(EVERY, refresh_queues(&ctx, &con)).await;
+        let lengths = tick % LENGTHS_EVERY_TICKS == 1;
+        let _ = tokio::time::timeout(EVERY, refresh_queues(&ctx, &con, lengths)).await;
         if tick % POLICY_EVERY_TICKS == 0 {
             if let Err(e) = check_eviction(&ctx, &mut con).await {
                 ctx.health.failed("info", &e);
@@ -72,17 +77,19 @@ const QUEUES_PER_CALL: usize = 512;
 const QUEUE_CALLS_IN_FLIGHT: usize = 16;
 
 /// Sets each route's queue gauge from its bucket (how far ahead its next free slot is), and
-/// each output stream's length gauge.
+/// with `lengths` each output stream's length gauge.
 ///
 /// The keys are read a few hundred to a round trip (the keys of one slot, on a cluster),
 /// several at once: one round trip per route, one after the other, took a tick of 5,000
 /// routes two seconds and 10,000 calls, and a master that did not answer held the tick (and
 /// with it the consumer groups' repair) for a timeout per route of its slots.
-async fn refresh_queues(ctx: &Context, con: &RedisConn) {
+async fn refresh_queues(ctx: &Context, con: &RedisConn, lengths: bool) {
     let routes = ctx.cfg.outbound.routes.values();
     let queues = per_slot(ctx, routes, |r| &r.keys.bucket)
         .map(|routes| Box::pin(read_queues(con.clone(), routes)) as Read<'_>);
-    let outputs = ctx.cfg.output_max_lens().into_iter().map(|(s, _)| s);
+    let outputs = (ctx.cfg.output_max_lens().into_iter())
+        .filter(|_| lengths)
+        .map(|(s, _)| s);
     let lengths = per_slot(ctx, outputs, |s| s)
         .map(|streams| Box::pin(read_lengths(con.clone(), streams)) as Read<'_>);
     futures_util::stream::iter(queues.chain(lengths).collect::<Vec<_>>())
