@@ -86,8 +86,9 @@ enum Command {
         since: Option<std::time::Duration>,
     },
     /// Show what pacer is doing now: per route the slots planned ahead and the wait a new event
-    /// would get; per input stream its length, lag, pending entries and the consumers. Exits 3
-    /// when it could not read some of it (named on `cannot read:` lines).
+    /// would get; per input stream its length, lag, pending entries and the consumers; output
+    /// streams held past max_len by a consumer group, with the groups. Exits 3 when it could
+    /// not read some of it (named on `cannot read:` lines).
     Inspect {
         #[command(flatten)]
         config: ConfigArg,
