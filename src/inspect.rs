@@ -11,7 +11,6 @@ use crate::streams::{self, ConsumerInfo, GroupInfo};
 use redis::aio::ConnectionLike;
 use redis::{FromRedisValue, Value};
 use serde::Serialize;
-use std::collections::BTreeMap;
 use std::fmt;
 
 /// One route's bucket, now.
@@ -94,24 +93,19 @@ async fn replies<C: ConnectionLike>(
     cluster: bool,
     cmds: Vec<(&str, redis::Cmd)>,
 ) -> Result<Vec<redis::RedisResult<Value>>> {
-    let mut by_slot: BTreeMap<u16, Vec<(usize, redis::Cmd)>> = BTreeMap::new();
-    let n = cmds.len();
-    for (i, (key, cmd)) in cmds.into_iter().enumerate() {
-        let slot = if cluster { keys::slot(key) } else { 0 };
-        by_slot.entry(slot).or_default().push((i, cmd));
-    }
-    let mut out: Vec<Option<redis::RedisResult<Value>>> = (0..n).map(|_| None).collect();
-    for cmds in by_slot.values() {
-        for chunk in cmds.chunks(PER_PIPELINE) {
-            let mut pipe = redis::pipe();
-            pipe.ignore_errors();
-            for (_, cmd) in chunk {
-                pipe.add_command(cmd.clone());
-            }
-            let got: Vec<redis::RedisResult<Value>> = pipe.query_async(con).await?;
-            for ((i, _), reply) in chunk.iter().zip(got) {
-                out[*i] = Some(reply);
-            }
+    let slot = |key: &str| if cluster { keys::slot(key) } else { 0 };
+    let mut out: Vec<Option<redis::RedisResult<Value>>> = (0..cmds.len()).map(|_| None).collect();
+    let indexed = cmds.into_iter().enumerate();
+    for list in keys::by_slot(indexed, |(_, (key, _))| key, slot, PER_PIPELINE) {
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        let at: Vec<usize> = list.iter().map(|(i, _)| *i).collect();
+        for (_, (_, cmd)) in list {
+            pipe.add_command(cmd);
+        }
+        let got: Vec<redis::RedisResult<Value>> = pipe.query_async(con).await?;
+        for (i, reply) in at.into_iter().zip(got) {
+            out[i] = Some(reply);
         }
     }
     Ok(out

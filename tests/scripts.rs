@@ -1011,6 +1011,39 @@ fn an_output_stream_is_trimmed_but_never_below_what_a_group_needs() {
     );
 }
 
+/// `streams::trimmed_past` (what `pacer inspect` calls held) is the length `lib.lua` `trim`
+/// lets an output stream reach: written one entry a call with no group on it, the stream's
+/// longest is exactly that (1,100 for the 1,000 here), never more.
+#[test]
+fn an_output_stream_grows_to_trimmed_past_its_max_len_and_no_further() {
+    let mut rig = Rig::new("10/s", 1);
+    let no = |_: &str| false;
+    let f: Fields = vec![(b"n".to_vec(), b"1".to_vec())];
+    let keys = OutputKeys::new("free");
+    let mut longest = 0;
+    for i in 1..=1300 {
+        let id = format!("{i}-0");
+        let item = EmitItem {
+            source_stream: "in",
+            source_id: &id,
+            fields: &f,
+        };
+        let call = EmitCall {
+            keys: &keys,
+            out: writing(&no),
+        };
+        rig.rt
+            .block_on(rig.scripts.emit(&mut rig.con, &call, &[item]))
+            .unwrap();
+        let len: u64 = rig
+            .rt
+            .block_on(redis::cmd("XLEN").arg("free").query_async(&mut rig.con))
+            .unwrap();
+        longest = longest.max(len);
+    }
+    assert_eq!(longest, pacer::streams::trimmed_past(1000));
+}
+
 /// A poison entry's decisions are voided before it is dead-lettered: a sleeping worker can no
 /// longer dispatch it, while outcomes already final (dispatched, passed over) are left as they
 /// are for the caller to honour, and the owner of its id is reported.

@@ -10,12 +10,12 @@ use super::prepare;
 use crate::config::Route;
 use crate::connection::RedisConn;
 use crate::error::Result;
+use crate::keys;
 use crate::streams;
 use crate::telemetry;
 use futures_util::StreamExt;
 use redis::aio::ConnectionLike;
 use redis::FromRedisValue;
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -85,12 +85,15 @@ const QUEUE_CALLS_IN_FLIGHT: usize = 16;
 /// with it the consumer groups' repair) for a timeout per route of its slots.
 async fn refresh_queues(ctx: &Context, con: &RedisConn, lengths: bool) {
     let routes = ctx.cfg.outbound.routes.values();
-    let queues = per_slot(ctx, routes, |r| &r.keys.bucket)
+    let slot = |key: &str| ctx.call_slot(key);
+    let queues = keys::by_slot(routes, |r| &r.keys.bucket, slot, QUEUES_PER_CALL)
+        .into_iter()
         .map(|routes| Box::pin(read_queues(con.clone(), routes)) as Read<'_>);
     let outputs = (ctx.cfg.output_max_lens().into_iter())
         .filter(|_| lengths)
         .map(|(s, _)| s);
-    let lengths = per_slot(ctx, outputs, |s| s)
+    let lengths = keys::by_slot(outputs, |s| s, slot, QUEUES_PER_CALL)
+        .into_iter()
         .map(|streams| Box::pin(read_lengths(con.clone(), streams)) as Read<'_>);
     futures_util::stream::iter(queues.chain(lengths).collect::<Vec<_>>())
         .buffer_unordered(QUEUE_CALLS_IN_FLIGHT)
@@ -100,30 +103,6 @@ async fn refresh_queues(ctx: &Context, con: &RedisConn, lengths: bool) {
 
 /// One round trip of `refresh_queues`.
 type Read<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>>;
-
-/// `items` in lists of at most [`QUEUES_PER_CALL`] whose keys (`key`) share a slot.
-fn per_slot<'a, T: 'a>(
-    ctx: &Context,
-    items: impl Iterator<Item = T>,
-    key: impl Fn(&T) -> &str,
-) -> impl Iterator<Item = Vec<T>> + 'a {
-    let mut by_slot: BTreeMap<u16, Vec<T>> = BTreeMap::new();
-    for item in items {
-        by_slot
-            .entry(ctx.call_slot(key(&item)))
-            .or_default()
-            .push(item);
-    }
-    by_slot.into_values().flat_map(|mut items| {
-        let mut lists = Vec::new();
-        while items.len() > QUEUES_PER_CALL {
-            let rest = items.split_off(QUEUES_PER_CALL);
-            lists.push(std::mem::replace(&mut items, rest));
-        }
-        lists.push(items);
-        lists
-    })
-}
 
 /// Reads the buckets of `routes` (all in one slot) in one round trip and sets their gauges.
 async fn read_queues(mut con: RedisConn, routes: Vec<&Route>) {
