@@ -16,6 +16,7 @@
 //! tests.
 
 mod cluster;
+mod keyed;
 mod renewing;
 mod sentinel;
 mod turns;
@@ -31,6 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use crate::config::redact;
+pub use keyed::Keyed;
 
 /// Why a connection cannot be made or used. `Auth`, `Tls` and `Setup` will not heal by
 /// retrying: a daemon should exit on them at start with the message, not loop.

@@ -3,12 +3,11 @@
 //! backlog, and the consumers with when each last read; and the output streams held past their
 //! `max_len` by a consumer group that has not read them, with their groups.
 
-use crate::config::{Config, RedisMode};
+use crate::config::Config;
+use crate::connection::RedisConn;
 use crate::error::{unless_wrong_type, Result};
-use crate::keys;
 use crate::pacing;
 use crate::streams::{self, ConsumerInfo, GroupInfo};
-use redis::aio::ConnectionLike;
 use redis::{FromRedisValue, Value};
 use serde::Serialize;
 use std::fmt;
@@ -81,45 +80,20 @@ pub fn route_view(tat_us: i64, dtat_us: i64, now_us: i64, p: &pacing::BucketPara
     (planned, (slot - now_us).max(0) / 1000)
 }
 
-/// Most commands one pipeline of `replies` carries.
-const PER_PIPELINE: usize = 512;
-
-/// The replies to `cmds` (each with the key it reads), in order, sent a few hundred to a round
-/// trip: on a cluster a pipeline's keys must share a slot, so they go slot by slot. A round
-/// trip per key, one after the other, made 10,000 of them for 5,000 routes once the output
-/// streams were read too. A command's own error (a key of another kind) is its reply.
-async fn replies<C: ConnectionLike>(
-    con: &mut C,
-    cluster: bool,
-    cmds: Vec<(&str, redis::Cmd)>,
-) -> Result<Vec<redis::RedisResult<Value>>> {
-    let slot = |key: &str| if cluster { keys::slot(key) } else { 0 };
-    let mut out: Vec<Option<redis::RedisResult<Value>>> = (0..cmds.len()).map(|_| None).collect();
-    let indexed = cmds.into_iter().enumerate();
-    for list in keys::by_slot(indexed, |(_, (key, _))| key, slot, PER_PIPELINE) {
-        let mut pipe = redis::pipe();
-        pipe.ignore_errors();
-        let at: Vec<usize> = list.iter().map(|(i, _)| *i).collect();
-        for (_, (_, cmd)) in list {
-            pipe.add_command(cmd);
-        }
-        let got: Vec<redis::RedisResult<Value>> = pipe.query_async(con).await?;
-        for (i, reply) in at.into_iter().zip(got) {
-            out[i] = Some(reply);
-        }
-    }
-    Ok(out
-        .into_iter()
-        .map(|r| r.expect("a reply to every command"))
-        .collect())
+/// The replies to `cmds` (each with the key it reads), in order, a few hundred to a round trip
+/// (`RedisConn::keyed`): a round trip per key, one after the other, made 10,000 of them for
+/// 5,000 routes once the output streams were read too. A command's own error (a key of another
+/// kind) is its reply.
+async fn replies(con: &RedisConn, cmds: Vec<(&str, redis::Cmd)>) -> Vec<redis::RedisResult<Value>> {
+    (con.keyed(&cmds, None).await.into_iter())
+        .map(|k| k.reply)
+        .collect()
 }
 
 /// Reads the state of every route and input stream of `cfg`.
-pub async fn inspect<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Inspection> {
+pub async fn inspect(con: &mut RedisConn, cfg: &Config) -> Result<Inspection> {
     let (s, us): (i64, i64) = redis::cmd("TIME").query_async(con).await?;
     let now_us = s * 1_000_000 + us;
-    // (A worker refuses cluster mode on a server that is not one, and the reverse.)
-    let cluster = cfg.redis.mode == RedisMode::Cluster;
     let mut routes = Vec::new();
     let mut problems = Vec::new();
     let buckets = cfg.outbound.routes.values().map(|r| {
@@ -127,7 +101,7 @@ pub async fn inspect<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Ins
         cmd.arg(&r.keys.bucket).arg("tat").arg("dtat");
         (r.keys.bucket.as_str(), cmd)
     });
-    let read = replies(con, cluster, buckets.collect()).await?;
+    let read = replies(con, buckets.collect()).await;
     for (route, reply) in cfg.outbound.routes.values().zip(read) {
         let key = &route.keys.bucket;
         let read = reply
@@ -172,7 +146,7 @@ pub async fn inspect<C: ConnectionLike>(con: &mut C, cfg: &Config) -> Result<Ins
         cmd.arg(s);
         (s, cmd)
     });
-    let read = replies(con, cluster, xlens.collect()).await?;
+    let read = replies(con, xlens.collect()).await;
     let mut lengths = Vec::with_capacity(names.len());
     for (stream, reply) in names.iter().zip(read) {
         let read = reply.and_then(|v| i64::from_redis_value(v).map_err(Into::into));

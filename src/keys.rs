@@ -36,26 +36,6 @@ pub fn slot(key: &str) -> u16 {
     crc16(hash_tag(key).as_bytes()) % 16384
 }
 
-/// `items` in lists of at most `per` whose keys (`key`) share a slot (`slot`: [`slot`] on a
-/// cluster, the same for every key elsewhere), for pipelines: a cluster pipeline may not cross
-/// slots. In slot order, each list in the items' order.
-pub fn by_slot<T>(
-    items: impl IntoIterator<Item = T>,
-    key: impl Fn(&T) -> &str,
-    slot: impl Fn(&str) -> u16,
-    per: usize,
-) -> Vec<Vec<T>> {
-    let mut slots: std::collections::BTreeMap<u16, Vec<Vec<T>>> = Default::default();
-    for item in items {
-        let lists = slots.entry(slot(key(&item))).or_default();
-        match lists.last_mut() {
-            Some(list) if list.len() < per => list.push(item),
-            _ => lists.push(vec![item]),
-        }
-    }
-    slots.into_values().flatten().collect()
-}
-
 /// CRC16 (XMODEM), the checksum Redis Cluster hashes keys with.
 fn crc16(bytes: &[u8]) -> u16 {
     crc16_from(0, bytes)
@@ -364,27 +344,6 @@ impl InboundKeys {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn keys_go_in_lists_of_one_slot_and_at_most_per() {
-        let keys = ["{a}:1", "{b}:1", "{a}:2", "{a}:3", "{b}:2"];
-        let lists = by_slot(keys, |k| k, slot, 2);
-        let (a, b) = (slot("{a}"), slot("{b}"));
-        let mut want = vec![
-            (a, vec!["{a}:1", "{a}:2"]),
-            (a, vec!["{a}:3"]),
-            (b, vec!["{b}:1", "{b}:2"]),
-        ];
-        want.sort_by_key(|(s, _)| *s);
-        let want: Vec<Vec<&str>> = want.into_iter().map(|(_, l)| l).collect();
-        assert_eq!(lists, want);
-        // Not a cluster: one slot for all, in their order.
-        let lists = by_slot(keys, |k| k, |_| 0, 3);
-        assert_eq!(
-            lists,
-            [vec!["{a}:1", "{b}:1", "{a}:2"], vec!["{a}:3", "{b}:2"]]
-        );
-    }
 
     #[test]
     fn hash_tags_follow_redis_rules() {

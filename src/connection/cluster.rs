@@ -251,6 +251,11 @@ impl ClusterConn {
         turns
     }
 
+    /// The node id of the master serving `slot`, as last read (None before the first read).
+    pub(super) fn master_of(&self, slot: u16) -> Option<Arc<str>> {
+        self.turns.master(slot)
+    }
+
     /// What is wrong with the configured nodes, each asked on a connection of its own: the
     /// first that runs without cluster support, else the first that refuses pacer for a reason
     /// no retry mends (TLS, credentials). redis-rs's cluster connection reports neither (it

@@ -57,8 +57,8 @@ pub(super) struct SlotTurns {
 
 #[derive(Default)]
 struct State {
-    /// Per slot: its master's turns (empty until the first read).
-    by_slot: Vec<Option<Turns>>,
+    /// Per slot: its master's node id and turns (empty until the first read).
+    by_slot: Vec<Option<(Arc<str>, Turns)>>,
     /// Per master (by node id), kept across reads: a call out on a master keeps its turn
     /// there whatever a later read says.
     by_node: HashMap<String, Turns>,
@@ -76,7 +76,17 @@ impl SlotTurns {
         if read {
             s.reading = true;
         }
-        (s.by_slot.get(usize::from(slot)).cloned().flatten(), read)
+        let turns = s.by_slot.get(usize::from(slot)).cloned().flatten();
+        (turns.map(|(_, t)| t), read)
+    }
+
+    /// The node id of `slot`'s master, as last read (None before the first read).
+    pub(super) fn master(&self, slot: u16) -> Option<Arc<str>> {
+        let s = self.state.lock().expect("not poisoned");
+        s.by_slot
+            .get(usize::from(slot))?
+            .as_ref()
+            .map(|(id, _)| id.clone())
     }
 
     /// Takes `CLUSTER NODES` text as the slot map.
@@ -85,10 +95,11 @@ impl SlotTurns {
         let mut s = self.state.lock().expect("not poisoned");
         let mut by_slot = vec![None; SLOTS];
         for (id, ranges) in masters {
-            let t = s.by_node.entry(id).or_insert_with(turns).clone();
+            let t = s.by_node.entry(id.clone()).or_insert_with(turns).clone();
+            let id: Arc<str> = id.into();
             for (first, last) in ranges {
                 for slot in by_slot.iter_mut().take(last + 1).skip(first) {
-                    *slot = Some(t.clone());
+                    *slot = Some((id.clone(), t.clone()));
                 }
             }
         }
@@ -224,6 +235,10 @@ d4 127.0.0.1:7003@17003 master - 0 0 4 connected 10923-16383
         drop(held);
         let d = slots.of(16383).0.unwrap();
         assert!(!Arc::ptr_eq(&d, &c) && !Arc::ptr_eq(&d, &a));
+        // Each slot's master by id, for the pipelines that go to one master (`super::keyed`).
+        assert_eq!(slots.master(0).as_deref(), Some("a1"));
+        assert_eq!(slots.master(10923).as_deref(), Some("d4"));
+        assert_eq!(SlotTurns::default().master(0), None);
     }
 
     #[test]

@@ -10,10 +10,8 @@ use super::prepare;
 use crate::config::Route;
 use crate::connection::RedisConn;
 use crate::error::Result;
-use crate::keys;
 use crate::streams;
 use crate::telemetry;
-use futures_util::StreamExt;
 use redis::aio::ConnectionLike;
 use redis::FromRedisValue;
 use std::sync::Arc;
@@ -71,70 +69,53 @@ pub(super) async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     }
 }
 
-/// Most keys one round trip of the gauges reads.
-const QUEUES_PER_CALL: usize = 512;
-/// Round trips in flight at once while reading them (on a cluster, one per slot at least).
-const QUEUE_CALLS_IN_FLIGHT: usize = 16;
-
 /// Sets each route's queue gauge from its bucket (how far ahead its next free slot is), and
 /// with `lengths` each output stream's length gauge.
 ///
-/// The keys are read a few hundred to a round trip (the keys of one slot, on a cluster),
-/// several at once: one round trip per route, one after the other, took a tick of 5,000
-/// routes two seconds and 10,000 calls, and a master that did not answer held the tick (and
-/// with it the consumer groups' repair) for a timeout per route of its slots.
+/// The keys are read a few hundred to a round trip, several at once (`RedisConn::keyed`): one
+/// round trip per route, one after the other, took a tick of 5,000 routes two seconds and
+/// 10,000 calls, and a master that did not answer held the tick (and with it the consumer
+/// groups' repair) for a timeout per route of its slots.
 async fn refresh_queues(ctx: &Context, con: &RedisConn, lengths: bool) {
-    let routes = ctx.cfg.outbound.routes.values();
-    let slot = |key: &str| ctx.call_slot(key);
-    let queues = keys::by_slot(routes, |r| &r.keys.bucket, slot, QUEUES_PER_CALL)
-        .into_iter()
-        .map(|routes| Box::pin(read_queues(con.clone(), routes)) as Read<'_>);
-    let outputs = (ctx.cfg.output_max_lens().into_iter())
-        .filter(|_| lengths)
-        .map(|(s, _)| s);
-    let lengths = keys::by_slot(outputs, |s| s, slot, QUEUES_PER_CALL)
-        .into_iter()
-        .map(|streams| Box::pin(read_lengths(con.clone(), streams)) as Read<'_>);
-    futures_util::stream::iter(queues.chain(lengths).collect::<Vec<_>>())
-        .buffer_unordered(QUEUE_CALLS_IN_FLIGHT)
-        .collect::<()>()
-        .await;
-}
-
-/// One round trip of `refresh_queues`.
-type Read<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>>;
-
-/// Reads the buckets of `routes` (all in one slot) in one round trip and sets their gauges.
-async fn read_queues(mut con: RedisConn, routes: Vec<&Route>) {
-    // On a cluster TIME goes with the buckets to their slot's node, whose clock the plan is on.
-    let mut pipe = redis::pipe();
-    pipe.cmd("TIME");
-    for route in &routes {
-        pipe.cmd("HGET").arg(&route.keys.bucket).arg("tat");
-    }
-    let read: redis::RedisResult<Vec<redis::Value>> = pipe.query_async(&mut con).await;
-    let Ok(values) = read else { return };
-    let Some(Ok((s, us))) = values.first().map(<(i64, i64)>::from_redis_value_ref) else {
-        return;
+    let routes: Vec<&Route> = ctx.cfg.outbound.routes.values().collect();
+    let outputs: Vec<&str> = match lengths {
+        true => ctx
+            .cfg
+            .output_max_lens()
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect(),
+        false => Vec::new(),
     };
-    for (route, tat) in routes.iter().zip(&values[1..]) {
-        let tat = Option::<i64>::from_redis_value_ref(tat).ok().flatten();
+    fn read<'a>(name: &str, key: &'a str) -> (&'a str, redis::Cmd) {
+        let mut cmd = redis::cmd(name);
+        cmd.arg(key);
+        (key, cmd)
+    }
+    let mut cmds = Vec::with_capacity(routes.len() + outputs.len());
+    for route in &routes {
+        let (key, mut cmd) = read("HGET", &route.keys.bucket);
+        cmd.arg("tat");
+        cmds.push((key, cmd));
+    }
+    cmds.extend(outputs.iter().map(|s| read("XLEN", s)));
+    // TIME leads each round trip, so on a cluster each bucket comes with its own node's clock,
+    // the one its plan is on.
+    let replies = con.keyed(&cmds, Some(&redis::cmd("TIME"))).await;
+    let (queues, output_lengths) = replies.split_at(routes.len());
+    for (route, read) in routes.iter().zip(queues) {
+        let Ok(Ok((s, us))) = read.head.as_ref().map(<(i64, i64)>::from_redis_value_ref) else {
+            continue;
+        };
+        // (A bucket of another kind is left out; the route's calls say so.)
+        let Ok(Ok(tat)) = read.reply.as_ref().map(Option::<i64>::from_redis_value_ref) else {
+            continue;
+        };
         telemetry::route_queue(&route.name, tat.unwrap_or(0) - (s * 1_000_000 + us));
     }
-}
-
-/// Reads the lengths of output `streams` (all in one slot) in one round trip and sets their
-/// gauges; a key of another kind is left out (the worker that writes it says so).
-async fn read_lengths(mut con: RedisConn, streams: Vec<&str>) {
-    let mut pipe = redis::pipe();
-    pipe.ignore_errors();
-    for stream in &streams {
-        pipe.cmd("XLEN").arg(*stream);
-    }
-    let read: redis::RedisResult<Vec<redis::Value>> = pipe.query_async(&mut con).await;
-    let Ok(values) = read else { return };
-    for (stream, len) in streams.iter().zip(&values) {
-        if let Ok(len) = i64::from_redis_value_ref(len) {
+    for (stream, read) in outputs.iter().zip(output_lengths) {
+        // (A key of another kind is left out: the worker that writes it says so.)
+        if let Ok(Ok(len)) = read.reply.as_ref().map(i64::from_redis_value_ref) {
             telemetry::output_length(stream, len);
         }
     }
