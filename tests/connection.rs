@@ -365,52 +365,64 @@ async fn one_key_reads_go_a_master_to_a_round_trip_and_follow_a_moved_slot() {
         }
         let _: () = pipe.query(&mut cluster.con(m)).unwrap();
     }
-    // Key 0's slot moves after the map is read: pacer's map names its old master for 5 s.
-    con.read_slots().await;
-    let slot = key_slot(&keys[0]);
-    let from = cluster.slot_owner(slot);
-    let to = *masters.iter().find(|&&m| m != from).unwrap();
-    assert_eq!(cluster.move_slot(slot, to, 10, Duration::ZERO), 1);
-    for &m in &masters {
-        let _: () = redis::cmd("CONFIG")
-            .arg("RESETSTAT")
-            .query(&mut cluster.con(m))
-            .unwrap();
-    }
     let cmds: Vec<(&str, redis::Cmd)> = (keys.iter())
         .map(|k| (k.as_str(), redis::cmd("GET").arg(k).clone()))
         .collect();
     // INFO names the node that answers it (and redis-rs routes it by no key).
     let info = redis::cmd("INFO").arg("server").clone();
-    let started = Instant::now();
-    let got = con.keyed(&cmds, Some(&info)).await;
-    let took = started.elapsed();
-    let owner = owners(&cluster);
-    for (i, (k, read)) in keys.iter().zip(&got).enumerate() {
-        let value: Option<usize> = redis::from_redis_value(read.reply.clone().unwrap()).unwrap();
-        let info: String = redis::from_redis_value(read.head.clone().unwrap()).unwrap();
-        let port = info.lines().find_map(|l| l.strip_prefix("tcp_port:"));
-        assert_eq!(value, Some(i), "{k}");
-        assert_eq!(
-            port,
-            Some(&*owner[i].to_string()),
-            "{k}: read on another node"
-        );
-    }
-    let per_master: Vec<usize> = (masters.iter())
-        .map(|&m| owner.iter().filter(|&&o| o == m).count())
-        .collect();
-    let round_trips: u64 = (masters.iter())
-        .map(|&m| stat(&cluster, m, "commandstats", "cmdstat_info"))
-        .sum();
-    let least: usize = per_master.iter().map(|n| n.div_ceil(512)).sum();
-    eprintln!("{KEYS} keys over {per_master:?}: {round_trips} round trips in {took:?}");
+    // Reads every key on a fresh map's masters: each value right, and read on its owner.
+    let read_all = |what: &'static str| {
+        let (con, cmds, info, masters) = (&con, &cmds, &info, &masters);
+        let (keys, owners, cluster) = (&keys, &owners, &cluster);
+        async move {
+            for &m in masters {
+                let _: () = redis::cmd("CONFIG")
+                    .arg("RESETSTAT")
+                    .query(&mut cluster.con(m))
+                    .unwrap();
+            }
+            let started = Instant::now();
+            let got = con.keyed(cmds, Some(info)).await;
+            let took = started.elapsed();
+            let owner = owners(cluster);
+            for (i, (k, read)) in keys.iter().zip(&got).enumerate() {
+                let value: Option<usize> =
+                    redis::from_redis_value(read.reply.clone().unwrap()).unwrap();
+                let info: String = redis::from_redis_value(read.head.clone().unwrap()).unwrap();
+                let port = info.lines().find_map(|l| l.strip_prefix("tcp_port:"));
+                assert_eq!(value, Some(i), "{what}: {k}");
+                let owner = owner[i].to_string();
+                assert_eq!(port, Some(&*owner), "{what}: {k} read on another node");
+            }
+            let per_master: Vec<usize> = (masters.iter())
+                .map(|&m| owner.iter().filter(|&&o| o == m).count())
+                .collect();
+            let round_trips: u64 = (masters.iter())
+                .map(|&m| stat(cluster, m, "commandstats", "cmdstat_info"))
+                .sum();
+            let least: u64 = per_master.iter().map(|n| n.div_ceil(512) as u64).sum();
+            eprintln!(
+                "{what}: {KEYS} keys over {per_master:?}: {round_trips} round trips in {took:?}"
+            );
+            (round_trips, least)
+        }
+    };
+    // A fresh connection (as `pacer inspect` makes) reads the map first: a round trip for
+    // each 512 keys of a master.
+    let (round_trips, least) = read_all("fresh").await;
+    assert_eq!(round_trips, least, "on a fresh connection");
+    // Key 0's slot moves after the map was read: pacer's map names its old master for 5 s.
+    let slot = key_slot(&keys[0]);
+    let from = cluster.slot_owner(slot);
+    let to = *masters.iter().find(|&&m| m != from).unwrap();
+    assert_eq!(cluster.move_slot(slot, to, 10, Duration::ZERO), 1);
+    let (round_trips, least) = read_all("moved").await;
     // Each master's round trips, then the failed one's keys again by the map read anew (the
     // moved key's new master, and its old one): two more, and the failed one as redis-rs sent
     // it again, to the new master and back (at most its 16 retries).
     assert!(
-        (least as u64 + 2..=least as u64 + 2 + 16).contains(&round_trips),
-        "{round_trips} round trips for {per_master:?} keys per master"
+        (least + 2..=least + 2 + 16).contains(&round_trips),
+        "{round_trips} round trips for {least} masters' lists"
     );
     assert!(
         stat(&cluster, from, "errorstats", "errorstat_MOVED") >= 1,

@@ -256,6 +256,11 @@ impl ClusterConn {
         self.turns.master(slot)
     }
 
+    /// Whether the slot map has been read (see `read_slots`).
+    pub(super) fn slots_read(&self) -> bool {
+        self.turns.is_read()
+    }
+
     /// What is wrong with the configured nodes, each asked on a connection of its own: the
     /// first that runs without cluster support, else the first that refuses pacer for a reason
     /// no retry mends (TLS, credentials). redis-rs's cluster connection reports neither (it

@@ -11,8 +11,8 @@
 //! MOVED, and redis-rs then fails the whole round trip (it redirects a pipeline as one, to
 //! where the other keys are not). So the commands of a round trip that failed, other than by
 //! a timeout, are grouped again after the map is read anew; those of a round trip that fails
-//! again (a slot still migrating) go slot by slot, where redis-rs follows MOVED and ASK. Before
-//! the first map is read, every command goes slot by slot.
+//! again (a slot still migrating) go slot by slot, where redis-rs follows MOVED and ASK, as
+//! every command does when no map can be read.
 
 use super::{Inner, RedisConn};
 use futures_util::StreamExt;
@@ -64,6 +64,13 @@ impl RedisConn {
     pub async fn keyed(&self, cmds: &[(&str, Cmd)], head: Option<&Cmd>) -> Vec<Keyed> {
         let mut out: Vec<Option<Keyed>> = vec![None; cmds.len()];
         let mut todo: Vec<usize> = (0..cmds.len()).collect();
+        // A connection made for one command (`pacer inspect`) has read no map yet: a call
+        // with a key starts a read, in the background, and these have made none.
+        if let Inner::Cluster(con) = &self.inner {
+            if !con.slots_read() {
+                con.read_slots().await;
+            }
+        }
         for pass in [Pass::Map, Pass::MapReadAgain, Pass::Slot] {
             if todo.is_empty() {
                 break;

@@ -80,6 +80,11 @@ impl SlotTurns {
         (turns.map(|(_, t)| t), read)
     }
 
+    /// Whether a map has been read (a read that failed leaves none).
+    pub(super) fn is_read(&self) -> bool {
+        !self.state.lock().expect("not poisoned").by_slot.is_empty()
+    }
+
     /// The node id of `slot`'s master, as last read (None before the first read).
     pub(super) fn master(&self, slot: u16) -> Option<Arc<str>> {
         let s = self.state.lock().expect("not poisoned");
@@ -238,6 +243,7 @@ d4 127.0.0.1:7003@17003 master - 0 0 4 connected 10923-16383
         // Each slot's master by id, for the pipelines that go to one master (`super::keyed`).
         assert_eq!(slots.master(0).as_deref(), Some("a1"));
         assert_eq!(slots.master(10923).as_deref(), Some("d4"));
+        assert!(slots.is_read() && !SlotTurns::default().is_read());
         assert_eq!(SlotTurns::default().master(0), None);
     }
 
