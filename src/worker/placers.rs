@@ -132,7 +132,9 @@ async fn run(
             group = held;
             ctx.shares.placed(route.index, handed - places(&group));
         }
-        if ctx.shares.parked_on(route.index) > 0 {
+        // A few at a time (`share::take_back_now`), whatever woke the task: events handed
+        // over while entries are parked are parked too, and wake it with none.
+        if ctx.shares.take_back_due(route.index) {
             let Some(mut back) = parked::take_back(&ctx, lot, route, MAX_CALL, &stop).await else {
                 return;
             };
@@ -176,8 +178,8 @@ async fn run(
     }
 }
 
-/// Every `TAKE_BACK_EVERY` while entries are parked, wakes the tasks of the routes with entries
-/// parked and room for some now, until `stop`.
+/// Every `TAKE_BACK_EVERY` while entries are parked, wakes the tasks of the routes due to take
+/// some back (`Shares::take_back_due`), until `stop`.
 async fn look_for_room(ctx: Arc<Context>, stop: CancellationToken) {
     loop {
         tokio::select! {
