@@ -311,14 +311,16 @@ fn slow_routes_take_their_parked_entries_back_a_few_at_a_time() {
     let worker = "  batch: 32\n  max_inflight: 214\n  claim_idle: 30s";
     let (cfg, ready, ids) = many_routes(&redis, &dir, port, (30, "10/s", "20s"), worker, 40);
     let _pacer = drain_onto_routes(&redis, &cfg, port, &ready, &ids, Duration::from_secs(60));
+    let mut longest = 0;
     for stream in &ready {
         let times = assert_rate(&redis, stream, 10.0, 1.0);
-        let span = times[times.len() - 1] - times[0];
-        assert!(
-            span < 4_500,
-            "{stream} took {span} ms for 40 events at 10/s (3.9 s at its rate)"
-        );
+        longest = longest.max(times[times.len() - 1] - times[0]);
     }
+    eprintln!("the longest route took {longest} ms");
+    assert!(
+        longest < 4_500,
+        "a route took {longest} ms for 40 events at 10/s (3.9 s at its rate)"
+    );
     let calls = metric_at(
         port,
         "pacer_redis_command_duration_seconds_count{op=\"schedule\"}",
