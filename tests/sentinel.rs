@@ -18,6 +18,8 @@ use pacer::testkit::{
     free_port, http_get, master_port_of, metric_at, wait_until, RedisServer, Sentinels, TempDir,
 };
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const ROUTE_READY: &str = "pacer:{r}:ready";
@@ -54,39 +56,51 @@ fn a_killed_master_is_followed_through_the_sentinels_losing_and_doubling_nothing
         })
         .collect();
 
-    // 6 s of traffic, to whichever node the sentinels name master: 10 outbound events and
-    // 10 inbound ones (5 sources offering 20/s each against 10/s) every 100 ms. A push that
-    // fails during the failover is skipped; every push a master acknowledged is recorded.
+    // Traffic to whichever node the sentinels name master, for 6 s and until 2 s after the
+    // promotion (a failover slower than 3.5 s on a loaded machine once left nothing pushed after
+    // it to show pacing resumed): 10 outbound events and 10 inbound ones (5 sources offering
+    // 20/s each against 10/s) every 100 ms. A push that fails during the failover is skipped;
+    // every push a master acknowledged is recorded.
     let ports = sentinels.sentinel_ports();
-    let producer = std::thread::spawn(move || {
-        let start = Instant::now();
-        let mut pushed: Vec<(String, String)> = Vec::new();
-        for tick in 0.. {
-            if start.elapsed() >= Duration::from_secs(6) {
-                break;
-            }
-            let ids = master_port_of(&ports).and_then(|port| {
-                let url = format!("redis://127.0.0.1:{port}");
-                let mut con = redis::Client::open(url).ok()?.get_connection().ok()?;
-                let mut pipe = redis::pipe();
-                for i in 0..10 {
-                    let n = format!("{tick}.{i}");
-                    pipe.cmd("XADD").arg("pacer:out").arg("*");
-                    pipe.arg("route").arg("r").arg("n").arg(&n);
-                    pipe.cmd("XADD").arg("pacer:in").arg("*");
-                    pipe.arg("source")
-                        .arg(format!("s{}", i % 5))
-                        .arg("n")
-                        .arg(&n);
+    let promoted = Arc::new(AtomicBool::new(false));
+    let producer = std::thread::spawn({
+        let promoted = promoted.clone();
+        move || {
+            let start = Instant::now();
+            let mut after: Option<Instant> = None;
+            let mut pushed: Vec<(String, String)> = Vec::new();
+            for tick in 0.. {
+                if promoted.load(Ordering::Relaxed) {
+                    after.get_or_insert_with(Instant::now);
                 }
-                pipe.query::<Vec<String>>(&mut con).ok()
-            });
-            for (i, id) in ids.into_iter().flatten().enumerate() {
-                pushed.push((["pacer:out", "pacer:in"][i % 2].to_string(), id));
+                let past = after.is_some_and(|a| a.elapsed() >= Duration::from_secs(2));
+                let enough = start.elapsed() >= Duration::from_secs(6) && past;
+                if enough || start.elapsed() >= Duration::from_secs(40) {
+                    break;
+                }
+                let ids = master_port_of(&ports).and_then(|port| {
+                    let url = format!("redis://127.0.0.1:{port}");
+                    let mut con = redis::Client::open(url).ok()?.get_connection().ok()?;
+                    let mut pipe = redis::pipe();
+                    for i in 0..10 {
+                        let n = format!("{tick}.{i}");
+                        pipe.cmd("XADD").arg("pacer:out").arg("*");
+                        pipe.arg("route").arg("r").arg("n").arg(&n);
+                        pipe.cmd("XADD").arg("pacer:in").arg("*");
+                        pipe.arg("source")
+                            .arg(format!("s{}", i % 5))
+                            .arg("n")
+                            .arg(&n);
+                    }
+                    pipe.query::<Vec<String>>(&mut con).ok()
+                });
+                for (i, id) in ids.into_iter().flatten().enumerate() {
+                    pushed.push((["pacer:out", "pacer:in"][i % 2].to_string(), id));
+                }
+                std::thread::sleep(Duration::from_millis(100));
             }
-            std::thread::sleep(Duration::from_millis(100));
+            pushed
         }
-        pushed
     });
 
     std::thread::sleep(Duration::from_millis(1500));
@@ -135,6 +149,7 @@ fn a_killed_master_is_followed_through_the_sentinels_losing_and_doubling_nothing
         .wait_new_master(old, Duration::from_secs(20))
         .expect("the sentinels promote the replica");
     let promoted_at = redis_time_ms(sentinels.server(new));
+    promoted.store(true, Ordering::Relaxed);
     assert!(
         sentinels.wait_agreed(new, Duration::from_secs(20)),
         "the sentinels did not all come to name {new}"
@@ -329,14 +344,14 @@ fn a_frozen_replica_stalls_the_route_counted_and_logged_once_per_stall_losing_no
 
     // 10 events every 500 ms (20/s against the route's 50/s, each burst going out over 200 ms,
     // so that some are slept on at any time) until told to stop.
-    let pushed = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let pushed = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let stop = Arc::new(AtomicBool::new(false));
     let producer = {
         let (pushed, stop, url) = (pushed.clone(), stop.clone(), master.url());
         std::thread::spawn(move || {
             let mut con = redis::Client::open(url).unwrap().get_connection().unwrap();
             let mut n = 0;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            while !stop.load(Ordering::Relaxed) {
                 let mut pipe = redis::pipe();
                 for _ in 0..10 {
                     pipe.cmd("XADD").arg("pacer:out").arg("*");
@@ -503,7 +518,7 @@ fn a_frozen_replica_stalls_the_route_counted_and_logged_once_per_stall_losing_no
         warnings.push((lines, said));
     }
 
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    stop.store(true, Ordering::Relaxed);
     producer.join().unwrap();
     let ids = pushed_now();
     let settled = wait_until(Duration::from_secs(30), || {
