@@ -64,18 +64,14 @@ impl RedisConn {
     pub async fn keyed(&self, cmds: &[(&str, Cmd)], head: Option<&Cmd>) -> Vec<Keyed> {
         let mut out: Vec<Option<Keyed>> = vec![None; cmds.len()];
         let mut todo: Vec<usize> = (0..cmds.len()).collect();
-        // A connection made for one command (`pacer inspect`) has read no map yet: a call
-        // with a key starts a read, in the background, and these have made none.
-        if let Inner::Cluster(con) = &self.inner {
-            if !con.slots_read() {
-                con.read_slots().await;
-            }
-        }
         for pass in [Pass::Map, Pass::MapReadAgain, Pass::Slot] {
             if todo.is_empty() {
                 break;
             }
-            if pass == Pass::MapReadAgain {
+            // A connection made for one command (`pacer inspect`) has read no map yet: a call
+            // with a key starts a read, in the background, and these have made none.
+            let unread = matches!(&self.inner, Inner::Cluster(con) if !con.slots_read());
+            if pass == Pass::MapReadAgain || (pass == Pass::Map && unread) {
                 self.read_slots().await;
             }
             let group = |&i: &usize| self.group_of(cmds[i].0, pass);

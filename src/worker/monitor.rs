@@ -78,14 +78,11 @@ pub(super) async fn run(ctx: Arc<Context>, stop: CancellationToken) {
 /// groups' repair) for a timeout per route of its slots.
 async fn refresh_queues(ctx: &Context, con: &RedisConn, lengths: bool) {
     let routes: Vec<&Route> = ctx.cfg.outbound.routes.values().collect();
-    let outputs: Vec<&str> = match lengths {
-        true => ctx
-            .cfg
-            .output_max_lens()
-            .into_iter()
-            .map(|(s, _)| s)
-            .collect(),
-        false => Vec::new(),
+    let outputs: Vec<&str> = if lengths {
+        let max_lens = ctx.cfg.output_max_lens().into_iter();
+        max_lens.map(|(s, _)| s).collect()
+    } else {
+        Vec::new()
     };
     fn read<'a>(name: &str, key: &'a str) -> (&'a str, redis::Cmd) {
         let mut cmd = redis::cmd(name);
