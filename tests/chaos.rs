@@ -17,9 +17,13 @@
 
 mod common;
 
+use common::chaos::{
+    assert_few_poisoned_and_enough_faults, env_u64, logs, reasons, seed, tick_events, worker_fault,
+    RawEvent, Rng, Worker,
+};
 use common::*;
 use pacer::keys::InboundKeys;
-use pacer::testkit::{free_port, metric_at, wait_until, Pacer, RedisServer, TempDir};
+use pacer::testkit::{free_port, metric_at, wait_until, RedisServer, TempDir};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -30,77 +34,10 @@ const OUTBOUND: [&str; 4] = [
     "pacer:dead",
 ];
 
-/// An event's fields as pushed: names and raw values.
-type RawEvent = Vec<(String, Vec<u8>)>;
-
-/// xorshift64*: enough randomness for drawing faults, and a run replays from its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-struct Worker {
-    pacer: Option<Pacer>,
-    cfg: std::path::PathBuf,
-    /// Its metrics port.
-    port: u16,
-    wrapper: Vec<String>,
-    stopped_until: Option<Instant>,
-}
-
-impl Worker {
-    fn launch(&mut self) {
-        self.pacer = Some(Pacer::run_wrapped(&self.wrapper, bin(), &self.cfg, &[]));
-    }
-}
-
-fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok().and_then(|v| v.parse().ok())
-}
-
-/// One tick's events: outbound mostly for route a (b every fifth), with the hostile ones mixed
-/// in; inbound from ten sources.
-fn tick_events(tick: u64, rng: &mut Rng) -> (Vec<RawEvent>, Vec<RawEvent>) {
-    let mut out = Vec::new();
-    for i in 0..15u64 {
-        let n = tick * 15 + i;
-        let route = if n % 5 == 4 { "b" } else { "a" };
-        let mut e = event(&[("route", route), ("n", &n.to_string())]);
-        match rng.below(60) {
-            0 => e = event(&[("to", "nowhere")]),
-            1 => e.extend((0..5_000).map(|f| (format!("f{f}"), Vec::new()))),
-            2 => e.push(("id".into(), format!("dup-{}", n % 7).into_bytes())),
-            3 => e.push(("blob".into(), (0..2_000).map(|b| (b % 256) as u8).collect())),
-            _ => {}
-        }
-        out.push(e);
-    }
-    let inb = (0..5u64)
-        .map(|i| event(&[("source", &format!("s{}", (tick * 5 + i) % 10))]))
-        .collect();
-    (out, inb)
-}
-
 #[test]
 fn chaos_every_entry_ends_once_and_the_rate_holds() {
     let seconds = env_u64("PACER_CHAOS_SECONDS").unwrap_or(60);
-    let seed = env_u64("PACER_CHAOS_SEED").unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64
-            | 1
-    });
+    let seed = seed("PACER_CHAOS_SEED");
     let partitions = env_u64("PACER_CHAOS_PARTITIONS").unwrap_or(if seed & 2 == 0 { 1 } else { 4 });
     let max_inflight =
         env_u64("PACER_CHAOS_MAX_INFLIGHT").unwrap_or(if seed & 4 == 0 { 10_000 } else { 150 });
@@ -164,7 +101,10 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
     // The most entries a running worker was seen holding parked.
     let mut most_parked = 0.0_f64;
     while start.elapsed() < Duration::from_secs(seconds) {
-        let (out, inb) = tick_events(tick, &mut rng);
+        // Mostly for route a (b every fifth), the wide ones 5,000 fields wide.
+        let route = |n: u64| if n % 5 == 4 { "b" } else { "a" }.to_string();
+        let (out, inb) = tick_events(tick, &mut rng, 5_000, route);
+        let out: Vec<RawEvent> = out.into_iter().map(|(_, e)| e).collect();
         out_ids.extend(push(&redis, "in", &out));
         in_ids.extend(push(&redis, "pacer:in", &inb));
         tick += 1;
@@ -174,47 +114,25 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
             }
         }
         for w in &mut workers {
-            if w.stopped_until.is_some_and(|t| Instant::now() >= t) {
-                w.pacer.as_ref().unwrap().signal("CONT");
-                w.stopped_until = None;
-            }
+            w.cont(false);
         }
         if Instant::now() >= next_fault {
-            let w = rng.below(3) as usize;
-            match rng.below(5) {
-                0 | 1 => {
-                    // kill -9, restarted at once (under its wrapper, skewed clock and all).
-                    if let Some(mut p) = workers[w].pacer.take() {
-                        p.kill();
-                    }
-                    workers[w].stopped_until = None;
-                    workers[w].launch();
-                    *faults.entry("kill -9 of a worker").or_default() += 1;
-                }
-                2 | 3 => {
-                    if workers[w].stopped_until.is_none() {
-                        workers[w].pacer.as_ref().unwrap().signal("STOP");
-                        let pause = Duration::from_millis(500 + rng.below(1_500));
-                        workers[w].stopped_until = Some(Instant::now() + pause);
-                        *faults.entry("SIGSTOP of a worker").or_default() += 1;
-                    }
-                }
-                _ => {
-                    // No events are pushed while it is down: a producer would be failing too.
-                    redis.kill();
-                    std::thread::sleep(Duration::from_millis(500 + rng.below(2_000)));
-                    redis.restart();
-                    *faults.entry("Redis killed, restarted on AOF").or_default() += 1;
-                }
+            // A worker killed (restarted at once, under its wrapper, skewed clock and all) or
+            // stopped, or Redis restarted.
+            let fault = rng.below(5);
+            if !worker_fault(&mut workers, fault, &mut rng, &mut faults) {
+                // No events are pushed while it is down: a producer would be failing too.
+                redis.kill();
+                std::thread::sleep(Duration::from_millis(500 + rng.below(2_000)));
+                redis.restart();
+                *faults.entry("Redis killed, restarted on AOF").or_default() += 1;
             }
             next_fault = Instant::now() + Duration::from_millis(1_500 + rng.below(3_000));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
     for w in &mut workers {
-        if w.stopped_until.take().is_some() {
-            w.pacer.as_ref().unwrap().signal("CONT");
-        }
+        w.cont(true);
     }
 
     let total = out_ids.len() + in_ids.len();
@@ -228,19 +146,12 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
             && pending(&redis, "in", "pacer") == 0
             && pending(&redis, "pacer:in", "pacer") == 0
     });
-    let logs = || {
-        workers
-            .iter()
-            .map(|w| w.pacer.as_ref().unwrap().log_text())
-            .collect::<Vec<_>>()
-            .join("\n----\n")
-    };
     assert!(
         ended,
         "seed {seed}: not every entry ended ({} pending in, {} pending pacer:in)\n{}",
         pending(&redis, "in", "pacer"),
         pending(&redis, "pacer:in", "pacer"),
-        logs()
+        logs(&workers)
     );
     // A doubled write would come after the last one expected: give it time to show.
     std::thread::sleep(Duration::from_secs(1));
@@ -251,11 +162,7 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
     let dead = read(&redis, "pacer:dead");
     let count = |s: &str| read(&redis, s).len();
     let count_all = |streams: &[String]| streams.iter().map(|s| count(s)).sum::<usize>();
-    let reasons: BTreeMap<String, usize> = dead.iter().fold(BTreeMap::new(), |mut m, d| {
-        *m.entry(d.field("pacer_reason").unwrap_or("?").to_string())
-            .or_default() += 1;
-        m
-    });
+    let reasons = reasons(&dead);
     eprintln!(
         "chaos: seed {seed}, {seconds} s, faults {faults:?}; {} outbound and {} inbound entries, \
          each ended once: a {}, b {}, rejected {}, accepted {}, inbound rejected {}, dead {reasons:?}; \
@@ -276,16 +183,5 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
             "nothing was parked with max_inflight {max_inflight}"
         );
     }
-    // Faults redeliver entries (a killed worker's, a frozen one's past claim_idle), but an
-    // entry delivered more than max_deliveries (5) times means workers keep failing to finish
-    // what they hold: with a worker whose timers stalled, 5% of the outbound entries were.
-    let poison = reasons.get("too_many_deliveries").copied().unwrap_or(0);
-    assert!(
-        poison * 100 <= out_ids.len(),
-        "seed {seed}: {poison} entries dead-lettered as delivered too often"
-    );
-    assert!(
-        faults.values().sum::<u32>() >= (seconds / 6) as u32,
-        "too few faults: {faults:?}"
-    );
+    assert_few_poisoned_and_enough_faults(seed, &reasons, out_ids.len(), &faults, seconds, 6);
 }

@@ -6,7 +6,8 @@
 //! master frozen for 0.2–0.7 s (below the cluster's node timeout, so nobody takes it over);
 //! and with `redis.wait_replicas: 1` (drawn from the seed, or
 //! `PACER_CLUSTER_CHAOS_WAIT_REPLICAS=1`), a master killed outright, its replica promoted and
-//! the old master restarted as its replica.
+//! the old master restarted as its replica. Each fault on the cluster comes once first, so that
+//! the suite's short run has them all.
 //! Among the events: wide ones (2,000 fields), malformed ones, repeated ids and binary values.
 //! At the end every input entry has ended in exactly one output once, no rolling window of a
 //! route's ready stream holds more than its limit (by the entry ids Redis gave), and nothing is
@@ -22,42 +23,16 @@
 
 mod common;
 
-use common::{bin, event, pending, read};
+use common::chaos::{
+    assert_few_poisoned_and_enough_faults, env_u64, logs, reasons, seed, tick_events, worker_fault,
+    RawEvent, Rng, Worker,
+};
+use common::{bin, pending, read};
 use pacer::keys::InboundKeys;
 use pacer::report::max_in_window;
 use pacer::testkit::{free_port, http_get, wait_until, Cluster, Pacer, TempDir};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
-
-/// An event's fields as pushed: names and raw values.
-type RawEvent = Vec<(String, Vec<u8>)>;
-
-/// xorshift64*: a run replays from its seed (the faults it draws; not their timing).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-struct Worker {
-    pacer: Option<Pacer>,
-    cfg: PathBuf,
-    stopped_until: Option<Instant>,
-}
-
-fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok().and_then(|v| v.parse().ok())
-}
 
 fn ready(route: &str) -> String {
     format!("pacer:{{{route}}}:ready")
@@ -71,13 +46,7 @@ fn push(cluster: &Cluster, stream: &str, events: &[RawEvent]) -> Vec<String> {
 #[test]
 fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
     let seconds = env_u64("PACER_CLUSTER_CHAOS_SECONDS").unwrap_or(30);
-    let seed = env_u64("PACER_CLUSTER_CHAOS_SEED").unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64
-            | 1
-    });
+    let seed = seed("PACER_CLUSTER_CHAOS_SEED");
     // Fewer places than a route's backlog can hold, every other seed: events are then parked
     // and read again, through every fault.
     let max_inflight = if seed & 4 == 0 { 10_000 } else { 150 };
@@ -134,6 +103,8 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
             Worker {
                 pacer: Some(pacer),
                 cfg,
+                port,
+                wrapper: Vec::new(),
                 stopped_until: None,
             }
         })
@@ -145,61 +116,44 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
     let mut moved: Vec<String> = Vec::new();
     let start = Instant::now();
     let mut next_fault = Instant::now() + Duration::from_secs(2);
+    let mut drawn = 0u64;
     let mut tick = 0u64;
     while start.elapsed() < Duration::from_secs(seconds) {
-        // 15 outbound events a tick over the three input streams (mostly for the a routes),
-        // with the hostile ones mixed in; 5 inbound from ten sources.
-        let mut out: Vec<Vec<RawEvent>> = vec![Vec::new(); 3];
-        for i in 0..15u64 {
-            let n = tick * 15 + i;
+        // Over the three input streams, mostly for the a routes, the wide ones 2,000 fields
+        // wide.
+        let route = |n: u64| {
             let m = (n % 3) as usize;
-            let route = if n % 5 == 4 { &b[m] } else { &a[m] };
-            let mut e = event(&[("route", route), ("n", &n.to_string())]);
-            match rng.below(60) {
-                0 => e = event(&[("to", "nowhere")]),
-                1 => e.extend((0..2_000).map(|f| (format!("f{f}"), Vec::new()))),
-                2 => e.push(("id".into(), format!("dup-{}", n % 7).into_bytes())),
-                3 => e.push(("blob".into(), (0..2_000).map(|b| (b % 256) as u8).collect())),
-                _ => {}
-            }
+            if n % 5 == 4 { &b[m] } else { &a[m] }.clone()
+        };
+        let (events, inb) = tick_events(tick, &mut rng, 2_000, route);
+        let mut out: Vec<Vec<RawEvent>> = vec![Vec::new(); 3];
+        for (n, e) in events {
             out[(n / 3 % 3) as usize].push(e);
         }
         for (stream, events) in inputs.iter().zip(&out) {
             let ids = push(&cluster, stream, events);
             pushed.extend(ids.into_iter().map(|id| (stream.clone(), id)));
         }
-        let inb: Vec<RawEvent> = (0..5u64)
-            .map(|i| event(&[("source", &format!("s{}", (tick * 5 + i) % 10))]))
-            .collect();
         let ids = push(&cluster, &inq, &inb);
         pushed.extend(ids.into_iter().map(|id| (inq.clone(), id)));
         tick += 1;
 
         for w in &mut workers {
-            if w.stopped_until.is_some_and(|t| Instant::now() >= t) {
-                w.pacer.as_ref().unwrap().signal("CONT");
-                w.stopped_until = None;
-            }
+            w.cont(false);
         }
         if Instant::now() >= next_fault {
-            let w = rng.below(3) as usize;
-            match rng.below(if wait_replicas > 0 { 8 } else { 7 }) {
-                0 | 1 => {
-                    if let Some(mut p) = workers[w].pacer.take() {
-                        p.kill();
-                    }
-                    workers[w].stopped_until = None;
-                    workers[w].pacer = Some(Pacer::run_wrapped(&[], bin(), &workers[w].cfg, &[]));
-                    *faults.entry("kill -9 of a worker").or_default() += 1;
-                }
-                2 | 3 => {
-                    if workers[w].stopped_until.is_none() {
-                        workers[w].pacer.as_ref().unwrap().signal("STOP");
-                        let pause = Duration::from_millis(500 + rng.below(1_500));
-                        workers[w].stopped_until = Some(Instant::now() + pause);
-                        *faults.entry("SIGSTOP of a worker").or_default() += 1;
-                    }
-                }
+            // 0–3 on a worker (worker_fault), the rest on the cluster: each of those once
+            // first, so that a short run has them all, then any at random.
+            let kinds = if wait_replicas > 0 { 8 } else { 7 };
+            let fault = if 4 + drawn < kinds {
+                4 + drawn
+            } else {
+                rng.below(kinds)
+            };
+            drawn += 1;
+            let on_a_worker = worker_fault(&mut workers, fault, &mut rng, &mut faults);
+            match fault {
+                _ if on_a_worker => {}
                 4 => {
                     // A route's slot (its bucket, ready stream and records), an input
                     // stream's, a shared output's (with its write-once records) or an inbound
@@ -208,21 +162,20 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
                     // after a few minutes: two at a time, a move took most of a minute).
                     let keys: Vec<&String> =
                         a.iter().chain(&b).chain(&inputs).chain(&moving).collect();
-                    let key = keys[rng.below(keys.len() as u64) as usize];
+                    let key = *rng.pick(&keys);
                     let slot = pacer::connection::key_slot(key);
                     let others: Vec<u16> = cluster
                         .masters()
                         .into_iter()
                         .filter(|&m| m != cluster.slot_owner(slot))
                         .collect();
-                    let to = others[rng.below(others.len() as u64) as usize];
+                    let to = *rng.pick(&others);
                     let keys_moved = cluster.move_slot(slot, to, 50, Duration::from_millis(10));
                     moved.push(format!("{key} ({keys_moved} keys)"));
                     *faults.entry("slot moved").or_default() += 1;
                 }
                 5 => {
-                    let now = cluster.masters();
-                    let master = now[rng.below(now.len() as u64) as usize];
+                    let master = *rng.pick(&cluster.masters());
                     let replica = cluster.replicas_of(master)[0];
                     cluster.failover(replica, false);
                     cluster.wait_stable(Duration::from_secs(20));
@@ -230,8 +183,7 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
                 }
                 6 => {
                     // No events are pushed meanwhile: a producer would be waiting on it too.
-                    let now = cluster.masters();
-                    let master = now[rng.below(now.len() as u64) as usize];
+                    let master = *rng.pick(&cluster.masters());
                     cluster.pause(master);
                     std::thread::sleep(Duration::from_millis(200 + rng.below(500)));
                     cluster.resume(master);
@@ -242,8 +194,7 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
                     // (the node timeout), and the old master comes back as that replica's
                     // replica. The test's own pushes are on the replica first (a producer
                     // that cares waits for its replicas too).
-                    let now = cluster.masters();
-                    let master = now[rng.below(now.len() as u64) as usize];
+                    let master = *rng.pick(&cluster.masters());
                     let mut con = cluster.con(master);
                     let synced: i64 = redis::cmd("WAIT").arg(1).arg(2000).query(&mut con).unwrap();
                     assert_eq!(synced, 1, "the test's own pushes were not replicated");
@@ -262,9 +213,7 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
         std::thread::sleep(Duration::from_millis(50));
     }
     for w in &mut workers {
-        if w.stopped_until.take().is_some() {
-            w.pacer.as_ref().unwrap().signal("CONT");
-        }
+        w.cont(true);
     }
 
     let mut outputs: Vec<String> = a.iter().chain(&b).map(|r| ready(r)).collect();
@@ -290,13 +239,6 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
         }
         at
     };
-    let logs = || {
-        workers
-            .iter()
-            .map(|w| w.pacer.as_ref().unwrap().log_text())
-            .collect::<Vec<_>>()
-            .join("\n----\n")
-    };
     let ended = wait_until(Duration::from_secs(90), || {
         placements().len() >= pushed.len()
             && all_inputs
@@ -312,7 +254,7 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
             .iter()
             .map(|s| pending(cluster.server_of(s), s, "pacer"))
             .collect::<Vec<_>>(),
-        logs()
+        logs(&workers)
     );
     // A doubled write would come after the last one expected: give it time to show.
     std::thread::sleep(Duration::from_secs(1));
@@ -327,14 +269,14 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
     }
     assert_eq!(at.len(), pushed.len(), "outputs hold entries never pushed");
     // No task of a running worker died on the way (a panic in a task leaves the process up).
-    let logs = logs();
+    let text = logs(&workers);
     assert!(
-        !logs.contains("panicked"),
-        "seed {seed}: a worker panicked:\n{logs}"
+        !text.contains("panicked"),
+        "seed {seed}: a worker panicked:\n{text}"
     );
     // redis-rs says "CrossSlot", Redis "CROSSSLOT".
     assert!(
-        !logs.to_lowercase().contains("crossslot"),
+        !text.to_lowercase().contains("crossslot"),
         "seed {seed}: a call spanned slots"
     );
     // The rate of every route, by the entry-id times Redis gave its ready stream.
@@ -360,11 +302,7 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
     }
     let count = |s: &str| read(cluster.server_of(s), s).len();
     let dead = read(cluster.server_of("pacer:dead"), "pacer:dead");
-    let reasons: BTreeMap<String, usize> = dead.iter().fold(BTreeMap::new(), |mut m, d| {
-        *m.entry(d.field("pacer_reason").unwrap_or("?").to_string())
-            .or_default() += 1;
-        m
-    });
+    let reasons = reasons(&dead);
     let dispatched: usize = a.iter().chain(&b).map(|r| count(&ready(r))).sum();
     eprintln!(
         "cluster chaos: seed {seed}, {seconds} s, faults {faults:?}; {} entries, each ended once: \
@@ -374,15 +312,5 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
         count("pacer:in-dead"),
         moved.join(", "),
     );
-    // Faults redeliver entries, but an entry delivered more than max_deliveries (5) times means
-    // workers keep failing to finish what they hold.
-    let poison = reasons.get("too_many_deliveries").copied().unwrap_or(0);
-    assert!(
-        poison * 100 <= pushed.len(),
-        "seed {seed}: {poison} entries dead-lettered as delivered too often"
-    );
-    assert!(
-        faults.values().sum::<u32>() >= (seconds / 10) as u32,
-        "too few faults: {faults:?}"
-    );
+    assert_few_poisoned_and_enough_faults(seed, &reasons, pushed.len(), &faults, seconds, 10);
 }

@@ -258,6 +258,7 @@ pub fn log_entries(con: &mut redis::Connection, key: &str) -> Vec<i64> {
     pacer::admission::sliding_log::unpack(&bytes).expect("a packed log")
 }
 
+pub mod chaos;
 pub mod pressure;
 
 /// Where each input entry ended: (source stream, source id) -> the output streams that hold it.
