@@ -6,9 +6,10 @@
 
 mod common;
 
-use common::{event, pending, read, start, tail, unfinished};
+use common::cluster::{assert_each_once, assert_windows, entries, logs_of, placements, ready};
+use common::{event, read, start, tail, unfinished};
 use pacer::keys::InboundKeys;
-use pacer::report::{max_in_window, OutputEntry};
+use pacer::report::max_in_window;
 use pacer::testkit::{free_port, metric_at, wait_until, Cluster, Pacer, RedisServer, TempDir};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -50,85 +51,6 @@ fn worker_config(
         cluster.urls()
     );
     (dir.write(&format!("w{i}.yaml"), &text), port)
-}
-
-/// Every entry of `stream`, read on the master serving it now.
-fn entries(cluster: &Cluster, stream: &str) -> Vec<OutputEntry> {
-    read(cluster.server_of(stream), stream)
-}
-
-/// Where each input entry ended: (input stream, id) -> the outputs holding it.
-fn placements(cluster: &Cluster, outputs: &[String]) -> BTreeMap<(String, String), Vec<String>> {
-    let mut at: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
-    for stream in outputs {
-        for e in entries(cluster, stream) {
-            let source = (
-                e.field("pacer_source_stream").unwrap().to_string(),
-                e.field("pacer_source_id").unwrap().to_string(),
-            );
-            at.entry(source).or_default().push(stream.clone());
-        }
-    }
-    at
-}
-
-/// Waits until every pushed entry has ended somewhere, then checks that each ended exactly once,
-/// nothing else came out and nothing is left pending in any input stream.
-fn assert_each_once(
-    cluster: &Cluster,
-    pushed: &[(String, String)],
-    outputs: &[String],
-    inputs: &[String],
-    pacers: &[Pacer],
-) -> BTreeMap<(String, String), Vec<String>> {
-    let ended = wait_until(Duration::from_secs(60), || {
-        placements(cluster, outputs).len() >= pushed.len()
-            && inputs
-                .iter()
-                .all(|s| pending(cluster.server_of(s), s, "pacer") == 0)
-    });
-    let logs: String = pacers.iter().map(|p| p.log_text()).collect();
-    let at = placements(cluster, outputs);
-    assert!(
-        ended,
-        "{} of {} entries ended; logs:\n{}",
-        at.len(),
-        pushed.len(),
-        tail(&logs)
-    );
-    for key in pushed {
-        assert_eq!(
-            at.get(key).map(Vec::len),
-            Some(1),
-            "{key:?} ended in {:?}",
-            at.get(key)
-        );
-    }
-    assert_eq!(at.len(), pushed.len(), "outputs hold entries never pushed");
-    // redis-rs says "CrossSlot", Redis "CROSSSLOT".
-    assert!(
-        !logs.to_lowercase().contains("crossslot"),
-        "a call spanned slots"
-    );
-    at
-}
-
-/// No rolling window W of `times` (ms) holds more than rate × W + burst.
-fn assert_windows(what: &str, times: &[i64], per_second: f64, burst: f64) {
-    let mut times = times.to_vec();
-    times.sort();
-    for w in [1, 10, 50, 100, 250, 500, 1000, 2000] {
-        let limit = per_second * w as f64 / 1000.0 + burst;
-        let seen = max_in_window(&times, w);
-        assert!(
-            seen as f64 <= limit,
-            "{what}: {seen} in a {w} ms window, limit {limit}"
-        );
-    }
-}
-
-fn ready(route: &str) -> String {
-    format!("pacer:{{{route}}}:ready")
 }
 
 /// Pushes `per_tick` events (`make(tick, i)`) to `stream` every 100 ms for `seconds`, in a
@@ -257,7 +179,7 @@ fn three_masters_pace_and_admit_exactly_while_a_slot_moves_and_a_master_fails_ov
     ]);
     let mut inputs = outs.clone();
     inputs.push(inq.clone());
-    assert_each_once(&cluster, &pushed, &outputs, &inputs, &pacers);
+    assert_each_once(&cluster, &pushed, &outputs, &inputs, || logs_of(&pacers));
 
     // Every path ran on every master, and nothing was dead-lettered.
     for stream in &outputs[..outputs.len() - 1] {
@@ -386,7 +308,7 @@ fn partitioned_admission(own_outputs: bool) {
     pacers.push(doomed);
     let mut outputs: Vec<String> = forwards.iter().chain(&rejecteds).cloned().collect();
     outputs.push("pacer:in-dead".to_string());
-    assert_each_once(&cluster, &pushed, &outputs, &inputs, &pacers);
+    assert_each_once(&cluster, &pushed, &outputs, &inputs, || logs_of(&pacers));
 
     let mut by_source: BTreeMap<String, usize> = BTreeMap::new();
     let mut forwarded = Vec::new();
@@ -445,7 +367,7 @@ fn partitioned_admission(own_outputs: bool) {
         assert_eq!(left_for_a_second_call, 0);
         // The outbound leg: every accepted event dispatched once, from every partition's copy.
         let ended = [ready(&route), "pacer:rejected".into(), "pacer:dead".into()];
-        let at = assert_each_once(&cluster, &forwarded, &ended, &forwards, &pacers);
+        let at = assert_each_once(&cluster, &forwarded, &ended, &forwards, || logs_of(&pacers));
         assert!(at.values().all(|to| to[0] == ended[0]), "{at:?}");
     } else {
         assert!(left_for_a_second_call > 0, "the outputs lie in other slots");
@@ -541,7 +463,7 @@ fn a_frozen_masters_route_follows_its_promoted_replica_before_the_thaw() {
         &pushed,
         &outputs,
         std::slice::from_ref(&input),
-        &[pacer],
+        || logs_of(std::slice::from_ref(&pacer)),
     );
 }
 
@@ -615,7 +537,7 @@ fn frozen_master(
         &pushed,
         &outputs,
         std::slice::from_ref(&input),
-        &pacers,
+        || logs_of(&pacers),
     );
     assert!(entries(&cluster, "pacer:dead").is_empty());
     Frozen {
@@ -895,7 +817,7 @@ fn a_lagging_replica_of_the_inbound_state_promoted_by_takeover_loses_nothing_wit
         rejected.clone(),
         "pacer:in-dead".to_string(),
     ];
-    let at = assert_each_once(&cluster, &pushed, &outputs, &[input], &pacers);
+    let at = assert_each_once(&cluster, &pushed, &outputs, &[input], || logs_of(&pacers));
     let mut by_source: BTreeMap<String, Vec<i64>> = BTreeMap::new();
     for e in entries(&cluster, &forward) {
         let source = e.field("source").unwrap().to_string();
@@ -1034,7 +956,7 @@ fn a_routes_backlog_is_parked_and_taken_back_on_a_cluster() {
         &pushed,
         &outputs,
         std::slice::from_ref(&input),
-        std::slice::from_ref(&pacer),
+        || logs_of(std::slice::from_ref(&pacer)),
     );
     assert!(
         at.values().all(|s| s[0].ends_with(":ready")),
@@ -1292,7 +1214,7 @@ fn frozen_master_partitions(worker: &str, parks: bool) {
         &pushed,
         &outputs,
         std::slice::from_ref(&input),
-        &pacers,
+        || logs_of(&pacers),
     );
     for (k, key) in keys.iter().enumerate() {
         for stream in [&key.forward, &key.rejected] {

@@ -23,20 +23,16 @@
 
 mod common;
 
+use common::bin;
 use common::chaos::{
     assert_few_poisoned_and_enough_faults, env_u64, logs, reasons, seed, tick_events, worker_fault,
     RawEvent, Rng, Worker,
 };
-use common::{bin, pending, read};
+use common::cluster::{assert_each_once, assert_windows, entries, ready};
 use pacer::keys::InboundKeys;
-use pacer::report::max_in_window;
 use pacer::testkit::{free_port, http_get, wait_until, Cluster, Pacer, TempDir};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
-
-fn ready(route: &str) -> String {
-    format!("pacer:{{{route}}}:ready")
-}
 
 /// XADDs `events` to `stream` on the master serving it now; returns the entry ids.
 fn push(cluster: &Cluster, stream: &str, events: &[RawEvent]) -> Vec<String> {
@@ -223,85 +219,23 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
             .iter()
             .flat_map(|k| [k.forward.clone(), k.rejected.clone()]),
     );
-    outputs.dedup();
     let mut all_inputs = inputs.clone();
     all_inputs.push(inq.clone());
-    let placements = || {
-        let mut at: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
-        for stream in &outputs {
-            for e in read(cluster.server_of(stream), stream) {
-                let source = (
-                    e.field("pacer_source_stream").unwrap().to_string(),
-                    e.field("pacer_source_id").unwrap().to_string(),
-                );
-                at.entry(source).or_default().push(stream.clone());
-            }
-        }
-        at
-    };
-    let ended = wait_until(Duration::from_secs(90), || {
-        placements().len() >= pushed.len()
-            && all_inputs
-                .iter()
-                .all(|s| pending(cluster.server_of(s), s, "pacer") == 0)
-    });
-    assert!(
-        ended,
-        "seed {seed}: {} of {} entries ended; pending {:?}\n{}",
-        placements().len(),
-        pushed.len(),
-        all_inputs
-            .iter()
-            .map(|s| pending(cluster.server_of(s), s, "pacer"))
-            .collect::<Vec<_>>(),
-        logs(&workers)
-    );
-    // A doubled write would come after the last one expected: give it time to show.
-    std::thread::sleep(Duration::from_secs(1));
-    let at = placements();
-    for key in &pushed {
-        assert_eq!(
-            at.get(key).map(Vec::len),
-            Some(1),
-            "seed {seed}: {key:?} ended in {:?}",
-            at.get(key)
-        );
-    }
-    assert_eq!(at.len(), pushed.len(), "outputs hold entries never pushed");
-    // No task of a running worker died on the way (a panic in a task leaves the process up).
-    let text = logs(&workers);
-    assert!(
-        !text.contains("panicked"),
-        "seed {seed}: a worker panicked:\n{text}"
-    );
-    // redis-rs says "CrossSlot", Redis "CROSSSLOT".
-    assert!(
-        !text.to_lowercase().contains("crossslot"),
-        "seed {seed}: a call spanned slots"
-    );
+    assert_each_once(&cluster, &pushed, &outputs, &all_inputs, || logs(&workers));
     // The rate of every route, by the entry-id times Redis gave its ready stream.
     for (route, rate, burst) in a
         .iter()
         .map(|r| (r, 60.0, 5.0))
         .chain(b.iter().map(|r| (r, 30.0, 1.0)))
     {
-        let stream = ready(route);
-        let mut times: Vec<i64> = read(cluster.server_of(&stream), &stream)
+        let times: Vec<i64> = entries(&cluster, &ready(route))
             .iter()
             .map(|e| e.ms)
             .collect();
-        times.sort();
-        for w in [1, 10, 50, 100, 250, 500, 1000, 2000] {
-            let limit = rate * w as f64 / 1000.0 + burst;
-            let seen = max_in_window(&times, w);
-            assert!(
-                seen as f64 <= limit,
-                "seed {seed}: {route}: {seen} in a {w} ms window, limit {limit}"
-            );
-        }
+        assert_windows(&format!("seed {seed}: {route}"), &times, rate, burst);
     }
-    let count = |s: &str| read(cluster.server_of(s), s).len();
-    let dead = read(cluster.server_of("pacer:dead"), "pacer:dead");
+    let count = |s: &str| entries(&cluster, s).len();
+    let dead = entries(&cluster, "pacer:dead");
     let reasons = reasons(&dead);
     let dispatched: usize = a.iter().chain(&b).map(|r| count(&ready(r))).sum();
     eprintln!(

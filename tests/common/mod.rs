@@ -259,6 +259,7 @@ pub fn log_entries(con: &mut redis::Connection, key: &str) -> Vec<i64> {
 }
 
 pub mod chaos;
+pub mod cluster;
 pub mod pressure;
 
 /// Where each input entry ended: (source stream, source id) -> the output streams that hold it.
