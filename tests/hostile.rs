@@ -1265,7 +1265,13 @@ fn large_parked_events_are_weighed_again_when_taken_back() {
         "route b waited behind a's backlog: {a_before} of a's went before b's last"
     );
     let weight = 60_020_f64.div_euclid(419.0) + 1.0;
-    assert!(most_parked > 20.0, "a parked {most_parked} at most");
+    // How many park at once depends on how the reader's reads and a's sleepers take turns at
+    // the freed places: 103-160 here (alone or beside two more runs), 12 in a CI run on a busier
+    // machine, where the reader waited on a's places for most of the backlog (a read weighed
+    // as 16 of a's dispatches frees, so about one parks a read). Any parked at all, taken back
+    // under their weight, would show above a's 69 asleep had they been taken back as one place
+    // each; five shows the backlog went through parking, not around it.
+    assert!(most_parked >= 5.0, "a parked {most_parked} at most");
     assert!(
         most_asleep >= 10.0 && most_a_asleep <= (10_000.0 / weight).floor(),
         "at most {most_a_asleep} of a's asleep at once ({most_asleep} in all)"

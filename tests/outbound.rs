@@ -525,12 +525,25 @@ fn a_worker_with_a_skewed_clock_paces_exactly_like_the_rest() {
     // offset (pacer uses it only to measure durations).
     let skew = pacer::testkit::wall_clock_offset("-45s");
     let _b = start_wrapped(&skew, &[], &skewed, p2);
-    let _a = start(&honest, p1);
     let n = 120;
     let events: Vec<_> = (0..n)
         .map(|i| event(&[("route", "shared"), ("i", &i.to_string())]))
         .collect();
-    push(&redis, "in", &events);
+    // The first half while the skewed worker reads alone, so it has its part whoever is quicker
+    // to read after (in a CI run the honest one, started second, read all but 7 of the 120 pushed
+    // at once); it is still placing them at the route's rate when the rest come, read by both.
+    push(&redis, "in", &events[..n / 2]);
+    let taken = || {
+        let pending: redis::streams::StreamPendingReply = redis::cmd("XPENDING")
+            .arg("in")
+            .arg("pacer")
+            .query(&mut redis.con())
+            .unwrap();
+        pending.count() + read(&redis, "pacer:{shared}:ready").len()
+    };
+    assert!(wait_until(Duration::from_secs(10), || taken() == n / 2));
+    let _a = start(&honest, p1);
+    push(&redis, "in", &events[n / 2..]);
     assert!(wait_until(Duration::from_secs(15), || read(
         &redis,
         "pacer:{shared}:ready"
