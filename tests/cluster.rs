@@ -6,7 +6,9 @@
 
 mod common;
 
-use common::cluster::{assert_each_once, assert_windows, entries, logs_of, placements, ready};
+use common::cluster::{
+    assert_each_once, assert_windows, entries, logs_of, placements, ready, route_pairs,
+};
 use common::{event, read, start, tail, unfinished};
 use pacer::keys::InboundKeys;
 use pacer::report::max_in_window;
@@ -119,15 +121,12 @@ fn three_masters_pace_and_admit_exactly_while_a_slot_moves_and_a_master_fails_ov
     let inq = cluster.name_on(masters[1], "in");
     let accepted = cluster.name_on(masters[0], "acc");
     let in_rejected = format!("{{{accepted}}}:rejected");
-    let mut routes = String::new();
-    for m in 0..3 {
-        routes += &format!(
-            "    {}: {{rate: 100/s, burst: 2, max_wait: 300ms, fallbacks: [{}]}}\n    {}: {{rate: 100/s, burst: 1, max_wait: 300ms}}\n",
-            a[m],
-            b[(m + 1) % 3],
-            b[m]
-        );
-    }
+    let routes = route_pairs(
+        &a,
+        &b,
+        "rate: 100/s, burst: 2, max_wait: 300ms",
+        "rate: 100/s, burst: 1, max_wait: 300ms",
+    );
     let body = format!(
         "outbound:\n  streams: [{}, {}]\n  routes:\n{routes}inbound:\n  streams: [{inq}]\n  forward_stream: \"{accepted}\"\n  rejected_stream: \"{in_rejected}\"\n  rules:\n    - {{name: per-source, key: [source], algorithm: sliding_log, limits: [20/s]}}\n    - {{name: per-tenant, key: [tenant], algorithm: gcra, limits: [60/s], burst: 10}}\n",
         outs[0], outs[1]

@@ -28,7 +28,7 @@ use common::chaos::{
     assert_few_poisoned_and_enough_faults, env_u64, logs, reasons, seed, tick_events, worker_fault,
     RawEvent, Rng, Worker,
 };
-use common::cluster::{assert_each_once, assert_windows, entries, ready};
+use common::cluster::{assert_each_once, assert_windows, entries, ready, route_pairs};
 use pacer::keys::InboundKeys;
 use pacer::testkit::{free_port, http_get, wait_until, Cluster, Pacer, TempDir};
 use std::collections::BTreeMap;
@@ -70,15 +70,12 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
         .collect();
     let mut moving: Vec<String> = vec![inq.clone(), "pacer:rejected".into(), "pacer:dead".into()];
     moving.extend(parts.iter().map(|k| k.slot_key().to_string()));
-    let mut routes = String::new();
-    for m in 0..3 {
-        routes += &format!(
-            "    {}: {{rate: 60/s, burst: 5, max_wait: 1s, fallbacks: [{}]}}\n    {}: {{rate: 30/s, burst: 1, max_wait: 1s}}\n",
-            a[m],
-            b[(m + 1) % 3],
-            b[m]
-        );
-    }
+    let routes = route_pairs(
+        &a,
+        &b,
+        "rate: 60/s, burst: 5, max_wait: 1s",
+        "rate: 30/s, burst: 1, max_wait: 1s",
+    );
     let body = format!(
         "outbound:\n  streams: [{}]\n  max_event_fields: 3000\n  routes:\n{routes}inbound:\n  streams: [{inq}]\n  forward_stream: \"{accepted}\"\n  rejected_stream: \"{rejected}\"\n  partitions: {PARTITIONS}\n  partition_by: source\n  partitioned_outputs: true\n  rules:\n    - {{name: per-source, key: [source], algorithm: gcra, limits: [50/s]}}\n",
         inputs.join(", ")

@@ -1,7 +1,7 @@
 //! What the cluster tests share: reading outputs on whichever master serves them now, and the
 //! checks that every entry ended once and every window held its rate.
 
-use super::{pending, read, tail};
+use super::{assert_ended_once, pending, read, tail};
 use pacer::report::{max_in_window, OutputEntry};
 use pacer::testkit::{wait_until, Cluster, Pacer};
 use std::collections::BTreeMap;
@@ -40,6 +40,21 @@ pub fn logs_of(pacers: &[Pacer]) -> String {
     pacers.iter().map(|p| p.log_text()).collect()
 }
 
+/// The config's `routes:` lines for a pair of routes on each master: `a[m]` with `first`'s
+/// settings, falling back to the next master's `b`, and `b[m]` with `second`'s, so a fallback
+/// always crosses to another slot.
+pub fn route_pairs(a: &[String], b: &[String], first: &str, second: &str) -> String {
+    (0..a.len())
+        .map(|m| {
+            let next = &b[(m + 1) % b.len()];
+            format!(
+                "    {}: {{{first}, fallbacks: [{next}]}}\n    {}: {{{second}}}\n",
+                a[m], b[m]
+            )
+        })
+        .collect()
+}
+
 /// Waits (90 s at most) until every pushed entry has ended somewhere and nothing is pending in
 /// any input stream, then checks that each ended exactly once and nothing else came out, and
 /// that the workers (`logs`, read once it is over) logged no panic and no call across slots.
@@ -72,15 +87,7 @@ pub fn assert_each_once(
             .collect::<Vec<_>>(),
         tail(&logs)
     );
-    for key in pushed {
-        assert_eq!(
-            at.get(key).map(Vec::len),
-            Some(1),
-            "{key:?} ended in {:?}",
-            at.get(key)
-        );
-    }
-    assert_eq!(at.len(), pushed.len(), "outputs hold entries never pushed");
+    assert_ended_once(&at, pushed);
     // A panic in a task leaves the process up.
     assert!(
         !logs.contains("panicked"),

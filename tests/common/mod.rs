@@ -235,21 +235,27 @@ pub fn assert_each_once(
     input: &str,
 ) -> BTreeMap<String, Vec<String>> {
     let at = placements(redis, outputs);
-    for id in ids {
+    assert_ended_once(&at, ids);
+    assert_eq!(pending(redis, input, "pacer"), 0, "entries left pending");
+    at
+}
+
+/// Checks that each of `pushed` ended in exactly one output (`at`: the outputs each entry
+/// ended in) and that the outputs hold nothing else.
+pub fn assert_ended_once<K: Ord + std::fmt::Debug>(at: &BTreeMap<K, Vec<String>>, pushed: &[K]) {
+    for key in pushed {
         assert_eq!(
-            at.get(id).map(Vec::len),
+            at.get(key).map(Vec::len),
             Some(1),
-            "entry {id} ended in {:?}",
-            at.get(id)
+            "entry {key:?} ended in {:?}",
+            at.get(key)
         );
     }
     assert_eq!(
         at.len(),
-        ids.len(),
+        pushed.len(),
         "outputs hold entries that were never pushed"
     );
-    assert_eq!(pending(redis, input, "pacer"), 0, "entries left pending");
-    at
 }
 
 /// A sliding log's entries (µs, oldest first), as `admit.lua` stores them; empty if absent.
