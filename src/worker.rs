@@ -89,8 +89,9 @@ impl Worker {
             cfg.worker.consumer.clone()
         };
         let permits = Arc::new(Semaphore::new(cfg.worker.max_inflight));
-        // Kept from long queues: what the readers and the claimer ask for at once. A lone route
-        // with no inbound flow beside it keeps nothing from itself.
+        // Kept from long queues: what the readers and the claimer ask for at once (and what the
+        // readers' large entries weigh beyond that: `Shares::read_weighed`). A lone route with
+        // no inbound flow beside it keeps nothing from itself.
         let others = cfg.outbound.order.len() > 1 || cfg.inbound.is_some();
         let reserve = if others {
             cfg.worker.batch * (streams.len() + 1)
@@ -102,8 +103,8 @@ impl Worker {
                 .map(|i| cfg.outbound.route_at(i).bucket.interval_us)
                 .collect(),
             permits.clone(),
-            cfg.worker.max_inflight,
-            reserve,
+            (cfg.worker.max_inflight, reserve),
+            streams.len(),
         );
         // WAITs block their connection: they get one of their own, waited on for as long.
         let waits = (cfg.redis.wait_replicas > 0)

@@ -117,6 +117,11 @@ pub(super) fn try_hold(
     Some(split(permits, &weights[..kept]))
 }
 
+/// How many permits entries of `sizes` hold together (as `hold` weighs them).
+pub(super) fn weight(ctx: &Context, sizes: &[usize]) -> usize {
+    weighed(ctx, sizes).iter().sum()
+}
+
 /// The permits entries of `sizes` hold (`weights`, with the worker's settings).
 fn weighed(ctx: &Context, sizes: &[usize]) -> Vec<usize> {
     let worker = &ctx.cfg.worker;

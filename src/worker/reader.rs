@@ -126,6 +126,12 @@ pub(super) async fn run(
                 }
                 let sizes: Vec<usize> = entries.iter().map(Entry::size).collect();
                 size.read(&sizes);
+                if !entries.is_empty() {
+                    // Before this read waits for its weight: the places it frees meanwhile are
+                    // kept for reads like it, not taken by a long queue.
+                    let weight = budget::weight(ctx, &sizes);
+                    ctx.shares.read_weighed(index, entries.len(), weight);
+                }
                 blind &= !fresh;
                 (entries, sizes)
             }

@@ -6,7 +6,8 @@
 //! places (rate × max_wait ≥ max_inflight) took them all, and every other route's events waited
 //! unread behind it at its pace: a 100/s route took 100 s to start behind a 2/s route. Now:
 //!
-//! - every route holds at most its share: the places beyond a `reserve` kept for the readers,
+//! - every route holds at most its share: the places beyond a reserve kept for the readers
+//!   (what they ask for at once, weighed as their last reads weighed: `read_weighed`),
 //!   divided among the routes holding any or waiting for them (max-min fairness: a route alone
 //!   may take them all, a second one arriving takes places as the first gives them back, until
 //!   they hold half each);
@@ -95,19 +96,27 @@ pub(crate) struct Shares {
     reading: AtomicUsize,
     permits: Arc<Semaphore>,
     total: usize,
+    /// Kept from long queues whatever the readers read: what they and the claimer ask for at
+    /// once in entries, a place each (0: nothing kept, where one route is all a worker serves).
     reserve: usize,
+    /// What each reader's last read weighed beyond a place an entry (`read_weighed`), by
+    /// input stream: large entries weigh several places each, and the reserve keeps those too.
+    read_extra: Box<[AtomicUsize]>,
+    /// The sum of `read_extra`.
+    read_extra_total: AtomicUsize,
     /// The most entries parked at once: past it the readers wait, as they did for places.
     max_parked: usize,
 }
 
 impl Shares {
-    /// `total` places (`permits` hands them out), of which `reserve` (at most half) are kept
+    /// `total` places (`permits` hands them out), of which `reserve` and what `readers` readers'
+    /// last reads weighed beyond it (at most half in all; nothing, when `reserve` is 0) are kept
     /// from long queues, for routes of `interval_us` each (by `Route::index`).
     pub(crate) fn new(
         interval_us: Vec<i64>,
         permits: Arc<Semaphore>,
-        total: usize,
-        reserve: usize,
+        (total, reserve): (usize, usize),
+        readers: usize,
     ) -> Arc<Self> {
         let routes = interval_us.len();
         let zeros = || (0..routes).map(|_| AtomicUsize::new(0)).collect();
@@ -128,6 +137,8 @@ impl Shares {
             permits,
             total,
             reserve: reserve.min(total / 2),
+            read_extra: (0..readers).map(|_| AtomicUsize::new(0)).collect(),
+            read_extra_total: AtomicUsize::new(0),
             max_parked: total.saturating_mul(PARKED_PER_PLACE),
         })
     }
@@ -261,7 +272,7 @@ impl Shares {
                 total: self.total,
                 free: self.permits.available_permits() + own,
                 reading: self.reading.load(Ordering::Relaxed),
-                reserve: self.reserve,
+                reserve: self.reserve(),
             },
             short,
             self.held[route].load(Ordering::Relaxed),
@@ -301,9 +312,41 @@ impl Shares {
         self.parked[route].load(Ordering::Relaxed)
     }
 
-    /// The places beyond the reserve kept for the readers.
+    /// The places beyond the reserve kept for the readers' entries, a place each (what their
+    /// weight adds comes and goes with what they read).
     pub(crate) fn beyond_reserve(&self) -> usize {
         self.total - self.reserve
+    }
+
+    /// Learns that the last read of the reader at `reader` weighed `places` for its `entries`
+    /// (`budget::hold`): the next read of that kind needs as many free, so the reserve keeps
+    /// what they weigh beyond a place each until a read weighs otherwise. A reserve of entries
+    /// alone (`batch` places a reader) let a long queue of 60 KB events (144 places each) hold
+    /// all but that: each read of 16 of them waited for the route's sleepers to free 2,304
+    /// places, read after read at the route's pace, and another route's events behind them in
+    /// the stream went out after 250-280 of its dispatches.
+    pub(crate) fn read_weighed(&self, reader: usize, entries: usize, places: usize) {
+        if self.reserve == 0 {
+            return;
+        }
+        let extra = places.saturating_sub(entries);
+        let Some(slot) = self.read_extra.get(reader) else {
+            return;
+        };
+        // Added before the old is taken away: the sum may read high for a moment, never wrap.
+        self.read_extra_total.fetch_add(extra, Ordering::Relaxed);
+        let old = slot.swap(extra, Ordering::Relaxed);
+        self.read_extra_total.fetch_sub(old, Ordering::Relaxed);
+    }
+
+    /// The places kept from long queues now: the readers' and the claimer's entries, a place
+    /// each, and what the readers' last reads weighed beyond that, at most half of all.
+    fn reserve(&self) -> usize {
+        if self.reserve == 0 {
+            return 0;
+        }
+        let extra = self.read_extra_total.load(Ordering::Relaxed);
+        self.reserve.saturating_add(extra).min(self.total / 2)
     }
 
     /// Counts `n` entries parked by the inbound partitions (`added`), or taken back.
@@ -409,7 +452,7 @@ pub(crate) fn room(places: Places, short: usize, held: usize, active: usize) -> 
 /// A seat on `route` of a worker of its own (for tests of what holds one).
 #[cfg(test)]
 pub(crate) fn seat_for_test(route: usize) -> Seat {
-    let shares = Shares::new(vec![1; route + 1], Arc::new(Semaphore::new(1)), 1, 0);
+    let shares = Shares::new(vec![1; route + 1], Arc::new(Semaphore::new(1)), (1, 0), 0);
     shares.seat(route, 1)
 }
 
@@ -455,6 +498,37 @@ mod tests {
         let short = Places { free: 3, ..waiting };
         assert_eq!(room(short, 0, 0, 1), 3);
         assert_eq!(room(short, 100, 0, 1), 3);
+    }
+
+    /// The places kept from long queues grow by what a reader's last read weighed beyond a
+    /// place an entry, and shrink back when a read weighs a place an entry again; at most half
+    /// of all, and nothing where nothing is kept. A long queue's room follows: a route of large
+    /// events no longer takes the places a read of its own entries is waiting for.
+    #[test]
+    fn the_reserve_keeps_what_the_reads_weigh() {
+        let permits = Arc::new(Semaphore::new(10_000));
+        let shares = Shares::new(vec![1_000; 2], permits.clone(), (10_000, 128), 2);
+        // Route 0 a long queue (its plan far ahead), holding nothing yet.
+        shares.queue(0, 60_000_000);
+        assert_eq!(shares.reserve(), 128);
+        assert_eq!(shares.room_with(0, 0), 10_000 - 128);
+        // 16 entries of 144 places each read on stream 0.
+        shares.read_weighed(0, 16, 16 * 144);
+        assert_eq!(shares.reserve(), 128 + 16 * 143);
+        assert_eq!(shares.room_with(0, 0), 10_000 - 128 - 16 * 143);
+        // Both readers, then more than half: held to half.
+        shares.read_weighed(1, 10, 10 * 144);
+        assert_eq!(shares.reserve(), 128 + 16 * 143 + 10 * 143);
+        shares.read_weighed(1, 10, 10 * 1_000);
+        assert_eq!(shares.reserve(), 5_000);
+        // Small entries again: back to a place an entry.
+        shares.read_weighed(0, 64, 64);
+        shares.read_weighed(1, 3, 3);
+        assert_eq!(shares.reserve(), 128);
+        // A worker that keeps nothing (one route, no inbound) keeps nothing for weights either.
+        let lone = Shares::new(vec![1_000], permits, (10_000, 0), 1);
+        lone.read_weighed(0, 16, 16 * 144);
+        assert_eq!(lone.reserve(), 0);
     }
 
     /// A short queue takes as many places as its rate passes in what is left of a second (a
