@@ -103,7 +103,8 @@ impl Worker {
                 .map(|i| cfg.outbound.route_at(i).bucket.interval_us)
                 .collect(),
             permits.clone(),
-            (cfg.worker.max_inflight, reserve),
+            cfg.worker.max_inflight,
+            reserve,
             streams.len(),
         );
         // WAITs block their connection: they get one of their own, waited on for as long.

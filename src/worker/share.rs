@@ -115,7 +115,8 @@ impl Shares {
     pub(crate) fn new(
         interval_us: Vec<i64>,
         permits: Arc<Semaphore>,
-        (total, reserve): (usize, usize),
+        total: usize,
+        reserve: usize,
         readers: usize,
     ) -> Arc<Self> {
         let routes = interval_us.len();
@@ -452,7 +453,7 @@ pub(crate) fn room(places: Places, short: usize, held: usize, active: usize) -> 
 /// A seat on `route` of a worker of its own (for tests of what holds one).
 #[cfg(test)]
 pub(crate) fn seat_for_test(route: usize) -> Seat {
-    let shares = Shares::new(vec![1; route + 1], Arc::new(Semaphore::new(1)), (1, 0), 0);
+    let shares = Shares::new(vec![1; route + 1], Arc::new(Semaphore::new(1)), 1, 0, 0);
     shares.seat(route, 1)
 }
 
@@ -507,7 +508,7 @@ mod tests {
     #[test]
     fn the_reserve_keeps_what_the_reads_weigh() {
         let permits = Arc::new(Semaphore::new(10_000));
-        let shares = Shares::new(vec![1_000; 2], permits.clone(), (10_000, 128), 2);
+        let shares = Shares::new(vec![1_000; 2], permits.clone(), 10_000, 128, 2);
         // Route 0 a long queue (its plan far ahead), holding nothing yet.
         shares.queue(0, 60_000_000);
         assert_eq!(shares.reserve(), 128);
@@ -526,7 +527,7 @@ mod tests {
         shares.read_weighed(1, 3, 3);
         assert_eq!(shares.reserve(), 128);
         // A worker that keeps nothing (one route, no inbound) keeps nothing for weights either.
-        let lone = Shares::new(vec![1_000], permits, (10_000, 0), 1);
+        let lone = Shares::new(vec![1_000], permits, 10_000, 0, 1);
         lone.read_weighed(0, 16, 16 * 144);
         assert_eq!(lone.reserve(), 0);
     }
