@@ -1277,6 +1277,69 @@ fn large_parked_events_are_weighed_again_when_taken_back() {
     );
 }
 
+/// Large events of a fast route, read behind a slow route whose small events hold the
+/// worker's places asleep (a long queue, 1,800 of its 2,000 places): the read's weight (20 of
+/// 115 places each) is not free, so the reader parks what it cannot weigh rather than wait for
+/// the slow route's sleepers to free it (`worker/budget.rs` `hold`), and the fast route takes
+/// its events back, weighed, from the places it has. While a read waited for its weight, the
+/// fast route's events went out 15 s after they were pushed (about 770 of the slow route's
+/// dispatches); now within about 0.2 s. Each of them goes once, whole; the slow route keeps its
+/// rate.
+#[test]
+fn a_fast_routes_large_events_are_not_held_behind_a_slow_routes_sleepers() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("large-behind-sleepers");
+    let port = free_port();
+    let worker = "  batch: 64\n  read_bytes: 1048576\n  max_inflight: 2000\n  max_inflight_bytes: 1048576\n  claim_idle: 310s\n  drain: 1s";
+    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 50/s, burst: 1, max_wait: 300s}\n    b: {rate: 1000/s, burst: 10, max_wait: 1s}\n";
+    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
+    let small: Vec<_> = (0..3000)
+        .map(|i| event(&[("route", "a"), ("n", &i.to_string())]))
+        .collect();
+    push(&redis, "in", &small);
+    let pacer = start(&cfg, port);
+    // a's sleepers hold the places beyond the readers' (2,000 less 64 for each reader and the
+    // claimer).
+    let full = wait_until(Duration::from_secs(20), || {
+        metric_at(port, "pacer_sleeping_events") >= 1_500.0
+    });
+    assert!(
+        full,
+        "a's events never filled the places\n{}",
+        pacer.log_text()
+    );
+    let blob = "x".repeat(60_000);
+    let large: Vec<_> = (0..20)
+        .map(|i| event(&[("route", "b"), ("n", &i.to_string()), ("blob", &blob)]))
+        .collect();
+    let ids = push(&redis, "in", &large);
+    let out = wait_until(Duration::from_secs(40), || {
+        lengths(&redis, &["pacer:{b}:ready"]) == [20]
+    });
+    assert!(out, "b's events not out\n{}", pacer.log_text());
+    let b = read(&redis, "pacer:{b}:ready");
+    let at = placements(&redis, &["pacer:{b}:ready", "pacer:rejected", "pacer:dead"]);
+    assert_ended_once(&at, &ids);
+    assert!(
+        b.iter()
+            .all(|e| e.field("blob").map(str::len) == Some(60_000)),
+        "an event of b lost its fields"
+    );
+    // Counted in a's dispatches between b's push and b's last, not in seconds: 50 is a second
+    // of a's rate (about 770 while the reader waited for a's places).
+    let pushed_ms: i64 = ids[0].split('-').next().unwrap().parse().unwrap();
+    let b_last = b.iter().map(|e| e.ms).max().unwrap();
+    let a_during = read(&redis, "pacer:{a}:ready")
+        .iter()
+        .filter(|e| e.ms >= pushed_ms && e.ms <= b_last)
+        .count();
+    assert!(
+        a_during < 50,
+        "b's events waited for a's sleepers: {a_during} of a's went out meanwhile"
+    );
+    assert_rate(&redis, "pacer:{a}:ready", 50.0, 1.0);
+}
+
 /// Fields of each event of the huge outbound test below: so many that a call's argument count,
 /// which Redis's slow log keeps when it cuts the arguments themselves, tells how many events the
 /// call carried (each brings at least two arguments a field; a call's other arguments are far

@@ -27,7 +27,9 @@
 //! let 10,000 events at the 64 KiB `max_event_bytes` default hold 640 MB. An entry holds one
 //! permit per started `max_inflight_bytes / max_inflight` bytes of fields (one, for the usual
 //! small event), so the fields held stay within `max_inflight_bytes` as the entries do within
-//! `max_inflight`.
+//! `max_inflight`. A read whose weight is not free does not wait for it where the worker keeps
+//! places for its readers: what does not fit is parked (`hold`), its fields let go, and weighed
+//! again when its route takes it back.
 
 use super::context::Context;
 use tokio::sync::OwnedSemaphorePermit;
@@ -67,18 +69,59 @@ impl ReadSize {
 
 /// The permits for entries of `sizes` (bytes, `Entry::size`), just read with `read` permits
 /// (one each): each entry gets as many as its size weighs (`weights`), all of them together at
-/// most what the other reads leave. When that is more, the read's permits are given back and
-/// the whole weight asked for at once: waiting for more while holding some could deadlock with
-/// the other readers and the claimer doing the same. None on shutdown meanwhile (the entries
-/// stay pending in the group, taken up by this consumer's next start or a claimer).
+/// most what the other reads leave, with whether each holds fewer (`underweight`).
+///
+/// When the weight is more than the read holds and the entries may be parked (`parkable`: on
+/// their first delivery, in a worker that keeps places for its readers), the entries whose
+/// weight is not free now get one place each and are marked underweight, to be parked as they
+/// are handed over and weighed again when taken back: a read that waited for its weight waited
+/// for whatever held the places, and a long queue of small events on a slow route held them for
+/// as long as its sleepers slept (a fast route's 20 events of 60 KB, read behind a 50/s route's
+/// queue on a worker of 2,000 places, went out 15 s late). Otherwise the read's permits are
+/// given back and the whole weight asked for at once: waiting for more while holding some could
+/// deadlock with the other readers and the claimer doing the same. None on shutdown meanwhile
+/// (the entries stay pending in the group, taken up by this consumer's next start or a
+/// claimer).
 pub(super) async fn hold(
     ctx: &Context,
     sizes: &[usize],
     mut read: OwnedSemaphorePermit,
+    parkable: bool,
     shutdown: &CancellationToken,
-) -> Option<Vec<OwnedSemaphorePermit>> {
-    let weights = weighed(ctx, sizes);
+) -> Option<(Vec<OwnedSemaphorePermit>, Vec<bool>)> {
+    let mut weights = weighed(ctx, sizes);
     let total: usize = weights.iter().sum();
+    let mut underweight = vec![false; weights.len()];
+    if total > read.num_permits() && parkable {
+        // One place each from the read, and the weight beyond that to the first entries whose
+        // weight is free now; the rest are underweight.
+        let free =
+            ctx.permits.available_permits() + read.num_permits().saturating_sub(weights.len());
+        let (fitting, heavy) = fit(&weights, free);
+        let extra = fitting.saturating_sub(read.num_permits());
+        let more = if extra > 0 {
+            ctx.permits
+                .clone()
+                .try_acquire_many_owned(extra as u32)
+                .ok()
+        } else {
+            None
+        };
+        // The free permits counted may have been taken meanwhile: then none fits.
+        let heavy = if extra > 0 && more.is_none() {
+            0
+        } else {
+            heavy
+        };
+        if let Some(more) = more {
+            read.merge(more);
+        }
+        for (w, under) in weights.iter_mut().zip(underweight.iter_mut()).skip(heavy) {
+            *under = *w > 1;
+            *w = 1;
+        }
+        return Some((split(read, &weights), underweight));
+    }
     if total > read.num_permits() {
         drop(read);
         read = tokio::select! {
@@ -86,7 +129,22 @@ pub(super) async fn hold(
             p = ctx.permits.clone().acquire_many_owned(total as u32) => p.expect("never closed"),
         };
     }
-    Some(split(read, &weights))
+    Some((split(read, &weights), underweight))
+}
+
+/// How many of the first entries of `weights` may hold their weight in `free` permits beyond
+/// one each for all of them: (the permits they and the rest, at one each, hold; how many).
+fn fit(weights: &[usize], free: usize) -> (usize, usize) {
+    let (mut used, mut n) = (0, 0);
+    for w in weights {
+        let more = w - 1;
+        if used + more > free {
+            break;
+        }
+        used += more;
+        n += 1;
+    }
+    (weights.len() + used, n)
 }
 
 /// As `hold`, for entries that hold no permits yet, without waiting: the permits of as many of
@@ -222,6 +280,22 @@ mod tests {
         assert_eq!(weights(&[1000, 1000, 1000], 100, 12), [10, 1, 1]);
         assert_eq!(weights(&[1000, 10, 1000], 1, 3), [1, 1, 1]);
         assert_eq!(weights(&[], 100, 12), Vec::<usize>::new());
+    }
+
+    /// A read that cannot have its whole weight gives it to its first entries while it is
+    /// free beyond a place each for all, in order (an entry after one that did not fit does
+    /// not take the rest: the route takes its events in order).
+    #[test]
+    fn the_first_entries_take_the_free_weight_the_rest_one_place_each() {
+        // 3 entries of 5 places: 4 beyond one each fits once in 6, twice in 8.
+        assert_eq!(fit(&[5, 5, 5], 6), (7, 1));
+        assert_eq!(fit(&[5, 5, 5], 8), (11, 2));
+        assert_eq!(fit(&[5, 5, 5], 12), (15, 3));
+        // Nothing free: one place each, none weighed.
+        assert_eq!(fit(&[5, 5, 5], 0), (3, 0));
+        // Light entries fit in nothing; a heavy one stops the rest.
+        assert_eq!(fit(&[1, 1, 9, 1], 3), (4, 2));
+        assert_eq!(fit(&[], 3), (0, 0));
     }
 
     #[test]

@@ -194,19 +194,37 @@ impl Drop for Registered {
 /// cleared.
 pub(crate) struct Hold {
     stream: Arc<Stream>,
+    /// Its places, and in the top bit whether it holds fewer than its entry weighs
+    /// (`UNDERWEIGHT`): a flag of its own would make every sleeping event's hold 8 bytes larger.
     permits: u32,
     slot: u32,
 }
 
+/// The bit of `Hold::permits` that says it holds fewer places than its entry weighs (a read
+/// that could not have its weight soon: `budget::hold`). Never a place count: `max_inflight` is
+/// at most 10,000,000 (`config`).
+const UNDERWEIGHT: u32 = 1 << 31;
+
 impl Hold {
     /// How many of the worker's places it holds.
     pub(crate) fn places(&self) -> u32 {
-        self.permits
+        self.permits & !UNDERWEIGHT
+    }
+
+    /// Whether it holds fewer places than its entry weighs: the entry must be parked (its
+    /// fields let go) as it is handed over, and weighed again when taken back.
+    pub(crate) fn underweight(&self) -> bool {
+        self.permits & UNDERWEIGHT != 0
+    }
+
+    /// Marks it as holding fewer places than its entry weighs.
+    pub(crate) fn mark_underweight(&mut self) {
+        self.permits |= UNDERWEIGHT;
     }
 
     /// Gives its places back and keeps its registration: the entry is still held (parked).
     pub(crate) fn into_registered(mut self) -> Registered {
-        let permits = std::mem::take(&mut self.permits);
+        let permits = std::mem::take(&mut self.permits) & !UNDERWEIGHT;
         self.stream.permits.add_permits(permits as usize);
         Registered {
             stream: self.stream.clone(),
@@ -218,7 +236,7 @@ impl Hold {
 impl Drop for Hold {
     fn drop(&mut self) {
         self.stream.clear(self.slot);
-        self.stream.permits.add_permits(self.permits as usize);
+        self.stream.permits.add_permits(self.places() as usize);
     }
 }
 

@@ -58,7 +58,8 @@ impl Lot {
         } else {
             0
         };
-        if room >= own {
+        let light = group.iter().all(|p| !p.permit.underweight());
+        if room >= own && light {
             // The usual hand-over: nothing parked, room for all.
             return group;
         }
@@ -66,7 +67,9 @@ impl Lot {
         let mut kept = Vec::with_capacity(group.len());
         for p in group {
             let places = p.permit.places() as usize;
-            if !p.is_fresh() || places <= room {
+            // An underweight entry (read when its weight was not free) is parked whatever the
+            // room: it holds a place, not its fields' worth.
+            if !p.is_fresh() || (places <= room && !p.permit.underweight()) {
                 room = room.saturating_sub(places);
                 kept.push(p);
                 continue;

@@ -220,17 +220,21 @@ pub(super) async fn take_on(
     shutdown: &CancellationToken,
 ) -> bool {
     let registered = (ctx.held).register(index, entries.iter().map(|e| e.id.as_str()));
-    let Some(permits) = budget::hold(ctx, sizes, permits, shutdown).await else {
+    // Parked rather than waited for (`budget::hold`) only where parking lets something else
+    // go on, and only entries nothing was decided for yet (a redelivered one may have a slot on
+    // record that must not wait).
+    let parkable = ctx.shares.keeps_reserve() && entries.iter().all(|e| e.deliveries <= 1);
+    let Some((permits, underweight)) = budget::hold(ctx, sizes, permits, parkable, shutdown).await
+    else {
         return false;
     };
-    handle(
-        ctx,
-        entries,
-        held::holds(permits, registered),
-        placers,
-        shutdown,
-    )
-    .await;
+    let mut holds = held::holds(permits, registered);
+    for (hold, under) in holds.iter_mut().zip(underweight) {
+        if under {
+            hold.mark_underweight();
+        }
+    }
+    handle(ctx, entries, holds, placers, shutdown).await;
     true
 }
 

@@ -319,6 +319,11 @@ impl Shares {
         self.total - self.reserve
     }
 
+    /// Whether places are kept for the readers (not where one route is all a worker serves).
+    pub(crate) fn keeps_reserve(&self) -> bool {
+        self.reserve > 0
+    }
+
     /// Learns that the last read of the reader at `reader` weighed `places` for its `entries`
     /// (`budget::hold`): the next read of that kind needs as many free, so the reserve keeps
     /// what they weigh beyond a place each until a read weighs otherwise. A reserve of entries
