@@ -71,8 +71,8 @@ impl ReadSize {
 /// (one each): each entry gets as many as its size weighs (`weights`), all of them together at
 /// most what the other reads leave, with whether each holds fewer (`underweight`).
 ///
-/// When the weight is more than the read holds and the entries may be parked (`parkable`: on
-/// their first delivery, in a worker that keeps places for its readers), the entries whose
+/// When the weight is more than the read holds and the entries may be parked (`parkable`:
+/// outbound, on their first delivery, in a worker that keeps places for its readers), those whose
 /// weight is not free now get one place each and are marked underweight, to be parked as they
 /// are handed over and weighed again when taken back: a read that waited for its weight waited
 /// for whatever held the places, and a long queue of small events on a slow route held them for

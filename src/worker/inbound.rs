@@ -343,10 +343,8 @@ pub(super) fn admit(
                 let park = parking.entry(k).or_insert_with(|| lanes.states.parking(k));
                 // Only entries on their first delivery: nothing is recorded for them yet.
                 let places = hold.places() as usize;
-                // And an underweight entry (read when its weight was not free: `budget::hold`)
-                // whatever the lane's state: it holds a place, not its fields' worth.
                 let hold = if e.entry.deliveries <= 1
-                    && (park.parking || (park.stuck && places > park.room) || hold.underweight())
+                    && (park.parking || (park.stuck && places > park.room))
                 {
                     match Parked::new(ctx, &e.entry.stream, &e.entry.id, hold) {
                         Ok(p) => {
