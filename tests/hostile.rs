@@ -1277,6 +1277,74 @@ fn large_parked_events_are_weighed_again_when_taken_back() {
     );
 }
 
+/// A worker of 2,000 places (1 MiB of fields: 115 places for an event of 60 KB) whose route `a`
+/// (50/s) has 3,000 small events queued, asleep on all the places beyond the readers' (2,000
+/// less 64 for each reader and the claimer), `more` added to its config; the pacer, its
+/// metrics port and what it needs kept alive.
+fn a_slow_routes_sleepers_holding_the_places(
+    label: &str,
+    more: &str,
+) -> (RedisServer, TempDir, Pacer, u16) {
+    let redis = RedisServer::start();
+    let dir = TempDir::new(label);
+    let port = free_port();
+    let worker = "  batch: 64\n  read_bytes: 1048576\n  max_inflight: 2000\n  max_inflight_bytes: 1048576\n  claim_idle: 310s\n  drain: 1s";
+    let body = format!("outbound:\n  streams: [\"in\"]\n  routes:\n    a: {{rate: 50/s, burst: 1, max_wait: 300s}}\n    b: {{rate: 1000/s, burst: 10, max_wait: 1s}}\n{more}");
+    let cfg = config(&dir, "c.yaml", &redis, port, worker, &body);
+    let small: Vec<_> = (0..3000)
+        .map(|i| event(&[("route", "a"), ("n", &i.to_string())]))
+        .collect();
+    push(&redis, "in", &small);
+    let pacer = start(&cfg, port);
+    let full = wait_until(Duration::from_secs(20), || {
+        metric_at(port, "pacer_sleeping_events") >= 1_500.0
+    });
+    assert!(
+        full,
+        "a's events never filled the places\n{}",
+        pacer.log_text()
+    );
+    (redis, dir, pacer, port)
+}
+
+/// Events of 60 KB each (field `blob`), the `i`th with the fields `head(i)` before it.
+fn events_of_60_kb(head: impl Fn(usize) -> Vec<(String, String)>) -> Vec<Vec<(String, Vec<u8>)>> {
+    let blob = "x".repeat(60_000);
+    (0..20)
+        .map(|i| {
+            let mut fields = head(i);
+            fields.push(("blob".into(), blob.clone()));
+            let refs: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (&**k, &**v)).collect();
+            event(&refs)
+        })
+        .collect()
+}
+
+/// Checks that the 20 events of 60 KB pushed as `ids` each ended once in `outputs`, whole, in
+/// `out` (read from `outputs[0]`), within fewer of route a's dispatches than a second of its
+/// rate (50) from their push; a keeps its rate.
+fn assert_out_before_a_second_of_a(redis: &RedisServer, ids: &[String], outputs: &[&str]) {
+    let out = read(redis, outputs[0]);
+    assert_ended_once(&placements(redis, outputs), ids);
+    assert!(
+        out.iter()
+            .all(|e| e.field("blob").map(str::len) == Some(60_000)),
+        "an event lost its fields"
+    );
+    // Counted in a's dispatches between the push and the last, not in seconds.
+    let pushed_ms: i64 = ids[0].split('-').next().unwrap().parse().unwrap();
+    let last = out.iter().map(|e| e.ms).max().unwrap();
+    let a_during = read(redis, "pacer:{a}:ready")
+        .iter()
+        .filter(|e| e.ms >= pushed_ms && e.ms <= last)
+        .count();
+    assert!(
+        a_during < 50,
+        "the large events waited for a's sleepers: {a_during} of a's went out meanwhile"
+    );
+    assert_rate(redis, "pacer:{a}:ready", 50.0, 1.0);
+}
+
 /// Large events of a fast route, read behind a slow route whose small events hold the
 /// worker's places asleep (a long queue, 1,800 of its 2,000 places): the read's weight (20 of
 /// 115 places each) is not free, so the reader parks what it cannot weigh rather than wait for
@@ -1287,57 +1355,43 @@ fn large_parked_events_are_weighed_again_when_taken_back() {
 /// rate.
 #[test]
 fn a_fast_routes_large_events_are_not_held_behind_a_slow_routes_sleepers() {
-    let redis = RedisServer::start();
-    let dir = TempDir::new("large-behind-sleepers");
-    let port = free_port();
-    let worker = "  batch: 64\n  read_bytes: 1048576\n  max_inflight: 2000\n  max_inflight_bytes: 1048576\n  claim_idle: 310s\n  drain: 1s";
-    let body = "outbound:\n  streams: [\"in\"]\n  routes:\n    a: {rate: 50/s, burst: 1, max_wait: 300s}\n    b: {rate: 1000/s, burst: 10, max_wait: 1s}\n";
-    let cfg = config(&dir, "c.yaml", &redis, port, worker, body);
-    let small: Vec<_> = (0..3000)
-        .map(|i| event(&[("route", "a"), ("n", &i.to_string())]))
-        .collect();
-    push(&redis, "in", &small);
-    let pacer = start(&cfg, port);
-    // a's sleepers hold the places beyond the readers' (2,000 less 64 for each reader and the
-    // claimer).
-    let full = wait_until(Duration::from_secs(20), || {
-        metric_at(port, "pacer_sleeping_events") >= 1_500.0
-    });
-    assert!(
-        full,
-        "a's events never filled the places\n{}",
-        pacer.log_text()
-    );
-    let blob = "x".repeat(60_000);
-    let large: Vec<_> = (0..20)
-        .map(|i| event(&[("route", "b"), ("n", &i.to_string()), ("blob", &blob)]))
-        .collect();
+    let (redis, _dir, pacer, _) = a_slow_routes_sleepers_holding_the_places("large-behind", "");
+    let large =
+        events_of_60_kb(|i| vec![("route".into(), "b".into()), ("n".into(), i.to_string())]);
     let ids = push(&redis, "in", &large);
     let out = wait_until(Duration::from_secs(40), || {
         lengths(&redis, &["pacer:{b}:ready"]) == [20]
     });
     assert!(out, "b's events not out\n{}", pacer.log_text());
-    let b = read(&redis, "pacer:{b}:ready");
-    let at = placements(&redis, &["pacer:{b}:ready", "pacer:rejected", "pacer:dead"]);
-    assert_ended_once(&at, &ids);
-    assert!(
-        b.iter()
-            .all(|e| e.field("blob").map(str::len) == Some(60_000)),
-        "an event of b lost its fields"
+    assert_out_before_a_second_of_a(
+        &redis,
+        &ids,
+        &["pacer:{b}:ready", "pacer:rejected", "pacer:dead"],
     );
-    // Counted in a's dispatches between b's push and b's last, not in seconds: 50 is a second
-    // of a's rate (about 770 while the reader waited for a's places).
-    let pushed_ms: i64 = ids[0].split('-').next().unwrap().parse().unwrap();
-    let b_last = b.iter().map(|e| e.ms).max().unwrap();
-    let a_during = read(&redis, "pacer:{a}:ready")
-        .iter()
-        .filter(|e| e.ms >= pushed_ms && e.ms <= b_last)
-        .count();
-    assert!(
-        a_during < 50,
-        "b's events waited for a's sleepers: {a_during} of a's went out meanwhile"
+}
+
+/// The same for inbound events of 60 KB behind the slow route's sleepers, over 4 partitions:
+/// parked as they are handed to their partition's lane, and decided once taken back, weighed.
+/// Before 2026-12-01 an inbound read waited for its weight; parked, the entries of a lane that
+/// was sent none of them (all its entries of the read parked) stayed pending for good: an idle
+/// lane never looked at its lot again (`inbound::Lane::parked`).
+#[test]
+fn large_inbound_events_are_not_held_behind_a_slow_routes_sleepers() {
+    let rule = "{name: per-source, key: [source], algorithm: gcra, limits: [10/s]}";
+    let inbound = inbound_body(rule) + "  partitions: 4\n  partition_by: source\n";
+    let (redis, _dir, pacer, _) =
+        a_slow_routes_sleepers_holding_the_places("inbound-large-behind", &inbound);
+    let large = events_of_60_kb(|i| vec![("source".into(), format!("s{i}"))]);
+    let ids = push(&redis, "pacer:in", &large);
+    let out = wait_until(Duration::from_secs(40), || {
+        lengths(&redis, &["pacer:accepted"]) == [20]
+    });
+    assert!(out, "the inbound events not decided\n{}", pacer.log_text());
+    assert_out_before_a_second_of_a(
+        &redis,
+        &ids,
+        &["pacer:accepted", "pacer:in-rejected", "pacer:dead"],
     );
-    assert_rate(&redis, "pacer:{a}:ready", 50.0, 1.0);
 }
 
 /// Fields of each event of the huge outbound test below: so many that a call's argument count,

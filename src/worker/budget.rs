@@ -72,7 +72,7 @@ impl ReadSize {
 /// most what the other reads leave, with whether each holds fewer (`underweight`).
 ///
 /// When the weight is more than the read holds and the entries may be parked (`parkable`:
-/// outbound, on their first delivery, in a worker that keeps places for its readers), those whose
+/// on their first delivery, in a worker that keeps places for its readers), those whose
 /// weight is not free now get one place each and are marked underweight, to be parked as they
 /// are handed over and weighed again when taken back: a read that waited for its weight waited
 /// for whatever held the places, and a long queue of small events on a slow route held them for

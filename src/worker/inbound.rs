@@ -86,6 +86,12 @@ struct Lane {
     /// While it takes entries back (out of the lot, not yet decided), what it is sent is
     /// parked too, after them: those it cannot take now go back in front.
     taking: AtomicBool,
+    /// Told when the reader parks entries in its lot: a batch whose entries of this partition
+    /// are all parked sends the lane nothing, and a lane waiting for parts with none parked
+    /// would never look at its lot again. (Until 2026-12-01 it was not: a lane whose entries of
+    /// a read were all parked as underweight left them pending for good, 155 in a byte-a-place
+    /// chaos run; a lane idle while its outputs were stuck could too.)
+    parked: tokio::sync::Notify,
 }
 
 impl LaneStates {
@@ -243,7 +249,9 @@ async fn lane(
             },
             // Parked entries are taken back while nothing else comes.
             _ = tokio::time::sleep(TAKE_BACK_EVERY), if has_parked => None,
+            _ = state.parked.notified() => None,
         };
+        let has_parked = has_parked || !state.lot.lock().expect("never poisoned").is_empty();
         let (mut events, mut batches) = match first {
             Some(first) => (first.events, vec![first.batch]),
             None => (Gathered::default(), Vec::new()),
@@ -343,8 +351,10 @@ pub(super) fn admit(
                 let park = parking.entry(k).or_insert_with(|| lanes.states.parking(k));
                 // Only entries on their first delivery: nothing is recorded for them yet.
                 let places = hold.places() as usize;
+                // And an underweight entry (read when its weight was not free: `budget::hold`)
+                // whatever the lane's state: it holds a place, not its fields' worth.
                 let hold = if e.entry.deliveries <= 1
-                    && (park.parking || (park.stuck && places > park.room))
+                    && (park.parking || (park.stuck && places > park.room) || hold.underweight())
                 {
                     match Parked::new(ctx, &e.entry.stream, &e.entry.id, hold) {
                         Ok(p) => {
@@ -374,19 +384,7 @@ pub(super) fn admit(
             }
         }
     }
-    for (k, park) in parking {
-        if !park.parked.is_empty() {
-            let n = park.parked.len();
-            let mut lot = lanes.states.lanes[k].lot.lock().expect("never poisoned");
-            lot.extend(park.parked);
-            ctx.shares.park_inbound(n, true);
-            telemetry::inbound_parked(k, lot.len());
-        }
-    }
     let n = parts.len() + usize::from(!undecidable.0.is_empty());
-    if n == 0 {
-        return rest;
-    }
     let batch = Arc::new(Batch {
         left: std::sync::Mutex::new((n, Vec::new())),
     });
@@ -398,6 +396,22 @@ pub(super) fn admit(
         };
         // A lane gone has seen shutdown: the part is dropped, its entries left pending.
         let _ = lanes.lanes[k].send(part);
+    }
+    // Parked after the parts are sent: a lane takes entries back only once it has decided
+    // every part sent before them (they came first).
+    for (k, park) in parking {
+        if !park.parked.is_empty() {
+            let n = park.parked.len();
+            let lane = &lanes.states.lanes[k];
+            let mut lot = lane.lot.lock().expect("never poisoned");
+            lot.extend(park.parked);
+            ctx.shares.park_inbound(n, true);
+            telemetry::inbound_parked(k, lot.len());
+            lane.parked.notify_one();
+        }
+    }
+    if n == 0 {
+        return rest;
     }
     if !undecidable.0.is_empty() {
         let (ctx, stop) = (ctx.clone(), stop.clone());

@@ -221,15 +221,9 @@ pub(super) async fn take_on(
 ) -> bool {
     let registered = (ctx.held).register(index, entries.iter().map(|e| e.id.as_str()));
     // Parked rather than waited for (`budget::hold`) only where parking lets something else
-    // go on, and only outbound entries nothing was decided for yet (a redelivered one may have
-    // a slot on record that must not wait). Inbound entries are decided at once, not asleep:
-    // parked as underweight too, a chaos run with four partitions and a byte a place left some
-    // pending for good (not understood yet), so their reads wait for their weight as before.
-    let inbound = |e: &Entry| {
-        (ctx.cfg.inbound.as_ref()).is_some_and(|i| i.flow.streams.iter().any(|s| *s == *e.stream))
-    };
-    let parkable =
-        ctx.shares.keeps_reserve() && entries.iter().all(|e| e.deliveries <= 1 && !inbound(e));
+    // go on, and only entries nothing was decided for yet (a redelivered one may have a slot on
+    // record that must not wait).
+    let parkable = ctx.shares.keeps_reserve() && entries.iter().all(|e| e.deliveries <= 1);
     let Some((permits, underweight)) = budget::hold(ctx, sizes, permits, parkable, shutdown).await
     else {
         return false;
