@@ -11,9 +11,9 @@
 //! 10,000 sleeping events, or (drawn from the seed, or `PACER_CHAOS_MAX_INFLIGHT`) 150, fewer
 //! than route a's backlog can hold (400): its events are then parked past its share of a
 //! worker's places (`worker/share.rs`) and read again, through every fault. Their bytes are
-//! weighed at the default budget, or (`PACER_CHAOS_INFLIGHT_BYTES`, by hand) at a byte a
-//! place, where an event weighs about a hundred places and reads whose weight is not free park
-//! what they cannot weigh (`worker/budget.rs`).
+//! weighed at the default budget, or (drawn from the seed, or `PACER_CHAOS_INFLIGHT_BYTES`) at
+//! a byte a place, where an event weighs about a hundred places and reads whose weight is not
+//! free park what they cannot weigh (`worker/budget.rs`), outbound and inbound.
 //!
 //! The suite runs 60 s. Longer, or replaying a run: `PACER_CHAOS_SECONDS=600
 //! PACER_CHAOS_SEED=<seed printed by a run> cargo test --release --test chaos -- --nocapture`.
@@ -44,12 +44,16 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
     let partitions = env_u64("PACER_CHAOS_PARTITIONS").unwrap_or(if seed & 2 == 0 { 1 } else { 4 });
     let max_inflight =
         env_u64("PACER_CHAOS_MAX_INFLIGHT").unwrap_or(if seed & 4 == 0 { 10_000 } else { 150 });
-    // A byte a place, the least allowed (`PACER_CHAOS_INFLIGHT_BYTES=<max_inflight>`): an event weighs
-    // about a hundred places, a wide one the most a read may hold, so the places run short and
-    // reads whose weight is not free park what they cannot weigh (`worker/budget.rs` `hold`;
-    // with 150 places a read's weight is capped at a place an entry). 0: the default budget.
-    // By hand only for now, not drawn from the seed (see the README's chaos paragraph).
-    let inflight_bytes = env_u64("PACER_CHAOS_INFLIGHT_BYTES").unwrap_or(0);
+    // A byte a place (`max_inflight_bytes` = `max_inflight`, 1 KiB at least, the least
+    // allowed): an event weighs about a hundred places, a wide one the most a read may hold,
+    // so the places run short and reads whose weight is not free park what they cannot weigh
+    // (`worker/budget.rs` `hold`; with 150 places a read's weight is capped at a place an
+    // entry). 0: the default budget.
+    let inflight_bytes = env_u64("PACER_CHAOS_INFLIGHT_BYTES").unwrap_or(if seed & 8 == 0 {
+        0
+    } else {
+        max_inflight.max(1024)
+    });
     eprintln!(
         "chaos: {seconds} s, seed {seed}, {partitions} inbound partition(s), max_inflight {max_inflight}, max_inflight_bytes {inflight_bytes}"
     );

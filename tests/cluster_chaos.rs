@@ -6,8 +6,9 @@
 //! master frozen for 0.2–0.7 s (below the cluster's node timeout, so nobody takes it over);
 //! and with `redis.wait_replicas: 1` (drawn from the seed, or
 //! `PACER_CLUSTER_CHAOS_WAIT_REPLICAS=1`), a master killed outright, its replica promoted and
-//! the old master restarted as its replica. Each fault on the cluster comes once first, so that
-//! the suite's short run has them all.
+//! the old master restarted as its replica. The workers' places are weighed at a byte a place
+//! every other seed (or `PACER_CLUSTER_CHAOS_INFLIGHT_BYTES`), as in `tests/chaos.rs`. Each
+//! fault on the cluster comes once first, so that the suite's short run has them all.
 //! Among the events: wide ones (2,000 fields), malformed ones, repeated ids and binary values.
 //! At the end every input entry has ended in exactly one output once, no rolling window of a
 //! route's ready stream holds more than its limit (by the entry ids Redis gave), and nothing is
@@ -50,8 +51,21 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
     // replica takes over and nothing may be lost (without it, writes the replica had not
     // received are lost, as the README says, and no such fault is drawn).
     let wait_replicas = env_u64("PACER_CLUSTER_CHAOS_WAIT_REPLICAS").unwrap_or(seed >> 3 & 1);
+    // A byte a place (1 KiB at least), every other seed: reads whose weight is not free park
+    // what they cannot weigh (`tests/chaos.rs` says more). 0: the default budget.
+    let inflight_bytes =
+        env_u64("PACER_CLUSTER_CHAOS_INFLIGHT_BYTES").unwrap_or(if seed >> 4 & 1 == 0 {
+            0
+        } else {
+            max_inflight.max(1024)
+        });
+    let weighed = if inflight_bytes > 0 {
+        format!("\n  max_inflight_bytes: {inflight_bytes}")
+    } else {
+        String::new()
+    };
     eprintln!(
-        "cluster chaos: {seconds} s, seed {seed}, max_inflight {max_inflight}, wait_replicas {wait_replicas}"
+        "cluster chaos: {seconds} s, seed {seed}, max_inflight {max_inflight}, max_inflight_bytes {inflight_bytes}, wait_replicas {wait_replicas}"
     );
     let mut rng = Rng(seed);
 
@@ -84,7 +98,7 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
         .map(|i| {
             let port = free_port();
             let text = format!(
-                "redis:\n  url: {}\n  mode: cluster\n  timeout: 500ms\n  wait_replicas: {wait_replicas}\nmetrics:\n  listen: 127.0.0.1:{port}\nworker:\n  batch: 64\n  max_inflight: {max_inflight}\n  drain: 1s\n  claim_idle: 3500ms\n{body}\n",
+                "redis:\n  url: {}\n  mode: cluster\n  timeout: 500ms\n  wait_replicas: {wait_replicas}\nmetrics:\n  listen: 127.0.0.1:{port}\nworker:\n  batch: 64\n  max_inflight: {max_inflight}{weighed}\n  drain: 1s\n  claim_idle: 3500ms\n{body}\n",
                 cluster.urls()
             );
             let cfg = dir.write(&format!("w{i}.yaml"), &text);

@@ -8,6 +8,7 @@
 
 mod common;
 
+use common::chaos::RawEvent;
 use common::*;
 use pacer::keys::InboundKeys;
 use pacer::testkit::{
@@ -1279,12 +1280,12 @@ fn large_parked_events_are_weighed_again_when_taken_back() {
 
 /// A worker of 2,000 places (1 MiB of fields: 115 places for an event of 60 KB) whose route `a`
 /// (50/s) has 3,000 small events queued, asleep on all the places beyond the readers' (2,000
-/// less 64 for each reader and the claimer), `more` added to its config; the pacer, its
-/// metrics port and what it needs kept alive.
+/// less 64 for each reader and the claimer), `more` added to its config; the pacer and what
+/// it needs kept alive.
 fn a_slow_routes_sleepers_holding_the_places(
     label: &str,
     more: &str,
-) -> (RedisServer, TempDir, Pacer, u16) {
+) -> (RedisServer, TempDir, Pacer) {
     let redis = RedisServer::start();
     let dir = TempDir::new(label);
     let port = free_port();
@@ -1304,11 +1305,11 @@ fn a_slow_routes_sleepers_holding_the_places(
         "a's events never filled the places\n{}",
         pacer.log_text()
     );
-    (redis, dir, pacer, port)
+    (redis, dir, pacer)
 }
 
 /// Events of 60 KB each (field `blob`), the `i`th with the fields `head(i)` before it.
-fn events_of_60_kb(head: impl Fn(usize) -> Vec<(String, String)>) -> Vec<Vec<(String, Vec<u8>)>> {
+fn events_of_60_kb(head: impl Fn(usize) -> Vec<(String, String)>) -> Vec<RawEvent> {
     let blob = "x".repeat(60_000);
     (0..20)
         .map(|i| {
@@ -1320,12 +1321,27 @@ fn events_of_60_kb(head: impl Fn(usize) -> Vec<(String, String)>) -> Vec<Vec<(St
         .collect()
 }
 
-/// Checks that the 20 events of 60 KB pushed as `ids` each ended once in `outputs`, whole, in
-/// `out` (read from `outputs[0]`), within fewer of route a's dispatches than a second of its
-/// rate (50) from their push; a keeps its rate.
-fn assert_out_before_a_second_of_a(redis: &RedisServer, ids: &[String], outputs: &[&str]) {
+/// Pushes the 20 events of 60 KB `large` on `input` and checks that each ends once in
+/// `outputs`, whole, in the first of them, within fewer of route a's dispatches than a second of
+/// its rate (50) from their push; a keeps its rate.
+fn assert_large_out_before_a_second_of_a(
+    redis: &RedisServer,
+    pacer: &Pacer,
+    (input, large): (&str, &[RawEvent]),
+    outputs: &[&str],
+) {
+    let ids = push(redis, input, large);
+    let all_out = wait_until(Duration::from_secs(40), || {
+        lengths(redis, &outputs[..1]) == [20]
+    });
+    assert!(
+        all_out,
+        "not all out on {}\n{}",
+        outputs[0],
+        pacer.log_text()
+    );
     let out = read(redis, outputs[0]);
-    assert_ended_once(&placements(redis, outputs), ids);
+    assert_ended_once(&placements(redis, outputs), &ids);
     assert!(
         out.iter()
             .all(|e| e.field("blob").map(str::len) == Some(60_000)),
@@ -1355,17 +1371,13 @@ fn assert_out_before_a_second_of_a(redis: &RedisServer, ids: &[String], outputs:
 /// rate.
 #[test]
 fn a_fast_routes_large_events_are_not_held_behind_a_slow_routes_sleepers() {
-    let (redis, _dir, pacer, _) = a_slow_routes_sleepers_holding_the_places("large-behind", "");
+    let (redis, _dir, pacer) = a_slow_routes_sleepers_holding_the_places("large-behind", "");
     let large =
         events_of_60_kb(|i| vec![("route".into(), "b".into()), ("n".into(), i.to_string())]);
-    let ids = push(&redis, "in", &large);
-    let out = wait_until(Duration::from_secs(40), || {
-        lengths(&redis, &["pacer:{b}:ready"]) == [20]
-    });
-    assert!(out, "b's events not out\n{}", pacer.log_text());
-    assert_out_before_a_second_of_a(
+    assert_large_out_before_a_second_of_a(
         &redis,
-        &ids,
+        &pacer,
+        ("in", &large),
         &["pacer:{b}:ready", "pacer:rejected", "pacer:dead"],
     );
 }
@@ -1379,17 +1391,13 @@ fn a_fast_routes_large_events_are_not_held_behind_a_slow_routes_sleepers() {
 fn large_inbound_events_are_not_held_behind_a_slow_routes_sleepers() {
     let rule = "{name: per-source, key: [source], algorithm: gcra, limits: [10/s]}";
     let inbound = inbound_body(rule) + "  partitions: 4\n  partition_by: source\n";
-    let (redis, _dir, pacer, _) =
+    let (redis, _dir, pacer) =
         a_slow_routes_sleepers_holding_the_places("inbound-large-behind", &inbound);
     let large = events_of_60_kb(|i| vec![("source".into(), format!("s{i}"))]);
-    let ids = push(&redis, "pacer:in", &large);
-    let out = wait_until(Duration::from_secs(40), || {
-        lengths(&redis, &["pacer:accepted"]) == [20]
-    });
-    assert!(out, "the inbound events not decided\n{}", pacer.log_text());
-    assert_out_before_a_second_of_a(
+    assert_large_out_before_a_second_of_a(
         &redis,
-        &ids,
+        &pacer,
+        ("pacer:in", &large),
         &["pacer:accepted", "pacer:in-rejected", "pacer:dead"],
     );
 }
