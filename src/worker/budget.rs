@@ -32,6 +32,7 @@
 //! again when its route takes it back.
 
 use super::context::Context;
+use crate::event::Entry;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 
@@ -67,9 +68,8 @@ impl ReadSize {
     }
 }
 
-/// The permits for entries of `sizes` (bytes, `Entry::size`), just read with `read` permits
-/// (one each): each entry gets as many as its size weighs (`weights`), all of them together at
-/// most what the other reads leave, with whether each holds fewer (`underweight`).
+/// The permits for entries of `weights` (`weighed`), just read with `read` permits (one each):
+/// each entry gets as many as it weighs, with whether it holds fewer (`underweight`).
 ///
 /// When the weight is more than the read holds and the entries may be parked (`parkable`:
 /// on their first delivery, in a worker that keeps places for its readers), those whose
@@ -84,12 +84,11 @@ impl ReadSize {
 /// claimer).
 pub(super) async fn hold(
     ctx: &Context,
-    sizes: &[usize],
+    mut weights: Vec<usize>,
     mut read: OwnedSemaphorePermit,
     parkable: bool,
     shutdown: &CancellationToken,
 ) -> Option<(Vec<OwnedSemaphorePermit>, Vec<bool>)> {
-    let mut weights = weighed(ctx, sizes);
     let total: usize = weights.iter().sum();
     let mut underweight = vec![false; weights.len()];
     if total > read.num_permits() && parkable {
@@ -175,13 +174,15 @@ pub(super) fn try_hold(
     Some(split(permits, &weights[..kept]))
 }
 
-/// How many permits entries of `sizes` hold together (as `hold` weighs them).
-pub(super) fn weight(ctx: &Context, sizes: &[usize]) -> usize {
-    weighed(ctx, sizes).iter().sum()
+/// The permits `entries` hold (`weighed`).
+pub(super) fn weigh(ctx: &Context, entries: &[Entry]) -> Vec<usize> {
+    let sizes: Vec<usize> = entries.iter().map(Entry::size).collect();
+    weighed(ctx, &sizes)
 }
 
-/// The permits entries of `sizes` hold (`weights`, with the worker's settings).
-fn weighed(ctx: &Context, sizes: &[usize]) -> Vec<usize> {
+/// The permits entries of `sizes` (bytes, `Entry::size`) hold (`weights`, with the worker's
+/// settings): all of them together at most what the other reads leave.
+pub(super) fn weighed(ctx: &Context, sizes: &[usize]) -> Vec<usize> {
     let worker = &ctx.cfg.worker;
     let slot = (worker.max_inflight_bytes / worker.max_inflight).max(1);
     // What the other reads may hold meanwhile (each reader's waiting read and the claimer's

@@ -12,6 +12,7 @@
 //! pending on it, idle past `claim_idle`, that it does not hold. No one else would take them
 //! (it is alive), and before, they stayed pending until it restarted.
 
+use super::budget;
 use super::context::Context;
 use super::placers::Placers;
 use super::reader;
@@ -89,9 +90,10 @@ pub(super) async fn run(ctx: Arc<Context>, placers: Arc<Placers>, shutdown: Canc
                     if !entries.is_empty() {
                         info!(%stream, count = entries.len(), %holder, "claimed entries left pending by another consumer");
                         telemetry::claimed(stream, entries.len());
-                        let sizes: Vec<usize> = entries.iter().map(Entry::size).collect();
+                        let weights = budget::weigh(&ctx, &entries);
                         let taken = (index, entries);
-                        if !reader::take_on(&ctx, taken, &sizes, permits, &placers, &shutdown).await
+                        if !reader::take_on(&ctx, taken, weights, permits, &placers, &shutdown)
+                            .await
                         {
                             return;
                         }
@@ -168,8 +170,8 @@ async fn take_up(
         }
         warn!(%stream, count = entries.len(), first = %entries[0].id, "taking up entries pending under this worker's name that it no longer held (a write lost in a failover?)");
         telemetry::claimed(stream, entries.len());
-        let sizes: Vec<usize> = entries.iter().map(Entry::size).collect();
-        if !reader::take_on(ctx, (index, entries), &sizes, permits, placers, shutdown).await {
+        let weights = budget::weigh(ctx, &entries);
+        if !reader::take_on(ctx, (index, entries), weights, permits, placers, shutdown).await {
             return Ok(false);
         }
     }

@@ -107,7 +107,7 @@ pub(super) async fn run(
         )
         .await;
         drop(reading);
-        let (entries, sizes) = match read {
+        let (entries, weights) = match read {
             Ok(entries) => {
                 ctx.health.succeeded();
                 backoff.succeed();
@@ -126,14 +126,15 @@ pub(super) async fn run(
                 }
                 let sizes: Vec<usize> = entries.iter().map(Entry::size).collect();
                 size.read(&sizes);
+                let weights = budget::weighed(ctx, &sizes);
                 if !entries.is_empty() {
                     // Before this read waits for its weight: the places it frees meanwhile are
                     // kept for reads like it, not taken by a long queue.
-                    let weight = budget::weight(ctx, &sizes);
-                    ctx.shares.read_weighed(index, entries.len(), weight);
+                    ctx.shares
+                        .read_weighed(index, entries.len(), weights.iter().sum());
                 }
                 blind &= !fresh;
-                (entries, sizes)
+                (entries, weights)
             }
             Err(e) => {
                 // The stream deleted under a blocked read: Redis is fine, and the next read says
@@ -167,7 +168,7 @@ pub(super) async fn run(
                 continue;
             }
         };
-        if !take_on(ctx, (index, entries), &sizes, permits, placers, shutdown).await {
+        if !take_on(ctx, (index, entries), weights, permits, placers, shutdown).await {
             return;
         }
     }
@@ -208,13 +209,13 @@ async fn recovery_count(
 }
 
 /// Takes on `entries` of the stream at `index` in `Context::streams`, just read or claimed with
-/// `permits` (one each), of `sizes`: registered as held at once, before their permits are
+/// `permits` (one each), of `weights` (`budget::weighed`): registered as held at once, before their permits are
 /// weighed (which may wait: they are pending on this worker meanwhile), then `handle`d. False
 /// on shutdown while weighing.
 pub(super) async fn take_on(
     ctx: &Arc<Context>,
     (index, entries): (usize, Vec<Entry>),
-    sizes: &[usize],
+    weights: Vec<usize>,
     permits: OwnedSemaphorePermit,
     placers: &Placers,
     shutdown: &CancellationToken,
@@ -224,7 +225,8 @@ pub(super) async fn take_on(
     // go on, and only entries nothing was decided for yet (a redelivered one may have a slot on
     // record that must not wait).
     let parkable = ctx.shares.keeps_reserve() && entries.iter().all(|e| e.deliveries <= 1);
-    let Some((permits, underweight)) = budget::hold(ctx, sizes, permits, parkable, shutdown).await
+    let Some((permits, underweight)) =
+        budget::hold(ctx, weights, permits, parkable, shutdown).await
     else {
         return false;
     };
