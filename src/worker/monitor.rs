@@ -1,7 +1,8 @@
 //! Keeps what the worker reports fresh, every two seconds: the stream gauges (pending entries,
-//! lag), each route's queue (refreshed while idle too, from the route's bucket), and readiness:
-//! a consumer group gone missing (Redis restarted empty) is created again. Every 10 s it reads
-//! the output streams' lengths. Every minute it reads
+//! lag), each route's queue (refreshed while idle too, from the route's bucket: every tick
+//! while it runs ahead or this worker places on it, every fifth once it is empty), and
+//! readiness: a consumer group gone missing (Redis restarted empty) is created again. Every
+//! 10 s it reads the output streams' lengths. Every minute it reads
 //! Redis's `maxmemory-policy`: a Redis that may evict pacer's keys can lose the decisions that
 //! keep an entry from being dispatched twice, so that is an error unless acknowledged.
 
@@ -26,9 +27,20 @@ const POLICY_EVERY_TICKS: u64 = 30;
 /// worker reads every stream, so with many workers and routes each read costs Redis as much as
 /// the route queues' (an XLEN per stream), and a length that matters stays for minutes.
 const LENGTHS_EVERY_TICKS: u64 = 5;
+/// Ticks between two reads of a route's bucket that its last read found empty (the plan not
+/// ahead of Redis's clock) and that this worker has not placed on since (10 s, from the first
+/// tick). Every worker reads every route's bucket: read every tick, an idle worker's 5,000
+/// routes were 2,500 HGETs a second, more than half the command time it cost Redis and half
+/// its own CPU (README "Thousands of routes"), almost all of them for routes with nothing
+/// queued, and a fleet multiplies that by its workers. A queue this worker builds shows from
+/// its own calls' replies at once and is read every tick from then on; one that other workers
+/// build shows here within this many ticks (and on theirs at once: the dashboard takes the
+/// largest over workers).
+const EMPTY_QUEUE_EVERY_TICKS: u64 = 5;
 
 pub(super) async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let mut con = ctx.con.clone();
+    let mut queues = Queues::new(ctx.cfg.outbound.routes.len());
     for tick in 1u64.. {
         tokio::select! {
             _ = stop.cancelled() => return,
@@ -60,7 +72,9 @@ pub(super) async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         }
         // Bounded, so that a master that does not answer cannot hold up the groups' repair.
         let lengths = tick % LENGTHS_EVERY_TICKS == 1;
-        let _ = tokio::time::timeout(EVERY, refresh_queues(&ctx, &con, lengths)).await;
+        let every_route = tick % EMPTY_QUEUE_EVERY_TICKS == 1;
+        let refresh = refresh_queues(&ctx, &con, &mut queues, every_route, lengths);
+        let _ = tokio::time::timeout(EVERY, refresh).await;
         if tick % POLICY_EVERY_TICKS == 0 {
             if let Err(e) = check_eviction(&ctx, &mut con).await {
                 ctx.health.failed("info", &e);
@@ -69,15 +83,57 @@ pub(super) async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     }
 }
 
-/// Sets each route's queue gauge from its bucket (how far ahead its next free slot is), and
-/// with `lengths` each output stream's length gauge.
+/// Which routes' buckets the monitor reads (`EMPTY_QUEUE_EVERY_TICKS`).
+struct Queues {
+    /// By route index: the route's `Shares::plan_end` when a read last found its queue empty,
+    /// or None (never read, or not empty then).
+    empty_at: Vec<Option<i64>>,
+}
+
+impl Queues {
+    fn new(routes: usize) -> Self {
+        Queues {
+            empty_at: vec![None; routes],
+        }
+    }
+
+    /// Whether to read `route`'s bucket on a tick that reads all of them (`every_route`) or
+    /// not: unless it was empty when last read and this worker has placed nothing on it since
+    /// (its learned plan has not moved).
+    fn due(&self, route: usize, plan_end: i64, every_route: bool) -> bool {
+        every_route || self.empty_at[route] != Some(plan_end)
+    }
+
+    /// Learns `route`'s queue (`ahead_us`) as read when its learned plan was `plan_end`.
+    fn read(&mut self, route: usize, plan_end: i64, ahead_us: i64) {
+        self.empty_at[route] = (ahead_us <= 0).then_some(plan_end);
+    }
+}
+
+/// Sets the queue gauge of each route due (`Queues::due`) from its bucket (how far ahead its
+/// next free slot is), and with `lengths` each output stream's length gauge.
 ///
 /// The keys are read a few hundred to a round trip, several at once (`RedisConn::keyed`): one
 /// round trip per route, one after the other, took a tick of 5,000 routes two seconds and
 /// 10,000 calls, and a master that did not answer held the tick (and with it the consumer
 /// groups' repair) for a timeout per route of its slots.
-async fn refresh_queues(ctx: &Context, con: &RedisConn, lengths: bool) {
-    let routes: Vec<&Route> = ctx.cfg.outbound.routes.values().collect();
+async fn refresh_queues(
+    ctx: &Context,
+    con: &RedisConn,
+    queues: &mut Queues,
+    every_route: bool,
+    lengths: bool,
+) {
+    // Each route with its learned plan as it stands before the read: a reply learned during
+    // the read moves it, so the route is read again next tick.
+    let routes: Vec<(&Route, i64)> = ctx
+        .cfg
+        .outbound
+        .routes
+        .values()
+        .map(|r| (r, ctx.shares.plan_end(r.index)))
+        .filter(|(r, plan_end)| queues.due(r.index, *plan_end, every_route))
+        .collect();
     let outputs: Vec<&str> = if lengths {
         let max_lens = ctx.cfg.output_max_lens().into_iter();
         max_lens.map(|(s, _)| s).collect()
@@ -90,7 +146,7 @@ async fn refresh_queues(ctx: &Context, con: &RedisConn, lengths: bool) {
         (key, cmd)
     }
     let mut cmds = Vec::with_capacity(routes.len() + outputs.len());
-    for route in &routes {
+    for (route, _) in &routes {
         let (key, mut cmd) = read("HGET", &route.keys.bucket);
         cmd.arg("tat");
         cmds.push((key, cmd));
@@ -99,8 +155,8 @@ async fn refresh_queues(ctx: &Context, con: &RedisConn, lengths: bool) {
     // TIME leads each round trip, so on a cluster each bucket comes with its own node's clock,
     // the one its plan is on.
     let replies = con.keyed(&cmds, Some(&redis::cmd("TIME"))).await;
-    let (queues, output_lengths) = replies.split_at(routes.len());
-    for (route, read) in routes.iter().zip(queues) {
+    let (replies_of_routes, output_lengths) = replies.split_at(routes.len());
+    for ((route, plan_end), read) in routes.iter().zip(replies_of_routes) {
         let Ok(Ok((s, us))) = read.head.as_ref().map(<(i64, i64)>::from_redis_value_ref) else {
             continue;
         };
@@ -108,7 +164,9 @@ async fn refresh_queues(ctx: &Context, con: &RedisConn, lengths: bool) {
         let Ok(Ok(tat)) = read.reply.as_ref().map(Option::<i64>::from_redis_value_ref) else {
             continue;
         };
-        telemetry::route_queue(&route.name, tat.unwrap_or(0) - (s * 1_000_000 + us));
+        let ahead_us = tat.unwrap_or(0) - (s * 1_000_000 + us);
+        queues.read(route.index, *plan_end, ahead_us);
+        telemetry::route_queue(&route.name, ahead_us);
     }
     for (stream, read) in outputs.iter().zip(output_lengths) {
         // (A key of another kind is left out: the worker that writes it says so.)
@@ -271,6 +329,26 @@ pub(super) async fn check_eviction<C: ConnectionLike>(ctx: &Context, con: &mut C
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_empty_queue_is_read_again_on_every_route_ticks_or_once_this_worker_places_on_it() {
+        let mut q = Queues::new(2);
+        // Never read: due on any tick.
+        assert!(q.due(0, 0, false));
+        // Read empty: left out until a tick that reads every route...
+        q.read(0, 0, 0);
+        assert!(!q.due(0, 0, false));
+        assert!(q.due(0, 0, true));
+        // ...or this worker learns of a plan for it (a schedule reply moved its plan_end).
+        assert!(q.due(0, 7, false));
+        // A plan that runs ahead is read every tick, down to empty.
+        q.read(0, 7, 1_500_000);
+        assert!(q.due(0, 7, false));
+        q.read(0, 7, -3);
+        assert!(!q.due(0, 7, false));
+        // One route's state is its own.
+        assert!(q.due(1, 0, false));
+    }
 
     #[test]
     fn an_info_field_is_read_by_its_whole_name() {

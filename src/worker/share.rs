@@ -229,6 +229,13 @@ impl Shares {
         self.plan_end_us[route].store(end, Ordering::Relaxed);
     }
 
+    /// Where `route`'s plan ends as last learned (`queue`), in this worker's µs: it moves with
+    /// every schedule reply this worker gets for the route, so the monitor can tell a route
+    /// this worker has placed on since it last looked (`monitor`).
+    pub(crate) fn plan_end(&self, route: usize) -> i64 {
+        self.plan_end_us[route].load(Ordering::Relaxed)
+    }
+
     /// Microseconds since `born`.
     fn now_us(&self) -> i64 {
         self.born.elapsed().as_micros() as i64
