@@ -41,6 +41,11 @@ const PER_SOURCE: &str = "    - {name: per-source, key: [source], limits: [100/s
 
 /// As `start_api`, with `api` (YAML lines under `inbound.api`) as well.
 fn start_api_with(workers: usize, api: &str, rules: &str) -> Api {
+    start_api_on(workers, "  batch: 64", api, rules)
+}
+
+/// As `start_api_with`, the workers configured with `worker` (YAML lines under `worker`).
+fn start_api_on(workers: usize, worker: &str, api: &str, rules: &str) -> Api {
     let redis = RedisServer::start();
     let dir = TempDir::new("api");
     let mut pacers = Vec::new();
@@ -50,7 +55,7 @@ fn start_api_with(workers: usize, api: &str, rules: &str) -> Api {
         let body = format!(
             "inbound:\n  streams: [\"pacer:in\"]\n  forward_stream: \"pacer:accepted\"\n  api:\n    listen: 127.0.0.1:{h}\n    grpc_listen: 127.0.0.1:{g}\n    domain: edge\n{api}  rules:\n{rules}"
         );
-        let cfg = config(&dir, &format!("w{w}.yaml"), &redis, m, "  batch: 64", &body);
+        let cfg = config(&dir, &format!("w{w}.yaml"), &redis, m, worker, &body);
         pacers.push(start(&cfg, m));
         ports.push((m, h, g));
     }
@@ -264,8 +269,13 @@ fn refused_grpc(
 
 #[test]
 fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
-    let api = start_api(
+    // One thread, so that what the worker has in hand together is decided by the code alone
+    // (below: a request's descriptors go to the batcher before it runs), not by when another
+    // thread's batcher wakes: with two, a loaded CI machine saw 6 calls for 8 descriptors.
+    let api = start_api_on(
         1,
+        "  batch: 64\n  threads: 1",
+        "",
         "    - {name: per-user, key: [user], algorithm: gcra, limits: [2/s]}\n    - {name: per-route, key: [route], algorithm: fixed_window, limits: [5/min]}\n",
     );
     let (_, _, g) = api.ports[0];
@@ -318,8 +328,9 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
     );
     refused_grpc(&rt, g, "other", vec![user()], "domain");
     // Descriptors in hand together go to Redis together: eight identities in one request
-    // make one call (two or three if the batcher, on another thread, takes the first ones
-    // before the rest are in), where deciding them one after the other made eight.
+    // make one call, where deciding them one after the other made eight (the bound leaves
+    // one more as slack). On several threads the batcher may take the first ones before the
+    // rest are in: two or three calls, and six once on a loaded machine.
     let before = command_calls(&mut api.redis.con(), "fcall");
     let eight: Vec<_> = (0..8)
         .map(|i| descriptor(&[("route", &format!("/r{i}"))]))
@@ -327,7 +338,7 @@ fn envoys_should_rate_limit_maps_descriptors_to_rules_and_identities() {
     let r = rt.block_on(should_rate_limit(g, "edge", eight)).unwrap();
     assert!(r.statuses.iter().all(|s| s.limit_remaining == 4), "{r:?}");
     let calls = command_calls(&mut api.redis.con(), "fcall") - before;
-    assert!((1..=3).contains(&calls), "{calls} calls for 8 descriptors");
+    assert!((1..=2).contains(&calls), "{calls} calls for 8 descriptors");
     // A descriptor that cannot be decided refuses the request and charges none of the others.
     let one_bad = vec![
         descriptor(&[("user", "u5")]),
