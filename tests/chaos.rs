@@ -21,8 +21,8 @@
 mod common;
 
 use common::chaos::{
-    assert_few_poisoned_and_enough_faults, env_u64, logs, reasons, seed, tick_events, worker_fault,
-    RawEvent, Rng, Worker,
+    assert_few_poisoned_and_enough_faults, env_u64, inflight_bytes, logs, reasons, seed,
+    tick_events, worker_fault, RawEvent, Rng, Worker,
 };
 use common::*;
 use pacer::keys::InboundKeys;
@@ -44,16 +44,9 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
     let partitions = env_u64("PACER_CHAOS_PARTITIONS").unwrap_or(if seed & 2 == 0 { 1 } else { 4 });
     let max_inflight =
         env_u64("PACER_CHAOS_MAX_INFLIGHT").unwrap_or(if seed & 4 == 0 { 10_000 } else { 150 });
-    // A byte a place (`max_inflight_bytes` = `max_inflight`, 1 KiB at least, the least
-    // allowed): an event weighs about a hundred places, a wide one the most a read may hold,
-    // so the places run short and reads whose weight is not free park what they cannot weigh
-    // (`worker/budget.rs` `hold`; with 150 places a read's weight is capped at a place an
-    // entry). 0: the default budget.
-    let inflight_bytes = env_u64("PACER_CHAOS_INFLIGHT_BYTES").unwrap_or(if seed & 8 == 0 {
-        0
-    } else {
-        max_inflight.max(1024)
-    });
+    // A byte a place every other seed (`common::chaos::inflight_bytes`).
+    let (weighed, inflight_bytes) =
+        inflight_bytes("PACER_CHAOS_INFLIGHT_BYTES", seed & 8 != 0, max_inflight);
     eprintln!(
         "chaos: {seconds} s, seed {seed}, {partitions} inbound partition(s), max_inflight {max_inflight}, max_inflight_bytes {inflight_bytes}"
     );
@@ -80,11 +73,9 @@ fn chaos_every_entry_ends_once_and_the_rate_holds() {
     let body = format!(
         "outbound:\n  streams: [\"in\"]\n  max_event_fields: 3000\n  routes:\n    a: {{rate: 200/s, burst: 5, max_wait: 2s, fallbacks: [b]}}\n    b: {{rate: 100/s, burst: 1, max_wait: 2s}}\n{inbound}"
     );
-    let mut worker =
-        format!("  batch: 64\n  max_inflight: {max_inflight}\n  drain: 1s\n  claim_idle: 3500ms");
-    if inflight_bytes > 0 {
-        worker += &format!("\n  max_inflight_bytes: {inflight_bytes}");
-    }
+    let worker = format!(
+        "  batch: 64\n  max_inflight: {max_inflight}{weighed}\n  drain: 1s\n  claim_idle: 3500ms"
+    );
     let mut workers: Vec<Worker> = (0..3)
         .map(|i| {
             let port = free_port();

@@ -26,8 +26,8 @@ mod common;
 
 use common::bin;
 use common::chaos::{
-    assert_few_poisoned_and_enough_faults, env_u64, logs, reasons, seed, tick_events, worker_fault,
-    RawEvent, Rng, Worker,
+    assert_few_poisoned_and_enough_faults, env_u64, inflight_bytes, logs, reasons, seed,
+    tick_events, worker_fault, RawEvent, Rng, Worker,
 };
 use common::cluster::{assert_each_once, assert_windows, entries, ready, route_pairs};
 use pacer::keys::InboundKeys;
@@ -51,19 +51,12 @@ fn cluster_chaos_every_entry_ends_once_and_the_rate_holds() {
     // replica takes over and nothing may be lost (without it, writes the replica had not
     // received are lost, as the README says, and no such fault is drawn).
     let wait_replicas = env_u64("PACER_CLUSTER_CHAOS_WAIT_REPLICAS").unwrap_or(seed >> 3 & 1);
-    // A byte a place (1 KiB at least), every other seed: reads whose weight is not free park
-    // what they cannot weigh (`tests/chaos.rs` says more). 0: the default budget.
-    let inflight_bytes =
-        env_u64("PACER_CLUSTER_CHAOS_INFLIGHT_BYTES").unwrap_or(if seed >> 4 & 1 == 0 {
-            0
-        } else {
-            max_inflight.max(1024)
-        });
-    let weighed = if inflight_bytes > 0 {
-        format!("\n  max_inflight_bytes: {inflight_bytes}")
-    } else {
-        String::new()
-    };
+    // A byte a place every other seed (`common::chaos::inflight_bytes`).
+    let (weighed, inflight_bytes) = inflight_bytes(
+        "PACER_CLUSTER_CHAOS_INFLIGHT_BYTES",
+        seed >> 4 & 1 == 1,
+        max_inflight,
+    );
     eprintln!(
         "cluster chaos: {seconds} s, seed {seed}, max_inflight {max_inflight}, max_inflight_bytes {inflight_bytes}, wait_replicas {wait_replicas}"
     );

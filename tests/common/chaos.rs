@@ -36,6 +36,22 @@ pub fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
+/// `worker.max_inflight_bytes` for a chaos run, as a config line under `worker:` ("" for the
+/// default budget) and its value (0 for the default): `env`'s value, else a byte a place when
+/// `drawn` (`max_inflight`, 1 KiB at least: the least allowed). At a byte a place an event
+/// weighs about a hundred places, a wide one the most a read may hold, so the places run short
+/// and reads whose weight is not free park what they cannot weigh (`worker/budget.rs` `hold`;
+/// with 150 places a read's weight is capped at a place an entry).
+pub fn inflight_bytes(env: &str, drawn: bool, max_inflight: u64) -> (String, u64) {
+    let bytes = env_u64(env).unwrap_or(if drawn { max_inflight.max(1024) } else { 0 });
+    let line = if bytes > 0 {
+        format!("\n  max_inflight_bytes: {bytes}")
+    } else {
+        String::new()
+    };
+    (line, bytes)
+}
+
 /// The seed in `name`, else one from the clock (odd: xorshift never leaves 0).
 pub fn seed(name: &str) -> u64 {
     env_u64(name).unwrap_or_else(|| {
